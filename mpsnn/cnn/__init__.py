@@ -1,0 +1,1 @@
+"""The MPS kernel classes, one subpackage or module per family."""

@@ -1,0 +1,220 @@
+"""Convolution gradient kernels: `ConvolutionGradient`, `FullyConnectedGradient`,
+`ConvolutionTransposeGradient`.
+
+Each reads the incoming gradient (primary, shaped like the forward destination), the forward
+source image (secondary) and the forward's `ConvolutionGradientState`, and computes what
+``gradient_option`` asks for:
+
+* data: dL/d(source), the exact adjoint of the forward's data map under the recorded geometry
+  (offsets, clip rect, channel ranges, edge mode, strides, dilation, groups); written to the
+  destination gradient;
+* weights and bias: added to the state's ``gradient_for_weights`` (OHWI) and
+  ``gradient_for_biases``, summed over every image.
+
+The weights used are the ones the forward encode used (recorded in the state), so the gradient
+is always the adjoint of the forward that ran. A fused neuron's gradient is not included (MPS:
+apply the neuron gradient first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mpsnn.cnn.convolution.data_source import (
+    ConvolutionDataSource,
+    ConvolutionWeightsAndBiasesState,
+)
+from mpsnn.cnn.convolution.descriptor import ConvolutionGradientOption
+from mpsnn.cnn.convolution.kernels import (
+    Convolution,
+    ConvolutionTranspose,
+    FullyConnected,
+    check_fused_neuron,
+    read_data_source,
+)
+from mpsnn.cnn.convolution.state import ConvolutionGradientState, ConvolutionTransposeGradientState
+from mpsnn.core._checks import check_enum
+from mpsnn.core.binary import Backward, GradientKernel
+from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.geometry import Window
+from mpsnn.core.state import ForwardRecord
+from mpsnn.ops.convolution import ConvGeometry, conv_backward, conv_transpose_backward, fc_backward
+
+__all__ = ["ConvolutionGradient", "ConvolutionTransposeGradient", "FullyConnectedGradient"]
+
+Grads = tuple["torch.Tensor | None", "torch.Tensor | None", torch.Tensor]
+
+
+class ConvolutionGradient(GradientKernel):
+    """Gradient of `Convolution` (MPS ``MPSCNNConvolutionGradient``).
+
+    Args:
+        device: the kernel's device.
+        weights: the forward convolution's data source (or one with the same descriptor).
+
+    ``gradient_option`` (default ALL) selects the data gradient, the weight and bias gradients,
+    or both. With GRADIENT_WITH_WEIGHTS_AND_BIAS only, ``encode`` returns None and writes no image.
+    """
+
+    _state_class = ConvolutionGradientState
+    _forward_class: type = Convolution
+
+    def __init__(self, device: Device, weights: ConvolutionDataSource) -> None:
+        who = type(self).__name__
+        desc, _, _ = read_data_source(who, weights)
+        check_fused_neuron(who, desc)
+        super().__init__(
+            device,
+            secondary_kernel=(desc.kernel_width, desc.kernel_height),
+            secondary_dilation=(desc.dilation_rate_x, desc.dilation_rate_y),
+        )
+        self._data_source = weights
+        self._descriptor = desc
+        self._option = ConvolutionGradientOption.ALL
+
+    @property
+    def gradient_option(self) -> ConvolutionGradientOption:
+        return self._option
+
+    @gradient_option.setter
+    def gradient_option(self, value: ConvolutionGradientOption) -> None:
+        self._option = check_enum(
+            type(self).__name__,
+            "gradient_option",
+            value,
+            ConvolutionGradientOption,
+            (
+                ConvolutionGradientOption.GRADIENT_WITH_DATA,
+                ConvolutionGradientOption.GRADIENT_WITH_WEIGHTS_AND_BIAS,
+                ConvolutionGradientOption.ALL,
+            ),
+        )
+
+    @property
+    def data_source(self) -> ConvolutionDataSource:
+        return self._data_source
+
+    @property
+    def source_gradient_feature_channels(self) -> int:
+        """Channels of the incoming gradient: the forward's output channels."""
+        return self._descriptor.output_feature_channels
+
+    @property
+    def source_image_feature_channels(self) -> int:
+        """Channels of the forward source: the forward's input channels."""
+        return self._descriptor.input_feature_channels
+
+    @property
+    def groups(self) -> int:
+        return self._descriptor.groups
+
+    @property
+    def channel_multiplier(self) -> int:
+        return 0
+
+    def reload_weights_and_biases_from_data_source(self) -> None:
+        """Re-read the data source's descriptor (it must not change).
+
+        The gradient always uses the weights the forward encode used, taken from the state, so
+        there is no separate copy to refresh; this exists for MPS code that reloads both kernels.
+        """
+        desc, _, _ = read_data_source(type(self).__name__, self._data_source)
+        if desc != self._descriptor:
+            raise ValueError(
+                f"[{type(self).__name__}] the data source's descriptor must not change, "
+                f"got {desc!r}"
+            )
+
+    def reload_weights_and_biases(
+        self, command_buffer: CommandBuffer, state: ConvolutionWeightsAndBiasesState
+    ) -> None:
+        """Accepts the reload MPS code encodes on both kernels; drops ``state``'s read count.
+
+        See `reload_weights_and_biases_from_data_source` for why nothing else is needed.
+        """
+        self._check_command_buffer(command_buffer)
+        self._check_state(command_buffer, state, "state", ConvolutionWeightsAndBiasesState)
+        state._consume_read(command_buffer, type(self).__name__)
+
+    # -- gradient-kernel hooks ----------------------------------------------------------
+
+    def _check_forward(self, record: ForwardRecord) -> None:
+        who = type(self).__name__
+        fwd = record.kernel
+        if type(fwd) is not self._forward_class:
+            raise ValueError(
+                f"[{who}] gradient_state must come from a {self._forward_class.__name__} encode, "
+                f"got one from {type(fwd).__name__}"
+            )
+        if fwd._descriptor != self._descriptor:
+            raise ValueError(
+                f"[{who}] the gradient's data source must describe the forward kernel "
+                f"({fwd._descriptor!r}), got {self._descriptor!r}"
+            )
+
+    def _wants_data_gradient(self) -> bool:
+        return bool(self._option & ConvolutionGradientOption.GRADIENT_WITH_DATA)
+
+    def _grads(self, record: ForwardRecord, window: Window) -> Callable[..., Grads]:
+        geom = ConvGeometry(window.y, window.x, record.edge_mode, self._descriptor.groups)
+        return lambda g, x, w, nd, nw: conv_backward(g, x, w, geom, nd, nw)
+
+    def _make_backward(self, record: ForwardRecord, window: Window, states: list[Any]) -> Backward:
+        ws = record.extra
+        grads = self._grads(record, window)
+        need_data = bool(self._option & ConvolutionGradientOption.GRADIENT_WITH_DATA)
+        need_w = bool(self._option & ConvolutionGradientOption.GRADIENT_WITH_WEIGHTS_AND_BIAS)
+        groups = _group_by_state(states)
+
+        def backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+            w, _ = ws.cast(x.dtype)
+            if len(groups) == 1:
+                dx, dw, db = grads(g, x, w, need_data, need_w)
+                if need_w:
+                    groups[0][0]._accumulate(dw, db)
+                return dx
+            dx = grads(g, x, w, True, False)[0] if need_data else None
+            if need_w:  # distinct states per image: each sums its own images
+                for state, idx in groups:
+                    _, dw, db = grads(g[idx], x[idx], w, False, True)
+                    state._accumulate(dw, db)
+            return dx
+
+        return backward
+
+
+def _group_by_state(states: list[Any]) -> list[tuple[Any, list[int]]]:
+    groups: dict[int, tuple[Any, list[int]]] = {}
+    for i, s in enumerate(states):
+        groups.setdefault(id(s), (s, []))[1].append(i)
+    return list(groups.values())
+
+
+class FullyConnectedGradient(ConvolutionGradient):
+    """Gradient of `FullyConnected` (MPS ``MPSCNNFullyConnectedGradient``).
+
+    ``dx(c, h, w) = sum_o E(o) W[o][h][w][c]``, ``dW[o][h][w][c] = sum_batch E(o) x(c, h, w)``,
+    ``db[o] = sum_batch E(o)``.
+    """
+
+    _forward_class = FullyConnected
+
+    def _grads(self, record: ForwardRecord, window: Window) -> Callable[..., Grads]:
+        return lambda g, x, w, nd, nw: fc_backward(g, x, w, nd, nw)
+
+
+class ConvolutionTransposeGradient(ConvolutionGradient):
+    """Gradient of `ConvolutionTranspose` (MPS ``MPSCNNConvolutionTransposeGradient``, an
+    [13] addition): the exact adjoint, with weight and bias gradients in a
+    `ConvolutionTransposeGradientState` laid out as for a convolution."""
+
+    _state_class = ConvolutionTransposeGradientState
+    _forward_class = ConvolutionTranspose
+
+    def _grads(self, record: ForwardRecord, window: Window) -> Callable[..., Grads]:
+        geom = ConvGeometry(window.y, window.x, record.edge_mode, self._descriptor.groups)
+        stride = (record.kernel.stride_in_pixels_y, record.kernel.stride_in_pixels_x)
+        return lambda g, x, w, nd, nw: conv_transpose_backward(g, x, w, geom, stride, nd, nw)

@@ -1,0 +1,479 @@
+"""Forward convolution kernels: `Convolution`, `FullyConnected`, `ConvolutionTranspose`.
+
+Shared by the three (`_ConvolutionBase`): the data source and descriptor, the current
+`WeightSet`, reloads and exports of weights (CPU path and command-buffer path), the fused
+neuron, the accumulator precision option, and ``result_state`` (a `ConvolutionGradientState`
+shared by the whole batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mpsnn.cnn.convolution.data_source import (
+    ConvolutionDataSource,
+    ConvolutionWeightsAndBiasesState,
+    WeightSet,
+    check_weights,
+)
+from mpsnn.cnn.convolution.descriptor import (
+    ConvolutionAccumulatorPrecisionOption,
+    ConvolutionDescriptor,
+)
+from mpsnn.cnn.convolution.state import ConvolutionGradientState, ConvolutionTransposeGradientState
+from mpsnn.core._checks import check_enum, check_int
+from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.geometry import (
+    AxisWindow,
+    Offset,
+    PaddingMethod,
+    Region,
+    Window,
+    padding_offset,
+    remainder_first,
+)
+from mpsnn.core.image import Image, ImageDescriptor
+from mpsnn.core.kernel import CNNKernel, Forward
+from mpsnn.core.state import State
+from mpsnn.errors import UnsupportedError
+from mpsnn.ops.convolution import ConvGeometry, conv_forward, conv_transpose_forward, fc_forward
+
+__all__ = ["Convolution", "ConvolutionTranspose", "FullyConnected"]
+
+
+def read_data_source(
+    who: str, data_source: Any
+) -> tuple[ConvolutionDescriptor, torch.Tensor, torch.Tensor | None]:
+    """Validate a data source, ``load`` it, read descriptor, weights and biases, ``purge``."""
+    for name in ("descriptor", "weights", "bias_terms"):
+        if not callable(getattr(data_source, name, None)):
+            raise TypeError(
+                f"[{who}] weights must be a ConvolutionDataSource (with descriptor(), weights() "
+                f"and bias_terms()), got {type(data_source).__name__}"
+            )
+    if data_source.load() is False:
+        raise ValueError(f"[{who}] the data source's load() must succeed, got False")
+    try:
+        desc = data_source.descriptor()
+        if not isinstance(desc, ConvolutionDescriptor):
+            raise TypeError(
+                f"[{who}] the data source's descriptor() must return a ConvolutionDescriptor, "
+                f"got {type(desc).__name__}"
+            )
+        desc.validate(who)
+        w, b = check_weights(who, desc, data_source.weights(), data_source.bias_terms())
+    finally:
+        data_source.purge()
+    return desc.copy(), w, b
+
+
+def check_fused_neuron(who: str, descriptor: Any) -> None:
+    neuron = getattr(descriptor, "fused_neuron_descriptor", None)
+    kind = getattr(neuron, "neuron_type", None)
+    if neuron is not None and getattr(kind, "name", kind) not in ("NONE", 0, None):
+        raise UnsupportedError(
+            f"[{who}] fused neurons arrive with the neuron family; fused_neuron_descriptor must "
+            f"be None or of type NONE until then, got {neuron!r}"
+        )
+
+
+class _ConvolutionBase(CNNKernel):
+    """Data source, weights and their reload/export paths (see the module docstring)."""
+
+    _gradient_state_class = ConvolutionGradientState
+    _reused_across_batch = True
+
+    def __init__(self, device: Device, weights: ConvolutionDataSource) -> None:
+        who = type(self).__name__
+        desc, w, b = read_data_source(who, weights)
+        check_fused_neuron(who, desc)
+        super().__init__(
+            device,
+            kernel_width=desc.kernel_width,
+            kernel_height=desc.kernel_height,
+            stride_in_pixels_x=desc.stride_in_pixels_x,
+            stride_in_pixels_y=desc.stride_in_pixels_y,
+            dilation_rate_x=desc.dilation_rate_x,
+            dilation_rate_y=desc.dilation_rate_y,
+        )
+        self._data_source = weights
+        self._descriptor = desc
+        self._weights = WeightSet.from_ohwi(w, b, device)
+        self._precision = ConvolutionAccumulatorPrecisionOption.FLOAT
+
+    # -- properties ---------------------------------------------------------------------
+
+    @property
+    def data_source(self) -> ConvolutionDataSource:
+        return self._data_source
+
+    @property
+    def input_feature_channels(self) -> int:
+        return self._descriptor.input_feature_channels
+
+    @property
+    def output_feature_channels(self) -> int:
+        return self._descriptor.output_feature_channels
+
+    @property
+    def groups(self) -> int:
+        return self._descriptor.groups
+
+    @property
+    def sub_pixel_scale_factor(self) -> int:
+        return 1
+
+    @property
+    def channel_multiplier(self) -> int:
+        """0: an ordinary (grouped or depthwise) convolution."""
+        return 0
+
+    @property
+    def fused_neuron_descriptor(self) -> Any:
+        return self._descriptor.fused_neuron_descriptor
+
+    @property
+    def accumulator_precision_option(self) -> ConvolutionAccumulatorPrecisionOption:
+        return self._precision
+
+    @accumulator_precision_option.setter
+    def accumulator_precision_option(self, value: ConvolutionAccumulatorPrecisionOption) -> None:
+        self._precision = check_enum(
+            type(self).__name__,
+            "accumulator_precision_option",
+            value,
+            ConvolutionAccumulatorPrecisionOption,
+        )
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """The current weights in OHWI (a view; valid once reload commands have run)."""
+        return self._weights.ohwi
+
+    @property
+    def biases(self) -> torch.Tensor | None:
+        return self._weights.bias
+
+    # -- weights ------------------------------------------------------------------------
+
+    def reload_weights_and_biases_from_data_source(self) -> None:
+        """CPU path: read the data source again now (MPS ``reloadWeightsAndBiasesFromDataSource``).
+
+        Work already encoded keeps the weights it was encoded with.
+        """
+        desc, w, b = read_data_source(type(self).__name__, self._data_source)
+        if desc != self._descriptor:
+            raise ValueError(
+                f"[{type(self).__name__}] the data source's descriptor must not change, "
+                f"got {desc!r} instead of {self._descriptor!r}"
+            )
+        self._weights = WeightSet.from_ohwi(w, b, self._device)
+
+    def reload_weights_and_biases(
+        self, command_buffer: CommandBuffer, state: ConvolutionWeightsAndBiasesState
+    ) -> None:
+        """Command-buffer path: encodes that follow on this buffer use ``state``'s weights.
+
+        The state's read count drops by one
+        (MPS ``reloadWeightsAndBiasesWithCommandBuffer:state:``).
+        """
+        who = type(self).__name__
+        self._check_command_buffer(command_buffer)
+        self._check_state(command_buffer, state, "state", ConvolutionWeightsAndBiasesState)
+        want = self._descriptor.weights_shape
+        if tuple(state._weights.shape) != want:
+            raise ValueError(
+                f"[{who}] state.weights must have the OHWI shape {want}, "
+                f"got {tuple(state._weights.shape)}"
+            )
+        dev = self._device.torch_device
+        master = self._weights.weight
+        new = WeightSet(
+            torch.empty(master.shape, dtype=master.dtype, device=dev),
+            None if state._biases is None else torch.empty(want[0], dtype=master.dtype, device=dev),
+        )
+
+        def run() -> None:  # reads the state's tensors directly: it may be released by now
+            new.weight.copy_(state._weights.permute(0, 3, 1, 2))
+            if new.bias is not None:
+                new.bias.copy_(state._biases)
+
+        command_buffer.record(f"{who}.reload_weights_and_biases", run)
+        self._weights = new
+        state._consume_read(command_buffer, who)
+
+    def export_weights_and_biases(
+        self, command_buffer: CommandBuffer, result_state_can_be_temporary: bool = False
+    ) -> ConvolutionWeightsAndBiasesState:
+        """A state holding the current weights once ``command_buffer`` ran (MPS
+        ``exportWeightsAndBiasesWithCommandBuffer:resultStateCanBeTemporary:``)."""
+        self._check_command_buffer(command_buffer)
+        ws = self._weights
+        state = ConvolutionWeightsAndBiasesState.from_descriptor(
+            self._device,
+            self._descriptor,
+            with_biases=ws.bias is not None,
+            command_buffer=command_buffer if result_state_can_be_temporary else None,
+        )
+
+        def run() -> None:
+            state._weights.copy_(ws.ohwi)
+            if ws.bias is not None:
+                state._biases.copy_(ws.bias)
+
+        command_buffer.record(f"{type(self).__name__}.export_weights_and_biases", run)
+        return state
+
+    # -- encode hooks -------------------------------------------------------------------
+
+    def _destination_channels(self, source_channels: int) -> int:
+        cin = self._descriptor.input_feature_channels
+        if source_channels != cin:
+            raise ValueError(
+                f"[{type(self).__name__}] the source must provide input_feature_channels={cin} "
+                f"channels (after source_feature_channel_offset={self._sco} and "
+                f"source_feature_channel_max_count), got {source_channels}"
+            )
+        return self._descriptor.output_feature_channels
+
+    def _new_state(self, cb: CommandBuffer | None) -> State | None:
+        return self._gradient_state_class(self._device, self, command_buffer=cb)
+
+    def _record_extra(self, window: Window) -> Any:
+        return self._weights
+
+    def _geometry(self, window: Window) -> ConvGeometry:
+        return ConvGeometry(window.y, window.x, self._edge_mode, self._descriptor.groups)
+
+    def _with_precision(self, op: Callable[..., torch.Tensor]) -> Forward:
+        ws = self._weights
+        half = self._precision is ConvolutionAccumulatorPrecisionOption.HALF
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if half and x.dtype != torch.float16:
+                x = x.to(torch.float16)
+            w, b = ws.cast(x.dtype)
+            return op(x, w, b)
+
+        return forward
+
+
+class Convolution(_ConvolutionBase):
+    """2-D convolution with MPS geometry (MPS ``MPSCNNConvolution``).
+
+    ``y(k, i, j) = b[k] + sum_{q, p, c} W[k][q][p][c] x(g(k) I/G + c, ys + sy i + dy q,
+    xs + sx j + dx p)`` (correlation; see `mpsnn.ops.convolution`), then the fused neuron.
+
+    Args:
+        device: the kernel's device.
+        weights: a `ConvolutionDataSource` (weights OHWI, float32).
+
+    The source must provide exactly ``input_feature_channels`` channels from
+    ``source_feature_channel_offset``; results go to ``output_feature_channels`` channels from
+    ``destination_feature_channel_offset``. Groups, depthwise (``groups == channels``), strides,
+    dilations, odd and even kernels, offsets, clip rects and both edge modes are supported.
+    """
+
+    def _make_forward(self, window: Window, states: list[Any]) -> Forward:
+        geom = self._geometry(window)
+        return self._with_precision(lambda x, w, b: conv_forward(x, w, b, geom))
+
+
+class FullyConnected(_ConvolutionBase):
+    """Fully connected layer (MPS ``MPSCNNFullyConnected``).
+
+    ``y[o] = b[o] + sum_{h, w, c} W[o][h][w][c] x(c, h, w)`` over the top-left ``kH x kW``
+    pixels of each source image (the kernel size is the source size); the result is 1x1xO at the
+    clip rect's origin. ``offset`` is ignored; the default padding is SIZE_VALID_ONLY.
+
+    Note:
+        MPS documents two weight orders for fully connected layers; mpsnn uses the data-source
+        order ``[O][kH][kW][I]``, the same as convolution (inventory §5, item 2).
+    """
+
+    _default_padding_method = PaddingMethod.ALIGN_CENTERED | PaddingMethod.SIZE_VALID_ONLY
+
+    def __init__(self, device: Device, weights: ConvolutionDataSource) -> None:
+        super().__init__(device, weights)
+        d = self._descriptor
+        if (
+            d.stride_in_pixels_x,
+            d.stride_in_pixels_y,
+            d.dilation_rate_x,
+            d.dilation_rate_y,
+            d.groups,
+        ) != (1, 1, 1, 1, 1):
+            raise ValueError(
+                "[FullyConnected] strides, dilations and groups must be 1, got "
+                f"stride=({d.stride_in_pixels_x}, {d.stride_in_pixels_y}) "
+                f"dilation=({d.dilation_rate_x}, {d.dilation_rate_y}) groups={d.groups}"
+            )
+
+    def _policy(self, source_images: Any, source_states: Any) -> tuple[ImageDescriptor, Offset]:
+        src = source_images[0]
+        channels = self._destination_channels(min(self._smax, src.feature_channels - self._sco))
+        offset = Offset(self._kw // 2, self._kh // 2, self._offset.z)
+        images = max(1, src.number_of_images - self._offset.z)
+        return ImageDescriptor(src.feature_channel_format, 1, 1, channels, images), offset
+
+    def _axis_windows(
+        self,
+        offset: Offset,
+        clip: Region,
+        y0: int,
+        ny: int,
+        x0: int,
+        nx: int,
+        src_h: int,
+        src_w: int,
+    ) -> tuple[AxisWindow, AxisWindow]:
+        return AxisWindow(0, 1, self._kh, 1, 1, src_h), AxisWindow(0, 1, self._kw, 1, 1, src_w)
+
+    def _check_window(self, window: Window, src: Image) -> None:
+        h, w = src.height, src.width
+        if h < self._kh or w < self._kw:
+            raise ValueError(
+                f"[FullyConnected] the source must be at least the kernel size "
+                f"{self._kw}x{self._kh}, got {w}x{h}"
+            )
+
+    def _make_forward(self, window: Window, states: list[Any]) -> Forward:
+        return self._with_precision(fc_forward)
+
+
+class ConvolutionTranspose(_ConvolutionBase):
+    """Convolution transpose (MPS ``MPSCNNConvolutionTranspose``), as MPS defines it.
+
+    Insert ``stride - 1`` zeros between source pixels, then correlate with the weights *as
+    given* (no rotation) at stride 1. In that zero-inserted frame, destination pixel ``x`` has
+    its window centre at ``offset.x * stride + kernel_offset_x + (x - clip.origin.x)``. The
+    descriptor's channel counts are the transpose's own input and output counts.
+
+    The padding policy uses the reverse size rule and sets ``offset`` to 0 and
+    ``kernel_offset_x/y``. Given the `ConvolutionGradientState` of a paired convolution
+    (``convolution_gradient_state``), the result has that convolution's source size and the
+    transpose with weights ``W_t[i][kh][kw][o] = W[o][kH-1-kh][kW-1-kw][i]`` is exactly the
+    adjoint of the convolution's data map.
+    """
+
+    _is_backwards = True
+    _gradient_state_class = ConvolutionTransposeGradientState
+
+    def __init__(self, device: Device, weights: ConvolutionDataSource) -> None:
+        super().__init__(device, weights)
+        self._kernel_offset_x = 0
+        self._kernel_offset_y = 0
+
+    @property
+    def kernel_offset_x(self) -> int:
+        return self._kernel_offset_x
+
+    @kernel_offset_x.setter
+    def kernel_offset_x(self, value: int) -> None:
+        self._kernel_offset_x = check_int("ConvolutionTranspose", "kernel_offset_x", value)
+
+    @property
+    def kernel_offset_y(self) -> int:
+        return self._kernel_offset_y
+
+    @kernel_offset_y.setter
+    def kernel_offset_y(self, value: int) -> None:
+        self._kernel_offset_y = check_int("ConvolutionTranspose", "kernel_offset_y", value)
+
+    def encode(  # type: ignore[override]
+        self,
+        command_buffer: CommandBuffer,
+        source_image: Image,
+        destination_image: Image | None = None,
+        destination_state: State | None = None,
+        *,
+        convolution_gradient_state: ConvolutionGradientState | None = None,
+    ) -> Image:
+        """Like `CNNKernel.encode`; a paired ``convolution_gradient_state`` sizes the result."""
+        self._check_command_buffer(command_buffer)
+        self._check_image(command_buffer, source_image, "source_image")
+        states: list[Any] = []
+        if destination_state is not None:
+            states = [
+                self._check_state(
+                    command_buffer,
+                    destination_state,
+                    "destination_state",
+                    self._gradient_state_class,
+                )
+            ]
+        policy_states = None
+        if convolution_gradient_state is not None:
+            policy_states = [
+                self._check_state(
+                    command_buffer,
+                    convolution_gradient_state,
+                    "convolution_gradient_state",
+                    ConvolutionGradientState,
+                )
+            ]
+        return self._encode(
+            command_buffer, source_image, destination_image, states, False, policy_states
+        )
+
+    def _encode(self, cb, src, dst, states, batch, policy_states=None):  # type: ignore[no-untyped-def,override]
+        # The policy also sets kernel_offset_x/y: restore them too if the encode fails.
+        saved = (self._offset, self._kernel_offset_x, self._kernel_offset_y)
+        self._policy_states = policy_states
+        try:
+            return super()._encode(cb, src, dst, states, batch)
+        except Exception:
+            self._offset, self._kernel_offset_x, self._kernel_offset_y = saved
+            raise
+        finally:
+            self._policy_states = None
+
+    def _resolve_policy(self, source_images: Any, source_states: Any) -> ImageDescriptor:
+        extra = getattr(self, "_policy_states", None)
+        if extra:
+            source_states = list(extra) + list(source_states or [])
+        return super()._resolve_policy(source_images, source_states)
+
+    def _policy(self, source_images: Any, source_states: Any) -> tuple[ImageDescriptor, Offset]:
+        desc, _ = super()._policy(source_images, source_states)  # reverse sizes
+        src = source_images[0]
+        method = PaddingMethod(self._padding.padding_method)
+        x_first, y_first = remainder_first(method)
+        ex = self._dx * (self._kw - 1) + 1
+        ey = self._dy * (self._kh - 1) + 1
+        # In the zero-inserted frame the transpose is a stride-1 window: centre it there.
+        self._kernel_offset_x = padding_offset(
+            (src.width - 1) * self._sx + 1, desc.width, ex, 1, method.alignment, x_first
+        )
+        self._kernel_offset_y = padding_offset(
+            (src.height - 1) * self._sy + 1, desc.height, ey, 1, method.alignment, y_first
+        )
+        return desc, Offset(0, 0, self._offset.z)
+
+    def _axis_windows(
+        self,
+        offset: Offset,
+        clip: Region,
+        y0: int,
+        ny: int,
+        x0: int,
+        nx: int,
+        src_h: int,
+        src_w: int,
+    ) -> tuple[AxisWindow, AxisWindow]:
+        ey = self._dy * (self._kh - 1) + 1
+        ex = self._dx * (self._kw - 1) + 1
+        cy = offset.y * self._sy + self._kernel_offset_y + (y0 - clip.origin.y)
+        cx = offset.x * self._sx + self._kernel_offset_x + (x0 - clip.origin.x)
+        return (
+            AxisWindow(cy - ey // 2, ny, self._kh, 1, self._dy, (src_h - 1) * self._sy + 1),
+            AxisWindow(cx - ex // 2, nx, self._kw, 1, self._dx, (src_w - 1) * self._sx + 1),
+        )
+
+    def _make_forward(self, window: Window, states: list[Any]) -> Forward:
+        geom = self._geometry(window)
+        stride = (self._sy, self._sx)
+        return self._with_precision(lambda x, w, b: conv_transpose_forward(x, w, b, geom, stride))

@@ -1,0 +1,132 @@
+"""`ConvolutionGradientState` and `ConvolutionTransposeGradientState`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.geometry import Offset
+from mpsnn.core.image import ImageDescriptor
+from mpsnn.core.state import GradientState
+
+__all__ = ["ConvolutionGradientState", "ConvolutionTransposeGradientState"]
+
+
+class ConvolutionGradientState(GradientState):
+    """Weight and bias gradients of one batch (MPS ``MPSCNNConvolutionGradientState``).
+
+    Written by: the forward `Convolution` / `FullyConnected` encode (geometry, weights used) and
+    the gradient kernel (``gradient_for_weights`` and ``gradient_for_biases``, **summed** over
+    every image and every gradient encode that receives this state; never averaged).
+    Read by: weight updates (data source ``update`` / ``update_on_cpu``, reloads), and by
+    `ConvolutionTranspose` to size its result (MPS ``MPSImageSizeEncodingState``).
+
+    Accumulators are float32 (float64 once float64 images are used, for verification).
+    """
+
+    def __init__(
+        self,
+        device: Device,
+        convolution: Any,
+        *,
+        command_buffer: CommandBuffer | None = None,
+        label: str | None = None,
+    ) -> None:
+        super().__init__(device, command_buffer=command_buffer, label=label)
+        self._convolution = convolution
+        o, kh, kw, ig = convolution._descriptor.weights_shape
+        dev = device.torch_device
+        self._grad_w: torch.Tensor | None = torch.zeros((o, ig, kh, kw), device=dev)
+        self._grad_b: torch.Tensor | None = torch.zeros((o,), device=dev)
+
+    @property
+    def convolution(self) -> Any:
+        """The kernel that made this state."""
+        return self._convolution
+
+    @property
+    def gradient_for_weights(self) -> torch.Tensor:
+        """dL/dW in the OHWI layout ``[O][kH][kW][I / groups]`` (a view of the accumulator)."""
+        self._check_live(None)
+        assert self._grad_w is not None
+        return self._grad_w.permute(0, 2, 3, 1)
+
+    @property
+    def gradient_for_biases(self) -> torch.Tensor:
+        """dL/db, ``(O,)``."""
+        self._check_live(None)
+        assert self._grad_b is not None
+        return self._grad_b
+
+    @property
+    def gradient_for_weights_layout(self) -> str:
+        return "OHWI"
+
+    def resources(self) -> list[torch.Tensor]:
+        return [t for t in (self._grad_w, self._grad_b) if t is not None]
+
+    def _free_storage(self) -> None:
+        self._grad_w = None
+        self._grad_b = None
+
+    def _accumulate(self, dw: torch.Tensor | None, db: torch.Tensor | None) -> None:
+        """Add a gradient encode's contribution (runs at execution)."""
+        if dw is not None:
+            if dw.dtype != self._grad_w.dtype and dw.dtype == torch.float64:
+                self._grad_w = self._grad_w.double()
+            self._grad_w.add_(dw)
+        if db is not None:
+            if db.dtype != self._grad_b.dtype and db.dtype == torch.float64:
+                self._grad_b = self._grad_b.double()
+            self._grad_b.add_(db)
+
+    def destination_image_descriptor(
+        self, source_images: Any, source_states: Any, kernel: Any, suggested_descriptor: Any
+    ) -> Any:
+        """Size a paired `ConvolutionTranspose` to undo this convolution exactly.
+
+        The transpose gets the convolution's source size and the kernel offset that makes it
+        the adjoint of the convolution's data map (inventory §2.4):
+        ``T = s * dst_x - start - E + 1 + E // 2`` per axis, with ``start`` the first tap of the
+        convolution's first output and ``dst_x`` where that output was written.
+        """
+        from mpsnn.cnn.convolution.kernels import ConvolutionTranspose
+
+        if not isinstance(kernel, ConvolutionTranspose):
+            return suggested_descriptor
+        record = self._require_forward("ConvolutionTranspose")
+        fw = record.window
+        who = "ConvolutionTranspose"
+        for axis, a, k, s, d in (
+            ("x", fw.x, kernel.kernel_width, kernel.stride_in_pixels_x, kernel.dilation_rate_x),
+            ("y", fw.y, kernel.kernel_height, kernel.stride_in_pixels_y, kernel.dilation_rate_y),
+        ):
+            if (a.kernel, a.stride, a.dilation) != (k, s, d):
+                raise ValueError(
+                    f"[{who}] a transpose paired with a convolution state must use the "
+                    f"convolution's kernel, stride and dilation along {axis} "
+                    f"({a.kernel}, {a.stride}, {a.dilation}), got ({k}, {s}, {d})"
+                )
+
+        def t(a: Any, dst: int) -> int:
+            e = a.extent
+            return a.stride * dst - a.start - e + 1 + e // 2
+
+        kernel._offset = Offset(0, 0, kernel._offset.z)
+        kernel._kernel_offset_x = t(fw.x, fw.dst_x)
+        kernel._kernel_offset_y = t(fw.y, fw.dst_y)
+        _, _, h, w = record.source_shape
+        desc: ImageDescriptor = suggested_descriptor.copy()
+        desc.width, desc.height = w, h
+        return desc
+
+
+class ConvolutionTransposeGradientState(ConvolutionGradientState):
+    """Weight and bias gradients of a `ConvolutionTranspose` (MPS
+    ``MPSCNNConvolutionTransposeGradientState``), laid out as for a convolution."""
+
+    @property
+    def convolution_transpose(self) -> Any:
+        return self._convolution

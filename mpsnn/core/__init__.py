@@ -1,0 +1,35 @@
+"""Core objects: devices and command buffers, images, states, geometry, kernel bases."""
+
+from mpsnn.core.binary import BinaryKernel as BinaryKernel
+from mpsnn.core.binary import GradientKernel as GradientKernel
+from mpsnn.core.device import CommandBuffer as CommandBuffer
+from mpsnn.core.device import CommandBufferStatus as CommandBufferStatus
+from mpsnn.core.device import CommandQueue as CommandQueue
+from mpsnn.core.device import Device as Device
+from mpsnn.core.geometry import RECT_NO_CLIP as RECT_NO_CLIP
+from mpsnn.core.geometry import AxisWindow as AxisWindow
+from mpsnn.core.geometry import DefaultPadding as DefaultPadding
+from mpsnn.core.geometry import EdgeMode as EdgeMode
+from mpsnn.core.geometry import Offset as Offset
+from mpsnn.core.geometry import Origin as Origin
+from mpsnn.core.geometry import Padding as Padding
+from mpsnn.core.geometry import PaddingMethod as PaddingMethod
+from mpsnn.core.geometry import Region as Region
+from mpsnn.core.geometry import Size as Size
+from mpsnn.core.geometry import Window as Window
+from mpsnn.core.image import DataLayout as DataLayout
+from mpsnn.core.image import FeatureChannelFormat as FeatureChannelFormat
+from mpsnn.core.image import Image as Image
+from mpsnn.core.image import ImageAllocator as ImageAllocator
+from mpsnn.core.image import ImageBatch as ImageBatch
+from mpsnn.core.image import ImageDescriptor as ImageDescriptor
+from mpsnn.core.image import ImageReadWriteParams as ImageReadWriteParams
+from mpsnn.core.image import TemporaryImage as TemporaryImage
+from mpsnn.core.kernel import CNNKernel as CNNKernel
+from mpsnn.core.kernel import Kernel as Kernel
+from mpsnn.core.kernel import KernelOptions as KernelOptions
+from mpsnn.core.state import BinaryGradientState as BinaryGradientState
+from mpsnn.core.state import ForwardRecord as ForwardRecord
+from mpsnn.core.state import GradientState as GradientState
+from mpsnn.core.state import State as State
+from mpsnn.core.state import StateBatch as StateBatch

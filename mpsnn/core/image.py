@@ -1,0 +1,749 @@
+"""Images, image batches, temporary images and byte I/O (SPEC §3).
+
+An `Image` is backed by one tensor of shape ``(number_of_images, feature_channels, height,
+width)``. Channels are dense: no padding to multiples of four, and channel offsets need not be
+multiples of four (SPEC §1.2).
+
+Storage is allocated lazily. An image returned by an ``encode`` has no storage until the command
+that writes it runs; when that command writes the whole image it *adopts* the result tensor
+instead of copying it, so returning encodes cost no extra pass over memory. Touching
+``image.tensor`` earlier allocates zeros, and the command then writes into them.
+
+A `TemporaryImage` belongs to one command buffer. Its ``read_count`` starts at 1 and drops by one
+at every encode that reads it; when it reaches 0 the storage is freed right after the command
+that read it last, and any later use raises `StaleResourceError`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, overload
+
+import numpy as np
+import torch
+
+from mpsnn.core.device import CommandBuffer, CommandBufferStatus, Device
+from mpsnn.core.geometry import Region
+from mpsnn.errors import StaleResourceError
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = [
+    "DataLayout",
+    "FeatureChannelFormat",
+    "Image",
+    "ImageAllocator",
+    "ImageBatch",
+    "ImageDescriptor",
+    "ImageReadWriteParams",
+    "TemporaryImage",
+]
+
+
+class FeatureChannelFormat(enum.IntEnum):
+    """Storage format of an image's feature channels (MPS ``MPSImageFeatureChannelFormat``).
+
+    FLOAT64 is an mpsnn extension for verification. Arithmetic on FLOAT16 and BFLOAT16 images
+    accumulates in float32 (SPEC §1.4).
+    """
+
+    FLOAT16 = 3
+    FLOAT32 = 4
+    BFLOAT16 = 5
+    FLOAT64 = 64
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype of the storage."""
+        return _FORMAT_TO_DTYPE[self]
+
+    @classmethod
+    def from_dtype(cls, dtype: torch.dtype) -> FeatureChannelFormat:
+        """The format whose storage dtype is ``dtype``."""
+        try:
+            return _DTYPE_TO_FORMAT[dtype]
+        except KeyError:
+            raise TypeError(
+                "[FeatureChannelFormat] the dtype must be float32, float16, bfloat16 or float64, "
+                f"got {dtype}"
+            ) from None
+
+
+_FORMAT_TO_DTYPE = {
+    FeatureChannelFormat.FLOAT16: torch.float16,
+    FeatureChannelFormat.FLOAT32: torch.float32,
+    FeatureChannelFormat.BFLOAT16: torch.bfloat16,
+    FeatureChannelFormat.FLOAT64: torch.float64,
+}
+_DTYPE_TO_FORMAT = {v: k for k, v in _FORMAT_TO_DTYPE.items()}
+
+
+class DataLayout(enum.IntEnum):
+    """Element order of `Image.read_bytes` / `Image.write_bytes` arrays (MPS ``MPSDataLayout``)."""
+
+    HEIGHT_WIDTH_FEATURE_CHANNELS = 0
+    FEATURE_CHANNELS_HEIGHT_WIDTH = 1
+
+
+class ImageReadWriteParams:
+    """Which channels byte I/O touches (MPS ``MPSImageReadWriteParams``).
+
+    Args:
+        feature_channel_offset: first channel (any value; no multiple-of-4 rule here).
+        number_of_feature_channels_to_read_write: how many; None means the rest.
+    """
+
+    __slots__ = ("feature_channel_offset", "number_of_feature_channels_to_read_write")
+
+    def __init__(
+        self,
+        feature_channel_offset: int = 0,
+        number_of_feature_channels_to_read_write: int | None = None,
+    ) -> None:
+        self.feature_channel_offset = feature_channel_offset
+        self.number_of_feature_channels_to_read_write = number_of_feature_channels_to_read_write
+
+
+def _check_count(owner: str, name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"[{owner}] {name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"[{owner}] {name} must be >= {minimum}, got {value}")
+    return value
+
+
+class ImageDescriptor:
+    """Shape and format of an image to allocate (MPS ``MPSImageDescriptor``).
+
+    Args:
+        channel_format: a `FeatureChannelFormat` (FLOAT32 by default).
+        width, height, feature_channels, number_of_images: sizes, each >= 1.
+    """
+
+    __slots__ = ("_c", "_fmt", "_h", "_n", "_w")
+
+    def __init__(
+        self,
+        channel_format: FeatureChannelFormat = FeatureChannelFormat.FLOAT32,
+        width: int = 1,
+        height: int = 1,
+        feature_channels: int = 1,
+        number_of_images: int = 1,
+    ) -> None:
+        self.channel_format = channel_format
+        self.width = width
+        self.height = height
+        self.feature_channels = feature_channels
+        self.number_of_images = number_of_images
+
+    @property
+    def channel_format(self) -> FeatureChannelFormat:
+        return self._fmt
+
+    @channel_format.setter
+    def channel_format(self, value: FeatureChannelFormat) -> None:
+        if not isinstance(value, FeatureChannelFormat):
+            raise TypeError(
+                "[ImageDescriptor] channel_format must be a FeatureChannelFormat, "
+                f"got {type(value).__name__}"
+            )
+        self._fmt = value
+
+    @property
+    def width(self) -> int:
+        return self._w
+
+    @width.setter
+    def width(self, value: int) -> None:
+        self._w = _check_count("ImageDescriptor", "width", value)
+
+    @property
+    def height(self) -> int:
+        return self._h
+
+    @height.setter
+    def height(self, value: int) -> None:
+        self._h = _check_count("ImageDescriptor", "height", value)
+
+    @property
+    def feature_channels(self) -> int:
+        return self._c
+
+    @feature_channels.setter
+    def feature_channels(self, value: int) -> None:
+        self._c = _check_count("ImageDescriptor", "feature_channels", value)
+
+    @property
+    def number_of_images(self) -> int:
+        return self._n
+
+    @number_of_images.setter
+    def number_of_images(self, value: int) -> None:
+        self._n = _check_count("ImageDescriptor", "number_of_images", value)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(number_of_images, feature_channels, height, width)``."""
+        return (self._n, self._c, self._h, self._w)
+
+    def copy(self) -> ImageDescriptor:
+        return ImageDescriptor(self._fmt, self._w, self._h, self._c, self._n)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, ImageDescriptor)
+            and other._fmt == self._fmt
+            and other.shape == self.shape
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"ImageDescriptor({self._fmt.name}, width={self._w}, height={self._h}, "
+            f"feature_channels={self._c}, number_of_images={self._n})"
+        )
+
+
+class Image:
+    """A batch-of-one-or-more images: ``(number_of_images, feature_channels, height, width)``.
+
+    Args:
+        device: where the storage lives.
+        descriptor: sizes and format.
+        label: a name used in error messages and debug output.
+
+    Contents written by an encode are valid once the command buffer completed.
+    """
+
+    __slots__ = (
+        "_base",
+        "_device",
+        "_dtype",
+        "_fmt",
+        "_index",
+        "_shape",
+        "_storage",
+        "_writer",
+        "label",
+    )
+
+    def __init__(self, device: Device, descriptor: ImageDescriptor, *, label: str | None = None):
+        if not isinstance(device, Device):
+            raise TypeError(
+                f"[{type(self).__name__}] device must be a Device, got {type(device).__name__}"
+            )
+        if not isinstance(descriptor, ImageDescriptor):
+            raise TypeError(
+                f"[{type(self).__name__}] descriptor must be an ImageDescriptor, "
+                f"got {type(descriptor).__name__}"
+            )
+        self._device = device
+        self._fmt = descriptor.channel_format
+        self._dtype = self._fmt.dtype
+        self._shape = descriptor.shape
+        self._storage: torch.Tensor | None = None
+        self._base: Image | None = None  # set for views (ImageBatch items)
+        self._index = 0
+        self._writer: CommandBuffer | None = None
+        self.label = label
+
+    # -- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor, *, label: str | None = None) -> Image:
+        """Wrap a ``(C, H, W)`` or ``(N, C, H, W)`` tensor without copying it."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"[Image] tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() == 3:
+            tensor = tensor.unsqueeze(0)
+        if tensor.dim() != 4:
+            raise ValueError(
+                f"[Image] the tensor must have shape (C, H, W) or (N, C, H, W), "
+                f"got shape {tuple(tensor.shape)}"
+            )
+        if min(tensor.shape) < 1:
+            raise ValueError(
+                f"[Image] every dimension must be >= 1, got shape {tuple(tensor.shape)}"
+            )
+        fmt = FeatureChannelFormat.from_dtype(tensor.dtype)
+        n, c, h, w = tensor.shape
+        image = cls.__new__(cls)
+        Image.__init__(image, Device(tensor.device), ImageDescriptor(fmt, w, h, c, n), label=label)
+        image._storage = tensor
+        return image
+
+    @staticmethod
+    def default_allocator() -> ImageAllocator:
+        """Allocator of permanent images (the default of every kernel in mpsnn)."""
+        return _PERMANENT
+
+    # -- properties ---------------------------------------------------------------------
+
+    @property
+    def device(self) -> Device:
+        return self._device
+
+    @property
+    def width(self) -> int:
+        return self._shape[3]
+
+    @property
+    def height(self) -> int:
+        return self._shape[2]
+
+    @property
+    def feature_channels(self) -> int:
+        return self._shape[1]
+
+    @property
+    def number_of_images(self) -> int:
+        return self._shape[0]
+
+    @property
+    def feature_channel_format(self) -> FeatureChannelFormat:
+        return self._fmt
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(number_of_images, feature_channels, height, width)``."""
+        return self._shape
+
+    @property
+    def descriptor(self) -> ImageDescriptor:
+        n, c, h, w = self._shape
+        return ImageDescriptor(self._fmt, w, h, c, n)
+
+    @property
+    def read_count(self) -> int:
+        """0: permanent images are not read-counted (see `TemporaryImage`)."""
+        return 0
+
+    @property
+    def is_temporary(self) -> bool:
+        return False
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The backing tensor (allocated as zeros on first access if nothing wrote it yet).
+
+        The contents are those of the last completed command buffer that wrote the image.
+        """
+        self._check_live(None)
+        return self._data()
+
+    def _data(self) -> torch.Tensor:
+        """The storage, for commands at execution time (no encode-time liveness check)."""
+        if self._base is not None:
+            return self._base._data()[self._index : self._index + self._shape[0]]
+        if self._storage is None:
+            self._storage = torch.zeros(
+                self._shape, dtype=self._dtype, device=self._device.torch_device
+            )
+        return self._storage
+
+    def numpy(self) -> np.ndarray:
+        """The contents as an ``(N, C, H, W)`` array (bfloat16 is returned as float32).
+
+        Waits for a committed writer; raises if the writer was not committed.
+        """
+        self._sync_for_host("numpy")
+        return _to_numpy(self.tensor)
+
+    # -- byte I/O -----------------------------------------------------------------------
+
+    def read_bytes(
+        self,
+        data_layout: DataLayout = DataLayout.HEIGHT_WIDTH_FEATURE_CHANNELS,
+        image_index: int = 0,
+        region: Region | None = None,
+        feature_channel_info: ImageReadWriteParams | None = None,
+    ) -> np.ndarray:
+        """Copy a region of one image to a NumPy array.
+
+        Returns ``(h, w, c)`` for HEIGHT_WIDTH_FEATURE_CHANNELS and ``(c, h, w)`` for
+        FEATURE_CHANNELS_HEIGHT_WIDTH; bfloat16 images come back as float32 (exactly).
+        """
+        self._sync_for_host("read_bytes")
+        view = self._io_view("read_bytes", data_layout, image_index, region, feature_channel_info)
+        return _to_numpy(view)
+
+    def write_bytes(
+        self,
+        array: Any,
+        data_layout: DataLayout = DataLayout.HEIGHT_WIDTH_FEATURE_CHANNELS,
+        image_index: int = 0,
+        region: Region | None = None,
+        feature_channel_info: ImageReadWriteParams | None = None,
+    ) -> None:
+        """Copy an array into a region of one image (the shape must match the region)."""
+        self._sync_for_host("write_bytes")
+        view = self._io_view("write_bytes", data_layout, image_index, region, feature_channel_info)
+        data = torch.as_tensor(np.asarray(array))
+        if tuple(data.shape) != tuple(view.shape):
+            raise ValueError(
+                f"[{type(self).__name__}] write_bytes needs an array of shape {tuple(view.shape)} "
+                f"for this region and layout, got {tuple(data.shape)}"
+            )
+        view.copy_(data.to(self._device.torch_device))
+
+    def _io_view(
+        self,
+        who: str,
+        data_layout: DataLayout,
+        image_index: int,
+        region: Region | None,
+        info: ImageReadWriteParams | None,
+    ) -> torch.Tensor:
+        name = type(self).__name__
+        if not isinstance(data_layout, DataLayout):
+            raise TypeError(f"[{name}] {who} data_layout must be a DataLayout, got {data_layout!r}")
+        n, c, h, w = self._shape
+        if not 0 <= image_index < n:
+            raise ValueError(f"[{name}] {who} image_index must be in [0, {n}), got {image_index}")
+        if region is None:
+            x0, y0, rw, rh = 0, 0, w, h
+        else:
+            x0, y0 = region.origin.x, region.origin.y
+            rw, rh = region.size.width, region.size.height
+            if region.size.depth != 1 or region.origin.z != 0:
+                raise ValueError(
+                    f"[{name}] {who} region must have origin.z 0 and depth 1 (use image_index), "
+                    f"got z={region.origin.z} depth={region.size.depth}"
+                )
+            if x0 < 0 or y0 < 0 or x0 + rw > w or y0 + rh > h:
+                raise ValueError(
+                    f"[{name}] {who} region must lie inside the {w}x{h} image, "
+                    f"got x={x0} y={y0} width={rw} height={rh}"
+                )
+        c0 = 0 if info is None else info.feature_channel_offset
+        nc = None if info is None else info.number_of_feature_channels_to_read_write
+        nc = c - c0 if nc is None else nc
+        if c0 < 0 or nc < 0 or c0 + nc > c:
+            raise ValueError(
+                f"[{name}] {who} channels [{c0}, {c0 + nc}) must lie in [0, {c}), "
+                f"got feature_channel_offset={c0} count={nc}"
+            )
+        view = self.tensor[image_index, c0 : c0 + nc, y0 : y0 + rh, x0 : x0 + rw]
+        if data_layout is DataLayout.HEIGHT_WIDTH_FEATURE_CHANNELS:
+            view = view.permute(1, 2, 0)
+        return view
+
+    def _sync_for_host(self, who: str) -> None:
+        root = self._root()
+        writer = root._writer
+        if writer is None:
+            return
+        if writer.status is CommandBufferStatus.NOT_ENQUEUED:
+            raise ValueError(
+                f"[{type(self).__name__}] {who} needs the command buffer that writes "
+                f"{self._describe()} to be committed, got status NOT_ENQUEUED"
+            )
+        if writer.status is CommandBufferStatus.COMMITTED:
+            writer.wait_until_completed()
+
+    # -- internals used by kernels ------------------------------------------------------
+
+    def _root(self) -> Image:
+        return self if self._base is None else self._base
+
+    def _describe(self) -> str:
+        label = f" {self.label!r}" if self.label else ""
+        n, c, h, w = self._shape
+        return f"{type(self).__name__}{label} {n}x{c}x{h}x{w}"
+
+    def _check_live(self, who: str | None) -> None:
+        """Raise StaleResourceError if the storage was released (temporary images only)."""
+
+    def _consume_read(self, command_buffer: CommandBuffer, who: str) -> None:
+        """An encode read this image (no effect on permanent images)."""
+
+    def _note_writer(self, command_buffer: CommandBuffer) -> None:
+        self._root()._writer = command_buffer
+
+    def _write_block(self, block: torch.Tensor, z: int, c: int, y: int, x: int) -> None:
+        """Write ``block`` (images, channels, rows, cols) at (z, c, y, x); runs at execution.
+
+        A freshly computed ``block`` that covers a still-unallocated image becomes its storage.
+        Blocks must never alias another image's storage.
+        """
+        root = self._root()
+        z += self._index
+        if (
+            root._storage is None
+            and not (z or c or y or x)
+            and block.shape == root._shape
+            and block.dtype == root._dtype
+        ):
+            root._storage = block
+            return
+        bn, bc, bh, bw = block.shape
+        root._data()[z : z + bn, c : c + bc, y : y + bh, x : x + bw].copy_(block)
+
+    def _free_storage(self) -> None:
+        self._storage = None
+
+    def __repr__(self) -> str:
+        return f"<{self._describe()} {self._fmt.name} on {self._device.torch_device}>"
+
+
+class TemporaryImage(Image):
+    """An image that lives on one command buffer and is freed after its last reader.
+
+    ``read_count`` starts at 1 and drops by one each time an encode reads the image; when it
+    reaches 0 the storage is released after that encode's command has run, and reading,
+    writing or changing ``read_count`` afterwards raises `StaleResourceError`. The storage is
+    also released when the command buffer completes.
+    """
+
+    __slots__ = ("_command_buffer", "_freed", "_read_count", "_released_by")
+
+    def __init__(
+        self,
+        command_buffer: CommandBuffer,
+        descriptor: ImageDescriptor,
+        *,
+        label: str | None = None,
+    ) -> None:
+        if not isinstance(command_buffer, CommandBuffer):
+            raise TypeError(
+                "[TemporaryImage] command_buffer must be a CommandBuffer, "
+                f"got {type(command_buffer).__name__}"
+            )
+        command_buffer.check_encodable("TemporaryImage")
+        super().__init__(command_buffer.device, descriptor, label=label)
+        self._command_buffer = command_buffer
+        self._read_count = 1
+        self._released_by: str | None = None
+        self._freed = False
+        command_buffer.add_completed_handler(_release_temporary(self))
+
+    @classmethod
+    def from_descriptor(
+        cls,
+        command_buffer: CommandBuffer,
+        descriptor: ImageDescriptor,
+        *,
+        label: str | None = None,
+    ) -> TemporaryImage:
+        """A temporary image for ``command_buffer`` (MPS ``temporaryImageWithCommandBuffer:``)."""
+        return cls(command_buffer, descriptor, label=label)
+
+    @staticmethod
+    def default_allocator() -> ImageAllocator:
+        """Allocator of temporary images on the encoding command buffer."""
+        return _TEMPORARY
+
+    @property
+    def command_buffer(self) -> CommandBuffer:
+        return self._command_buffer
+
+    @property
+    def is_temporary(self) -> bool:
+        return True
+
+    @property
+    def read_count(self) -> int:
+        return self._read_count
+
+    @read_count.setter
+    def read_count(self, value: int) -> None:
+        self._check_live("read_count")
+        value = _check_count("TemporaryImage", "read_count", value, minimum=0)
+        self._read_count = value
+        if value == 0:
+            self._release("read_count = 0")
+
+    def _check_live(self, who: str | None) -> None:
+        if self._released_by is not None:
+            raise StaleResourceError(
+                f"[{who or 'TemporaryImage'}] {self._describe()} must be live, but its "
+                f"read_count reached 0 ({self._released_by}); raise read_count before that "
+                "read to keep it, or use a permanent Image"
+            )
+
+    def _consume_read(self, command_buffer: CommandBuffer, who: str) -> None:
+        self._read_count -= 1
+        if self._read_count == 0:
+            self._release(f"released after its last read by {who}")
+
+    def _release(self, why: str) -> None:
+        self._released_by = why
+        self._command_buffer.release_after_last(self)
+
+    def _data(self) -> torch.Tensor:
+        if self._freed:
+            raise RuntimeError(
+                f"[TemporaryImage] internal error: {self._describe()} was used after its storage "
+                "was freed; please report this"
+            )
+        return super()._data()
+
+    def _free_storage(self) -> None:
+        self._storage = None
+        self._freed = True
+
+
+def _release_temporary(image: TemporaryImage) -> Any:
+    def handler(_cb: CommandBuffer) -> None:
+        if image._released_by is None:
+            image._released_by = "its command buffer completed"
+        image._free_storage()
+
+    return handler
+
+
+class ImageAllocator(Protocol):
+    """Makes the destination images of returning encodes (MPS ``MPSImageAllocator``).
+
+    ``image_batch`` is optional; without it a batch is allocated as one multi-image image.
+    """
+
+    def image(
+        self, command_buffer: CommandBuffer, descriptor: ImageDescriptor, kernel: Any
+    ) -> Image: ...
+
+
+class _PermanentAllocator:
+    def image(
+        self, command_buffer: CommandBuffer, descriptor: ImageDescriptor, kernel: Any
+    ) -> Image:
+        return Image(command_buffer.device, descriptor)
+
+    def __repr__(self) -> str:
+        return "Image.default_allocator()"
+
+
+class _TemporaryAllocator:
+    def image(
+        self, command_buffer: CommandBuffer, descriptor: ImageDescriptor, kernel: Any
+    ) -> Image:
+        return TemporaryImage(command_buffer, descriptor)
+
+    def __repr__(self) -> str:
+        return "TemporaryImage.default_allocator()"
+
+
+_PERMANENT = _PermanentAllocator()
+_TEMPORARY = _TemporaryAllocator()
+
+
+class ImageBatch(Sequence[Image]):
+    """A training batch (MPS ``MPSImageBatch``): images of one shape, backed by one tensor.
+
+    ``batch[i]`` is a view of image ``i``; batch kernels run on the whole ``(N, C, H, W)``
+    tensor as one operation.
+    """
+
+    __slots__ = ("_image",)
+
+    def __init__(self, image: Image) -> None:
+        if not isinstance(image, Image):
+            raise TypeError(f"[ImageBatch] image must be an Image, got {type(image).__name__}")
+        self._image = image
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor, *, label: str | None = None) -> ImageBatch:
+        """Wrap an ``(N, C, H, W)`` tensor without copying."""
+        if isinstance(tensor, torch.Tensor) and tensor.dim() != 4:
+            raise ValueError(
+                f"[ImageBatch] the tensor must have shape (N, C, H, W), got {tuple(tensor.shape)}"
+            )
+        return cls(Image.from_tensor(tensor, label=label))
+
+    @classmethod
+    def from_images(cls, images: Sequence[Image], *, label: str | None = None) -> ImageBatch:
+        """Stack images of one shape, format and device into a new batch (copies)."""
+        images = list(images)
+        if not images:
+            raise ValueError("[ImageBatch] from_images needs at least one image, got 0")
+        first = images[0]
+        for i, im in enumerate(images):
+            if not isinstance(im, Image):
+                raise TypeError(
+                    f"[ImageBatch] images[{i}] must be an Image, got {type(im).__name__}"
+                )
+            if (
+                im.shape[1:] != first.shape[1:]
+                or im.dtype != first.dtype
+                or im.device != first.device
+            ):
+                raise ValueError(
+                    "[ImageBatch] from_images needs images of one shape, format and device, "
+                    f"got {first!r} and images[{i}] = {im!r}"
+                )
+        return cls(Image.from_tensor(torch.cat([im.tensor for im in images]), label=label))
+
+    @property
+    def image(self) -> Image:
+        """The backing multi-image image."""
+        return self._image
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self._image.tensor
+
+    @property
+    def device(self) -> Device:
+        return self._image.device
+
+    @property
+    def feature_channel_format(self) -> FeatureChannelFormat:
+        return self._image.feature_channel_format
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self._image.shape
+
+    @property
+    def read_count(self) -> int:
+        return self._image.read_count
+
+    def numpy(self) -> np.ndarray:
+        return self._image.numpy()
+
+    def __len__(self) -> int:
+        return self._image.number_of_images
+
+    @overload
+    def __getitem__(self, index: int) -> Image: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Image]: ...
+
+    def __getitem__(self, index: int | slice) -> Image | list[Image]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"[ImageBatch] index must be in [-{n}, {n}), got {index}")
+        index %= n
+        view = Image.__new__(Image)
+        _, c, h, w = self._image.shape
+        Image.__init__(
+            view,
+            self._image.device,
+            ImageDescriptor(self._image.feature_channel_format, w, h, c, 1),
+            label=f"{self._image.label or 'batch'}[{index}]",
+        )
+        view._base = self._image
+        view._index = index
+        return view
+
+    def __iter__(self) -> Iterator[Image]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def __repr__(self) -> str:
+        return f"<ImageBatch of {len(self)}: {self._image!r}>"
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    return t.cpu().numpy().copy()

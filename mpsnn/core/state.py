@@ -1,0 +1,287 @@
+"""States: what a forward kernel hands its gradient kernel (SPEC §3, MPS ``MPSState``).
+
+A permanent state has ``read_count`` 0 and lives as long as Python references it. A temporary
+state (made with a command buffer) starts at ``read_count`` 1; each gradient encode that reads
+it drops the count, and at 0 its tensors are freed after that encode's command has run. Any
+later use raises `StaleResourceError`, naming the state and the kernel.
+
+`GradientState` records the forward kernel's geometry at encode time (`ForwardRecord`), so a
+gradient kernel never takes geometry of its own that could contradict the forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.geometry import EdgeMode, Offset, Region, Window
+from mpsnn.errors import StaleResourceError
+
+__all__ = [
+    "BinaryGradientState",
+    "ForwardRecord",
+    "GradientState",
+    "State",
+    "StateBatch",
+]
+
+
+class State:
+    """Base class of states (MPS ``MPSState``).
+
+    Args:
+        device: where the state's tensors live.
+        command_buffer: given, the state is temporary and belongs to that command buffer.
+        label: a name used in messages.
+    """
+
+    def __init__(
+        self,
+        device: Device,
+        *,
+        command_buffer: CommandBuffer | None = None,
+        label: str | None = None,
+    ) -> None:
+        if not isinstance(device, Device):
+            raise TypeError(
+                f"[{type(self).__name__}] device must be a Device, got {type(device).__name__}"
+            )
+        if command_buffer is not None:
+            if not isinstance(command_buffer, CommandBuffer):
+                raise TypeError(
+                    f"[{type(self).__name__}] command_buffer must be a CommandBuffer, "
+                    f"got {type(command_buffer).__name__}"
+                )
+            command_buffer.check_encodable(type(self).__name__)
+        self._device = device
+        self._command_buffer = command_buffer
+        self._read_count = 1 if command_buffer is not None else 0
+        self._released_by: str | None = None
+        self.label = label
+        if command_buffer is not None:
+            command_buffer.add_completed_handler(_release_state(self))
+
+    @property
+    def device(self) -> Device:
+        return self._device
+
+    @property
+    def is_temporary(self) -> bool:
+        return self._command_buffer is not None
+
+    @property
+    def command_buffer(self) -> CommandBuffer | None:
+        """The command buffer a temporary state belongs to (None for permanent states)."""
+        return self._command_buffer
+
+    @property
+    def read_count(self) -> int:
+        """Reads left before a temporary state is freed (0 for permanent states)."""
+        return self._read_count
+
+    @read_count.setter
+    def read_count(self, value: int) -> None:
+        self._check_live("read_count")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(
+                f"[{type(self).__name__}] read_count must be an int, got {type(value).__name__}"
+            )
+        if not self.is_temporary:
+            raise ValueError(
+                f"[{type(self).__name__}] read_count can only be set on a temporary state, "
+                "got a permanent one"
+            )
+        if value < 0:
+            raise ValueError(f"[{type(self).__name__}] read_count must be >= 0, got {value}")
+        self._read_count = value
+        if value == 0:
+            self._release("read_count = 0")
+
+    def synchronize(self, command_buffer: CommandBuffer) -> None:
+        """Make the contents visible to the CPU after ``command_buffer`` completes.
+
+        A no-op: torch tensors read on the host after completion are already coherent.
+        """
+
+    def resources(self) -> list[torch.Tensor]:
+        """The tensors this state holds (subclasses list theirs)."""
+        return []
+
+    def resource_size(self) -> int:
+        """Bytes held by the state's tensors."""
+        return sum(t.numel() * t.element_size() for t in self.resources())
+
+    def destination_image_descriptor(
+        self, source_images: Any, source_states: Any, kernel: Any, suggested_descriptor: Any
+    ) -> Any:
+        """Hook through which a state may resize a kernel's result (default: unchanged)."""
+        return suggested_descriptor
+
+    # -- lifetime -------------------------------------------------------------------------
+
+    def _describe(self) -> str:
+        label = f" {self.label!r}" if self.label else ""
+        return f"{type(self).__name__}{label}"
+
+    def _check_live(self, who: str | None) -> None:
+        if self._released_by is not None:
+            raise StaleResourceError(
+                f"[{who or type(self).__name__}] {self._describe()} must be live, but its "
+                f"read_count reached 0 ({self._released_by}); raise read_count before that read "
+                "to keep it, or use a permanent state"
+            )
+
+    def _consume_read(self, command_buffer: CommandBuffer, who: str) -> None:
+        if self._command_buffer is None:
+            return
+        self._read_count -= 1
+        if self._read_count == 0:
+            self._release(f"released after its last read by {who}")
+
+    def _release(self, why: str) -> None:
+        self._released_by = why
+        assert self._command_buffer is not None  # only temporary states are released
+        self._command_buffer.release_after_last(self)
+
+    def _free_storage(self) -> None:
+        """Drop the tensors (called after the last reader ran); subclasses clear theirs."""
+
+    def __repr__(self) -> str:
+        kind = "temporary" if self.is_temporary else "permanent"
+        return f"<{self._describe()} {kind} on {self._device.torch_device}>"
+
+
+def _release_state(state: State) -> Any:
+    def handler(_cb: CommandBuffer) -> None:
+        if state._released_by is None:
+            state._released_by = "its command buffer completed"
+        state._free_storage()
+
+    return handler
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardRecord:
+    """The forward encode's geometry, as a gradient kernel needs it.
+
+    Attributes:
+        kernel: the forward kernel.
+        window: images, channels and the per-axis windows the forward used.
+        edge_mode: the forward edge mode.
+        offset, clip_rect: the forward properties as set at encode time.
+        source_shape: ``(N, C, H, W)`` of the forward source.
+        destination_shape: ``(N, C, H, W)`` of the forward destination.
+        extra: family data (weights used, fused neuron, ...).
+    """
+
+    kernel: Any
+    window: Window
+    edge_mode: EdgeMode
+    offset: Offset
+    clip_rect: Region
+    source_shape: tuple[int, int, int, int]
+    destination_shape: tuple[int, int, int, int]
+    extra: Any = None
+
+    def same_geometry(self, other: ForwardRecord) -> bool:
+        """True when two encodes used the same spatial and channel geometry (images may differ)."""
+        a, b = self.window, other.window
+        return (
+            a.y == b.y
+            and a.x == b.x
+            and (a.src_channel, a.src_channels, a.dst_channel, a.dst_y, a.dst_x)
+            == (b.src_channel, b.src_channels, b.dst_channel, b.dst_y, b.dst_x)
+            and self.edge_mode == other.edge_mode
+            and self.source_shape[1:] == other.source_shape[1:]
+            and self.destination_shape[1:] == other.destination_shape[1:]
+        )
+
+
+class GradientState(State):
+    """The forward kernel's record, read by its gradient kernel (MPS ``MPSNNGradientState``).
+
+    Written by: the forward ``encode`` that receives it as ``destination_state``.
+    Read by: the matching gradient kernel (``gradient_state``).
+    """
+
+    def __init__(
+        self,
+        device: Device,
+        *,
+        command_buffer: CommandBuffer | None = None,
+        label: str | None = None,
+    ) -> None:
+        super().__init__(device, command_buffer=command_buffer, label=label)
+        self._forward: ForwardRecord | None = None
+
+    @property
+    def forward(self) -> ForwardRecord | None:
+        """What the last forward encode recorded (None before any)."""
+        return self._forward
+
+    # Convenience views of the record (MPS exposes sourceWidth/Height on size-encoding states).
+    @property
+    def source_width(self) -> int:
+        return self._require_forward(type(self).__name__).source_shape[3]
+
+    @property
+    def source_height(self) -> int:
+        return self._require_forward(type(self).__name__).source_shape[2]
+
+    def _require_forward(self, who: str) -> ForwardRecord:
+        if self._forward is None:
+            raise ValueError(
+                f"[{who}] the gradient state must have been written by a forward encode (pass "
+                f"it as destination_state), got a {type(self).__name__} no forward encode wrote"
+            )
+        return self._forward
+
+    def _record_forward(self, record: ForwardRecord, who: str) -> None:
+        """Store the forward geometry; a state shared by several encodes must see one geometry."""
+        if self._forward is not None and not self._forward.same_geometry(record):
+            raise ValueError(
+                f"[{who}] a gradient state shared by several encodes needs the same geometry "
+                f"at each encode, got {self._forward.window} then {record.window}"
+            )
+        self._forward = record
+
+
+class BinaryGradientState(GradientState):
+    """Gradient state of a two-input forward kernel (MPS ``MPSNNBinaryGradientState``).
+
+    Its record's ``extra`` holds the secondary source's geometry.
+    """
+
+
+class StateBatch(list[Any]):
+    """A list of states, one per image of a batch (MPS ``MPSStateBatch``).
+
+    A shared state may appear several times; read counts treat it once.
+    """
+
+    def unique(self) -> list[Any]:
+        """The distinct states, in first-appearance order."""
+        seen: set[int] = set()
+        out = []
+        for s in self:
+            if id(s) not in seen:
+                seen.add(id(s))
+                out.append(s)
+        return out
+
+    def increment_read_count(self, amount: int) -> int:
+        """Add ``amount`` to each distinct temporary state's read count; returns the number of
+        distinct states (MPS ``MPSStateBatchIncrementReadCount``)."""
+        states = self.unique()
+        for s in states:
+            if s is not None and s.is_temporary:
+                s.read_count = s.read_count + amount
+        return len(states)
+
+    @classmethod
+    def of(cls, states: Iterable[Any]) -> StateBatch:
+        return cls(states)

@@ -1,0 +1,27 @@
+"""Exceptions raised by mpsnn.
+
+Every message reads ``[ClassName] what must hold, got what`` (SPEC §12). Bad values and shapes
+raise `ValueError`, wrong types `TypeError`; these two are the built-in classes so that callers can
+catch them the usual way. The classes below cover what the built-ins do not say.
+"""
+
+from __future__ import annotations
+
+__all__ = ["MpsnnError", "StaleResourceError", "UnsupportedError"]
+
+
+class MpsnnError(Exception):
+    """Base class of the exceptions that are specific to mpsnn."""
+
+
+class StaleResourceError(MpsnnError, RuntimeError):
+    """A temporary image or state was used after its read count reached zero.
+
+    MPS recycles the storage of a temporary object once its last scheduled reader has run;
+    mpsnn raises this instead of reading recycled memory. The message names the object, its
+    label, and the kernel that touched it.
+    """
+
+
+class UnsupportedError(MpsnnError, NotImplementedError):
+    """A valid configuration that mpsnn does not implement (the message says why)."""

@@ -1,0 +1,1 @@
+"""Pure tensor math of each family (forward and gradients), with no MPS objects."""

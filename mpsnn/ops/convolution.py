@@ -1,0 +1,267 @@
+"""Convolution math on tensors: forward, gradient (data), gradient (weights and bias).
+
+Layouts: images (N, C, H, W); weights OIHW ``(O, I / groups, kH, kW)`` (the MPS OHWI layout is
+converted once, at the data-source boundary).
+
+Forward (correlation, no flip), per output pixel ``(i, j)`` and output channel ``k`` of group
+``g(k)``::
+
+    y(k, i, j) = b[k] + sum_{q, p, c} W[k, c, q, p] * x(g(k) * I/G + c, ys + sy*i + dy*q,
+                                                        xs + sx*j + dx*p)
+
+with ``ys, xs`` the window starts of `AxisWindow` and out-of-image reads given by the edge mode.
+
+Gradients (the exact adjoint of the forward, derived as in ``jax/_src/lax/convolution.py``):
+
+    dx = extract_adjoint(conv_transpose(E, W))          (data)
+    dW[k, c, q, p] = sum_{n, i, j} E(k, i, j) * x_ext(c, sy*i + dy*q, sx*j + dx*p)  (weights)
+    db[k] = sum_{n, i, j} E(k, i, j)                      (bias)
+
+computed with ``aten.convolution_backward`` over the same extracted source the forward read.
+Weight and bias gradients are returned in float32 (SPEC §1.4: accumulations in at least float32).
+
+The convolution transpose is defined as MPS defines it (inventory §2.4): insert ``stride - 1``
+zeros between source pixels, then correlate with the weights *as given*.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mpsnn.core.geometry import AxisWindow, EdgeMode
+from mpsnn.ops._dtypes import acc_dtype
+from mpsnn.ops.window import extract, extract_adjoint, insert_zeros, pad_axis
+
+__all__ = [
+    "ConvGeometry",
+    "conv_backward",
+    "conv_forward",
+    "conv_transpose_backward",
+    "conv_transpose_forward",
+    "fc_backward",
+    "fc_forward",
+]
+
+_conv_backward = torch.ops.aten.convolution_backward.default
+
+
+@dataclass(frozen=True, slots=True)
+class ConvGeometry:
+    """The resolved windows of one convolution encode, its edge mode and group count."""
+
+    y: AxisWindow
+    x: AxisWindow
+    edge: EdgeMode
+    groups: int
+
+
+def _out_len(length: int, pad: int, a: AxisWindow) -> int:
+    return (length + 2 * pad - a.extent) // a.stride + 1
+
+
+def conv_forward(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geom: ConvGeometry
+) -> torch.Tensor:
+    """``(N, I, H, W) -> (N, O, y.count, x.count)``; see the module docstring."""
+    t, pads = extract(x, geom.y, geom.x, geom.edge)
+    out = F.conv2d(
+        t,
+        weight,
+        bias,
+        (geom.y.stride, geom.x.stride),
+        pads,
+        (geom.y.dilation, geom.x.dilation),
+        geom.groups,
+    )
+    ny, nx = geom.y.count, geom.x.count
+    if out.shape[2] != ny or out.shape[3] != nx:
+        out = out[:, :, :ny, :nx]
+    return out
+
+
+def conv_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    geom: ConvGeometry,
+    need_data: bool = True,
+    need_weights: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Gradients of `conv_forward` for the incoming gradient ``grad`` (N, O, ny, nx).
+
+    Returns:
+        ``(dx, dW, db)``: dx shaped like ``x`` (or None), dW like ``weight`` in float32 (or
+        None), db ``(O,)`` in float32.
+    """
+    t, pads = extract(x, geom.y, geom.x, geom.edge)
+    oy, ox = _out_len(t.shape[2], pads[0], geom.y), _out_len(t.shape[3], pads[1], geom.x)
+    g = grad
+    if oy != g.shape[2] or ox != g.shape[3]:  # the operator made extra outputs: they get 0
+        g = F.pad(g, (0, ox - g.shape[3], 0, oy - g.shape[2]))
+    dt, dw, _ = _conv_backward(
+        g,
+        t,
+        weight,
+        None,
+        [geom.y.stride, geom.x.stride],
+        list(pads),
+        [geom.y.dilation, geom.x.dilation],
+        False,
+        [0, 0],
+        geom.groups,
+        [need_data, need_weights, False],
+    )
+    dx = extract_adjoint(dt, geom.y, geom.x, geom.edge, pads) if need_data else None
+    acc = acc_dtype(grad.dtype)
+    db = grad.sum((0, 2, 3), dtype=acc)
+    return dx, (dw.to(acc) if need_weights else None), db
+
+
+# -- fully connected -------------------------------------------------------------------------
+
+
+def fc_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``y[n, o] = b[o] + sum_{c, h, w} W[o, c, h, w] x[n, c, h, w]`` over the top-left
+    ``kH x kW`` pixels of ``x``; returns ``(N, O, 1, 1)``."""
+    n = x.shape[0]
+    o, _, kh, kw = weight.shape
+    xin = x[:, :, :kh, :kw].reshape(n, -1)
+    return F.linear(xin, weight.reshape(o, -1), bias).view(n, o, 1, 1)
+
+
+def fc_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    need_data: bool = True,
+    need_weights: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Gradients of `fc_forward`: ``dx = E W``, ``dW = E^T x`` (float32), ``db = sum E``."""
+    n, c, h, w = x.shape
+    o, _, kh, kw = weight.shape
+    g2 = grad.reshape(n, o)
+    dx = dw = None
+    if need_data:
+        dx = (g2 @ weight.reshape(o, -1)).view(n, c, kh, kw)
+        if (kh, kw) != (h, w):
+            dx = F.pad(dx, (0, w - kw, 0, h - kh))
+    acc = acc_dtype(grad.dtype)
+    if need_weights:
+        xin = x[:, :, :kh, :kw].reshape(n, -1)
+        dw = (g2.t() @ xin).to(acc).view(o, c, kh, kw)
+    return dx, dw, g2.sum(0, dtype=acc)
+
+
+# -- convolution transpose -------------------------------------------------------------------
+
+
+def _regroup(weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """OIHW transpose weights -> the ``(I, O/G, kH, kW)`` rotated layout of conv_transpose2d."""
+    o, ig, kh, kw = weight.shape
+    w = (
+        weight.view(groups, o // groups, ig, kh, kw)
+        .transpose(1, 2)
+        .reshape(groups * ig, o // groups, kh, kw)
+    )
+    return w.flip(-1, -2)
+
+
+def _ungroup(w: torch.Tensor, groups: int) -> torch.Tensor:
+    """Inverse of `_regroup` (used for the weight gradient)."""
+    i, og, kh, kw = w.shape
+    w = w.flip(-1, -2)
+    return (
+        w.view(groups, i // groups, og, kh, kw)
+        .transpose(1, 2)
+        .reshape(groups * og, i // groups, kh, kw)
+    )
+
+
+def _transpose_axis_plan(a: AxisWindow, size: int, stride: int) -> tuple[int, int, int, int]:
+    """(padding, output_padding, crop_before, crop_after) for one axis of conv_transpose2d.
+
+    ``a`` is the window over the zero-inserted source (stride 1). The full transpose output
+    (padding 0) has ``Lf = (size - 1) * stride + E`` samples and output ``o`` of the window is
+    sample ``o + P`` with ``P = a.start + E - 1``.
+    """
+    e = a.extent
+    lf = (size - 1) * stride + e
+    p = a.start + e - 1
+    op = a.count - (lf - 2 * p)
+    if p >= 0 and 0 <= op < max(stride, a.dilation):
+        return p, op, 0, 0
+    return 0, 0, -p, p + a.count - lf
+
+
+def conv_transpose_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    geom: ConvGeometry,
+    stride: tuple[int, int],
+) -> torch.Tensor:
+    """MPS convolution transpose: zero-insert ``x`` by ``stride``, then correlate with
+    ``weight`` (OIHW, not rotated) over the windows ``geom`` (stride-1 windows over the
+    zero-inserted frame). Returns ``(N, O, y.count, x.count)``."""
+    sy, sx = stride
+    if geom.edge is EdgeMode.CLAMP:
+        y = conv_forward(insert_zeros(x, sy, sx), weight, None, geom)
+    else:
+        py, opy, cy0, cy1 = _transpose_axis_plan(geom.y, x.shape[2], sy)
+        px, opx, cx0, cx1 = _transpose_axis_plan(geom.x, x.shape[3], sx)
+        y = F.conv_transpose2d(
+            x,
+            _regroup(weight, geom.groups),
+            None,
+            (sy, sx),
+            (py, px),
+            (opy, opx),
+            geom.groups,
+            (geom.y.dilation, geom.x.dilation),
+        )
+        y = pad_axis(pad_axis(y, -2, cy0, cy1), -1, cx0, cx1)
+    if bias is not None:
+        y = y + bias.view(1, -1, 1, 1)
+    return y
+
+
+def conv_transpose_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    geom: ConvGeometry,
+    stride: tuple[int, int],
+    need_data: bool = True,
+    need_weights: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Gradients of `conv_transpose_forward` (dx like ``x``; dW OIHW float32; db float32)."""
+    sy, sx = stride
+    acc = acc_dtype(grad.dtype)
+    db = grad.sum((0, 2, 3), dtype=acc)
+    if geom.edge is EdgeMode.CLAMP:
+        dxe, dw, _ = conv_backward(
+            grad, insert_zeros(x, sy, sx), weight, geom, need_data, need_weights
+        )
+        dx = dxe[:, :, ::sy, ::sx] if dxe is not None else None
+        return dx, dw, db
+    py, opy, cy0, cy1 = _transpose_axis_plan(geom.y, x.shape[2], sy)
+    px, opx, cx0, cx1 = _transpose_axis_plan(geom.x, x.shape[3], sx)
+    g = pad_axis(pad_axis(grad, -2, -cy0, -cy1), -1, -cx0, -cx1)  # adjoint of the crop
+    dx, dwr, _ = _conv_backward(
+        g,
+        x,
+        _regroup(weight, geom.groups),
+        None,
+        [sy, sx],
+        [py, px],
+        [geom.y.dilation, geom.x.dilation],
+        True,
+        [opy, opx],
+        geom.groups,
+        [need_data, need_weights, False],
+    )
+    dw = _ungroup(dwr, geom.groups).to(acc) if need_weights else None
+    return (dx if need_data else None), dw, db

@@ -1,0 +1,160 @@
+"""Data sources and weights: load/purge, export, reload on the CPU and on the command buffer,
+and the CPU update path driven by a completed handler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mpsnn as m
+from tests.helpers import DEVICES, assert_close, run
+
+
+class CountingSource(m.ConvolutionDataSource):
+    """A user-written data source (OHWI numpy weights), counting load/purge calls."""
+
+    def __init__(self, desc: m.ConvolutionDescriptor, w, b) -> None:
+        self.desc, self.w, self.b = desc, w, b
+        self.loads = self.purges = 0
+        self.ok = True
+
+    def descriptor(self):
+        return self.desc
+
+    def weights(self):
+        return self.w
+
+    def bias_terms(self):
+        return self.b
+
+    def load(self) -> bool:
+        self.loads += 1
+        return self.ok
+
+    def purge(self) -> None:
+        self.purges += 1
+
+
+def test_user_data_source_is_loaded_and_purged_in_balance() -> None:
+    desc = m.ConvolutionDescriptor(3, 3, 2, 3)
+    src = CountingSource(desc, torch.randn(desc.weights_shape).numpy(), None)
+    conv = m.Convolution(m.Device("cpu"), src)
+    m.ConvolutionGradient(m.Device("cpu"), src)
+    conv.reload_weights_and_biases_from_data_source()
+    assert src.loads == src.purges == 3
+    assert conv.biases is None and conv.weights.shape == desc.weights_shape
+    src.ok = False
+    with pytest.raises(
+        ValueError, match=r"\[Convolution\] the data source's load\(\) must succeed, got False"
+    ):
+        conv.reload_weights_and_biases_from_data_source()
+    assert (src.loads, src.purges) == (4, 3)  # a failed load is not purged
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_export_round_trips_the_weights(device: str) -> None:
+    dev = m.Device(device)
+    desc = m.ConvolutionDescriptor(2, 3, 4, 6, groups=2)
+    w, b = torch.randn(desc.weights_shape), torch.randn(6)
+    conv = m.Convolution(dev, m.TensorConvolutionDataSource(desc, w, b))
+    cb = dev.new_command_queue().command_buffer()
+    state = conv.export_weights_and_biases(cb)
+    tmp = conv.export_weights_and_biases(cb, result_state_can_be_temporary=True)
+    assert (
+        isinstance(state, m.ConvolutionWeightsAndBiasesState)
+        and not state.is_temporary
+        and tmp.is_temporary
+    )
+    run(cb)
+    assert torch.equal(state.weights.cpu(), w) and torch.equal(state.biases.cpu(), b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reload_on_the_command_buffer_affects_later_encodes_only(device: str) -> None:
+    dev = m.Device(device)
+    desc = m.ConvolutionDescriptor(1, 1, 1, 1)
+    conv = m.Convolution(
+        dev, m.TensorConvolutionDataSource(desc, torch.full((1, 1, 1, 1), 2.0), torch.zeros(1))
+    )
+    x = m.Image.from_tensor(torch.ones(1, 1, 2, 2, device=device))
+    cb = dev.new_command_queue().command_buffer()
+    before = conv.encode(cb, x)
+    new = m.ConvolutionWeightsAndBiasesState.temporary(cb, desc)
+    new.weights.fill_(5.0)
+    new.biases.fill_(1.0)
+    conv.reload_weights_and_biases(cb, new)
+    assert new.read_count == 0  # the reload read it
+    after = conv.encode(cb, x)
+    run(cb)
+    assert before.tensor.flatten().tolist() == [2.0] * 4
+    assert after.tensor.flatten().tolist() == [6.0] * 4
+    with pytest.raises(
+        ValueError,
+        match=r"\[Convolution\] state.weights must have the OHWI shape \(1, 1, 1, 1\), got \(1, 3, 3, 1\)",
+    ):
+        conv.reload_weights_and_biases(
+            dev.new_command_queue().command_buffer(),
+            m.ConvolutionWeightsAndBiasesState(torch.zeros(1, 3, 3, 1, device=device)),
+        )
+
+
+def test_reload_from_the_data_source_keeps_already_encoded_work() -> None:
+    dev = m.Device("cpu")
+    desc = m.ConvolutionDescriptor(1, 1, 1, 1)
+    ds = m.TensorConvolutionDataSource(desc, torch.full((1, 1, 1, 1), 2.0))
+    conv = m.Convolution(dev, ds)
+    x = m.Image.from_tensor(torch.ones(1, 1, 1, 1))
+    cb = dev.new_command_queue().command_buffer()
+    old = conv.encode(cb, x)
+    ds.set_weights_and_biases(torch.full((1, 1, 1, 1), 7.0))
+    conv.reload_weights_and_biases_from_data_source()
+    new = conv.encode(cb, x)
+    run(cb)
+    assert (old.tensor.item(), new.tensor.item()) == (2.0, 7.0)
+    with pytest.raises(
+        ValueError, match=r"\[Convolution\] the data source's descriptor must not change"
+    ):
+        ds._descriptor = m.ConvolutionDescriptor(3, 3, 1, 1)
+        ds._weights = torch.zeros(1, 3, 3, 1)
+        conv.reload_weights_and_biases_from_data_source()
+
+
+def test_cpu_update_path_trains_a_linear_fit() -> None:
+    """MPS update path 1: after completion, read the gradient state, update the data source,
+    reload. Fits y = 3x - 1 with a 1x1 convolution and plain gradient descent."""
+    dev = m.Device("cpu")
+    desc = m.ConvolutionDescriptor(1, 1, 1, 1)
+    ds = m.TensorConvolutionDataSource(desc, torch.zeros(1, 1, 1, 1), torch.zeros(1))
+    conv, grad = m.Convolution(dev, ds), m.ConvolutionGradient(dev, ds)
+    gen = torch.Generator().manual_seed(41)
+    q = dev.new_command_queue()
+    lr = 1.0
+
+    def update(state: m.ConvolutionGradientState):
+        def handler(_cb):
+            ds.set_weights_and_biases(
+                ds.weights() - lr * state.gradient_for_weights,
+                ds.bias_terms() - lr * state.gradient_for_biases,
+            )
+            conv.reload_weights_and_biases_from_data_source()
+            grad.reload_weights_and_biases_from_data_source()
+
+        return handler
+
+    for _ in range(150):
+        xs = torch.rand(16, 1, 1, 1, generator=gen)
+        x = m.ImageBatch.from_tensor(xs)
+        cb = q.command_buffer()
+        states = conv.result_state_batch(x)
+        y = conv.encode_batch(cb, x, destination_states=states)
+        cb.commit()
+        cb.wait_until_completed()
+        g = (y.tensor - (3 * xs - 1)) / 16  # d/dy of mean squared error / 2
+        cb = q.command_buffer()
+        grad.gradient_option = m.ConvolutionGradientOption.GRADIENT_WITH_WEIGHTS_AND_BIAS
+        assert grad.encode_batch(cb, m.ImageBatch.from_tensor(g), x, states) is None
+        cb.add_completed_handler(update(states[0]))
+        cb.commit()
+        cb.wait_until_completed()
+    assert_close(ds.weights().flatten(), torch.tensor([3.0]), "learned slope", tol=1e-3)
+    assert_close(ds.bias_terms(), torch.tensor([-1.0]), "learned bias", tol=1e-3)
