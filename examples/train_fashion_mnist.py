@@ -57,7 +57,9 @@ def main() -> None:
             grads = [state.gradient_for_weights.cpu(), state.gradient_for_biases.cpu()]
             for v, g in zip(velocity, grads, strict=True):
                 v.mul_(args.momentum).add_(g)
-            data.set_weights_and_biases(*(p - args.lr * v for p, v in zip(params, velocity, strict=True)))
+            data.set_weights_and_biases(
+                *(p - args.lr * v for p, v in zip(params, velocity, strict=True))
+            )
             fc.reload_weights_and_biases_from_data_source()
             fc_grad.reload_weights_and_biases_from_data_source()
 
@@ -96,7 +98,9 @@ def main() -> None:
             cb.wait_until_completed()
             if (step + 1) % 100 == 0 or step + 1 == steps:
                 bar = "#" * (20 * (step + 1) // steps)
-                print(f"\repoch {epoch} [{bar:<20}] loss {total / (step + 1):.4f}", end="", flush=True)
+                print(
+                    f"\repoch {epoch} [{bar:<20}] loss {total / (step + 1):.4f}", end="", flush=True
+                )
         acc = evaluate()
         print(f"  test accuracy {acc:.4f}  ({time.perf_counter() - t0:.1f} s)")
 

@@ -63,7 +63,10 @@ def _geometry_property(name: str, kind: str, minimum: int | None = None) -> prop
     attr = "_" + name
 
     def get(self: BinaryKernel) -> Any:
-        return getattr(self, attr)
+        record = self._last_record
+        if record is None or name in self._explicit:
+            return getattr(self, attr)
+        return self._derived(record)[name]  # a gradient kernel reports its forward's geometry
 
     def set_(self: BinaryKernel, value: Any) -> None:
         who = type(self).__name__
@@ -123,6 +126,7 @@ class BinaryKernel(Kernel):
     ) -> None:
         super().__init__(device)
         self._explicit: set[str] = set()
+        self._last_record: ForwardRecord | None = None  # gradient kernels: the last forward
         self._primary_kernel = primary_kernel
         self._secondary_kernel = secondary_kernel
         self._primary_dilation = primary_dilation
@@ -198,11 +202,13 @@ class BinaryKernel(Kernel):
 
     @property
     def secondary_kernel_width(self) -> int:
-        return self._secondary_kernel[0]
+        r = self._last_record
+        return r.window.x.kernel if r is not None else self._secondary_kernel[0]
 
     @property
     def secondary_kernel_height(self) -> int:
-        return self._secondary_kernel[1]
+        r = self._last_record
+        return r.window.y.kernel if r is not None else self._secondary_kernel[1]
 
     @property
     def primary_dilation_rate_x(self) -> int:
@@ -214,11 +220,13 @@ class BinaryKernel(Kernel):
 
     @property
     def secondary_dilation_rate_x(self) -> int:
-        return self._secondary_dilation[0]
+        r = self._last_record
+        return r.window.x.dilation if r is not None else self._secondary_dilation[0]
 
     @property
     def secondary_dilation_rate_y(self) -> int:
-        return self._secondary_dilation[1]
+        r = self._last_record
+        return r.window.y.dilation if r is not None else self._secondary_dilation[1]
 
     @property
     def is_backwards(self) -> bool:
@@ -336,13 +344,6 @@ class GradientKernel(BinaryKernel):
             ),
         }
 
-    def _adopt_geometry(self, record: ForwardRecord, derived: dict[str, Any]) -> None:
-        for name, value in derived.items():
-            setattr(self, "_" + name, value)
-        w = record.window
-        self._secondary_kernel = (w.x.kernel, w.y.kernel)
-        self._secondary_dilation = (w.x.dilation, w.y.dilation)
-
     def _check_explicit(self, derived: dict[str, Any]) -> None:
         for name in sorted(self._explicit):
             want = derived[name]
@@ -370,7 +371,7 @@ class GradientKernel(BinaryKernel):
                 f"got {type(state).__name__}"
             )
         record = state._require_forward(type(self).__name__)
-        self._adopt_geometry(record, self._derived(record))
+        self._last_record = record  # the geometry properties now report this forward
         n, c, h, w = record.source_shape
         fmt = source_images[0].feature_channel_format
         return ImageDescriptor(fmt, w, h, c, n)
@@ -464,8 +465,8 @@ class GradientKernel(BinaryKernel):
                     f"got {record.window} and {other.window}"
                 )
         self._check_forward(record)
-        derived = self._derived(record)
-        self._check_explicit(derived)
+        if self._explicit:
+            self._check_explicit(self._derived(record))
         fw = record.window
         # Which images: the whole batch, or the forward's old-style z mapping.
         if batch:
@@ -487,7 +488,7 @@ class GradientKernel(BinaryKernel):
         n, c, h, w = record.source_shape
         if dst is None:
             want_n = images if batch else n
-            desc = ImageDescriptor(grad.feature_channel_format, w, h, c, want_n)
+            desc = ImageDescriptor._make(grad._fmt, w, h, c, want_n)
         else:
             self._check_image(cb, dst, "destination_gradient")
             if dst._root() is grad._root() or dst._root() is src._root():
@@ -503,7 +504,7 @@ class GradientKernel(BinaryKernel):
         x0, nx = resolve_span(who, "x", self._clip.origin.x, self._clip.size.width, w)
         backward = self._make_backward(record, fw, states)
         # -- validation is over --
-        self._adopt_geometry(record, derived)
+        self._last_record = record
         out = dst
         if out is None and self._wants_data_gradient():
             out = self._allocator.image(cb, desc, self)

@@ -170,7 +170,7 @@ class CommandBuffer:
         self._commands: list[_Command] = []
         self._handlers: list[Callable[[CommandBuffer], Any]] = []
         self._pending_releases: list[Any] = []  # released before the first command runs
-        self._done = threading.Event()
+        self._done: threading.Event | None = None  # only for asynchronous (CUDA) completion
         self._event: torch.cuda.Event | None = None
 
     @property
@@ -237,6 +237,7 @@ class CommandBuffer:
             self._run()
             self._finish()
             return
+        self._done = threading.Event()
         # Work the caller queued on its current stream (inputs being written) must finish first.
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):
@@ -274,7 +275,8 @@ class CommandBuffer:
                 if self.error is None:
                     self.error = exc
                 self.status = CommandBufferStatus.ERROR
-        self._done.set()
+        if self._done is not None:
+            self._done.set()
 
     def wait_until_completed(self) -> None:
         """Block until the work and the completed handlers are done; re-raise their error."""
@@ -283,7 +285,8 @@ class CommandBuffer:
                 "[CommandBuffer] wait_until_completed() needs a committed command buffer, "
                 "got status NOT_ENQUEUED"
             )
-        self._done.wait()
+        if self._done is not None:
+            self._done.wait()
         if self.error is not None:
             raise self.error
 

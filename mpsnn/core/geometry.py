@@ -25,8 +25,7 @@ top/left):
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from mpsnn.core.image import ImageDescriptor
@@ -58,59 +57,80 @@ def _int(owner: str, name: str, value: Any) -> int:
     return value
 
 
-@dataclass(frozen=True, slots=True)
-class Offset:
+# The value types are validated tuples: immutable, cheap to build, compare and hash (encodes
+# use them as cache keys). Like all tuples they compare equal to tuples of the same values.
+
+
+class _OffsetFields(NamedTuple):
+    x: int
+    y: int
+    z: int
+
+
+class Offset(_OffsetFields):
     """A signed position (MPS ``MPSOffset``). ``z`` selects the first source image."""
 
-    x: int = 0
-    y: int = 0
-    z: int = 0
+    __slots__ = ()
 
-    def __post_init__(self) -> None:
-        for name in ("x", "y", "z"):
-            _int("Offset", name, getattr(self, name))
+    def __new__(cls, x: int = 0, y: int = 0, z: int = 0) -> Offset:
+        return super().__new__(
+            cls, _int("Offset", "x", x), _int("Offset", "y", y), _int("Offset", "z", z)
+        )
 
 
-@dataclass(frozen=True, slots=True)
-class Origin:
+class Origin(_OffsetFields):
     """A destination position (MPS ``MTLOrigin``); signed here, a clip rect may start outside."""
 
-    x: int = 0
-    y: int = 0
-    z: int = 0
+    __slots__ = ()
 
-    def __post_init__(self) -> None:
-        for name in ("x", "y", "z"):
-            _int("Origin", name, getattr(self, name))
+    def __new__(cls, x: int = 0, y: int = 0, z: int = 0) -> Origin:
+        return super().__new__(
+            cls, _int("Origin", "x", x), _int("Origin", "y", y), _int("Origin", "z", z)
+        )
 
 
-@dataclass(frozen=True, slots=True)
-class Size:
+class _SizeFields(NamedTuple):
+    width: int
+    height: int
+    depth: int
+
+
+def _extent(name: str, value: Any) -> int:
+    v = _int("Size", name, value)
+    if v < 0:
+        raise ValueError(f"[Size] {name} must be >= 0, got {v}")
+    return v
+
+
+class Size(_SizeFields):
     """An extent (MPS ``MTLSize``): width, height and depth (images), each >= 0."""
 
-    width: int = 1
-    height: int = 1
-    depth: int = 1
+    __slots__ = ()
 
-    def __post_init__(self) -> None:
-        for name in ("width", "height", "depth"):
-            v = _int("Size", name, getattr(self, name))
-            if v < 0:
-                raise ValueError(f"[Size] {name} must be >= 0, got {v}")
+    def __new__(cls, width: int = 1, height: int = 1, depth: int = 1) -> Size:
+        return super().__new__(
+            cls, _extent("width", width), _extent("height", height), _extent("depth", depth)
+        )
 
 
-@dataclass(frozen=True, slots=True)
-class Region:
+class _RegionFields(NamedTuple):
+    origin: Origin
+    size: Size
+
+
+class Region(_RegionFields):
     """An origin and a size (MPS ``MTLRegion``); used for clip rects and byte I/O."""
 
-    origin: Origin = Origin()
-    size: Size = Size()
+    __slots__ = ()
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.origin, Origin):
-            raise TypeError(f"[Region] origin must be an Origin, got {type(self.origin).__name__}")
-        if not isinstance(self.size, Size):
-            raise TypeError(f"[Region] size must be a Size, got {type(self.size).__name__}")
+    def __new__(cls, origin: Origin | None = None, size: Size | None = None) -> Region:
+        origin = Origin() if origin is None else origin
+        size = Size() if size is None else size
+        if not isinstance(origin, Origin):
+            raise TypeError(f"[Region] origin must be an Origin, got {type(origin).__name__}")
+        if not isinstance(size, Size):
+            raise TypeError(f"[Region] size must be a Size, got {type(size).__name__}")
+        return super().__new__(cls, origin, size)
 
     @classmethod
     def make(cls, x: int, y: int, width: int, height: int, z: int = 0, depth: int = 1) -> Region:
@@ -323,12 +343,12 @@ class DefaultPadding:
         return f"DefaultPadding({self._method!r})"
 
 
-@dataclass(frozen=True, slots=True)
-class AxisWindow:
+class AxisWindow(NamedTuple):
     """One axis of the window model, resolved for one encode.
 
     Output ``i`` in ``[0, count)`` reads source taps ``start + stride * i + dilation * j``,
-    ``j`` in ``[0, kernel)``, of a source ``size`` pixels long.
+    ``j`` in ``[0, kernel)``, of a source ``size`` pixels long. (A NamedTuple: encodes make
+    these on the hot path.)
     """
 
     start: int
@@ -346,9 +366,9 @@ class AxisWindow:
     @property
     def stop(self) -> int:
         """One past the last source coordinate any tap reads."""
-        return (
-            self.start + self.stride * (self.count - 1) + self.extent if self.count else self.start
-        )
+        if not self.count:
+            return self.start
+        return self.start + self.stride * (self.count - 1) + self.extent
 
     @property
     def inside(self) -> bool:
@@ -356,8 +376,7 @@ class AxisWindow:
         return self.start >= 0 and self.stop <= self.size
 
 
-@dataclass(frozen=True, slots=True)
-class Window:
+class Window(NamedTuple):
     """Everything an encode resolved about where it reads and writes.
 
     Images ``[src_image, src_image + images)`` of the source map to

@@ -189,7 +189,14 @@ class ImageDescriptor:
         return (self._n, self._c, self._h, self._w)
 
     def copy(self) -> ImageDescriptor:
-        return ImageDescriptor(self._fmt, self._w, self._h, self._c, self._n)
+        return ImageDescriptor._make(self._fmt, self._w, self._h, self._c, self._n)
+
+    @classmethod
+    def _make(cls, fmt: FeatureChannelFormat, w: int, h: int, c: int, n: int) -> ImageDescriptor:
+        """Internal: a descriptor from values already known to be valid (no checks)."""
+        d = cls.__new__(cls)
+        d._fmt, d._w, d._h, d._c, d._n = fmt, w, h, c, n
+        return d
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -277,6 +284,21 @@ class Image:
     def default_allocator() -> ImageAllocator:
         """Allocator of permanent images (the default of every kernel in mpsnn)."""
         return _PERMANENT
+
+    @classmethod
+    def _make(cls, device: Device, descriptor: ImageDescriptor) -> Image:
+        """Internal: an image for a descriptor already known to be valid (no checks)."""
+        image = cls.__new__(cls)
+        image._device = device
+        image._fmt = descriptor._fmt
+        image._dtype = _FORMAT_TO_DTYPE[descriptor._fmt]
+        image._shape = (descriptor._n, descriptor._c, descriptor._h, descriptor._w)
+        image._storage = None
+        image._base = None
+        image._index = 0
+        image._writer = None
+        image.label = None
+        return image
 
     # -- properties ---------------------------------------------------------------------
 
@@ -612,7 +634,7 @@ class _PermanentAllocator:
     def image(
         self, command_buffer: CommandBuffer, descriptor: ImageDescriptor, kernel: Any
     ) -> Image:
-        return Image(command_buffer.device, descriptor)
+        return Image._make(command_buffer._queue._device, descriptor)
 
     def __repr__(self) -> str:
         return "Image.default_allocator()"

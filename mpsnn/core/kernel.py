@@ -47,6 +47,7 @@ from mpsnn.core.state import ForwardRecord, GradientState, State, StateBatch
 
 __all__ = ["CNNKernel", "Kernel", "KernelOptions", "resolve_images", "resolve_span"]
 
+_CUSTOM = int(PaddingMethod.CUSTOM)
 DEFAULT_PADDING_METHOD = (
     PaddingMethod.ALIGN_CENTERED | PaddingMethod.ADD_REMAINDER_TO_TOP_LEFT | PaddingMethod.SIZE_SAME
 )
@@ -99,7 +100,8 @@ class Kernel:
                 f"got {type(cb).__name__}"
             )
         cb.check_encodable(type(self).__name__)
-        if cb.device != self._device:
+        device = cb._queue._device
+        if device is not self._device and device != self._device:
             raise ValueError(
                 f"[{type(self).__name__}] the command buffer must be on {self._device}, "
                 f"got one on {cb.device}"
@@ -109,7 +111,7 @@ class Kernel:
         who = type(self).__name__
         if not isinstance(image, Image):
             raise TypeError(f"[{who}] {name} must be an Image, got {type(image).__name__}")
-        if image._device != self._device:
+        if image._device is not self._device and image._device != self._device:
             raise ValueError(
                 f"[{who}] {name} must be on the kernel's device {self._device}, "
                 f"got an image on {image._device}"
@@ -222,6 +224,8 @@ class CNNKernel(Kernel):
     _is_backwards = False
     _reused_across_batch = False
     _batch_barrier = False
+    _cache_plans = True  # False for kernels whose policy has side effects beyond `offset`
+    _policy_states: Any = None  # source states the padding policy consults (transpose pairing)
 
     def __init__(
         self,
@@ -250,6 +254,7 @@ class CNNKernel(Kernel):
         self._edge_mode = EdgeMode.ZERO
         self._padding: Any = DefaultPadding(self._default_padding_method)
         self._allocator: Any = Image.default_allocator()
+        self._plans: dict[tuple[Any, ...], tuple[Any, Offset, Window, dict[str, Any]]] = {}
 
     # -- properties -----------------------------------------------------------------------
 
@@ -406,12 +411,15 @@ class CNNKernel(Kernel):
     def _check_window(self, window: Window, src: Image) -> None:
         """Family checks on the resolved window (raise ValueError)."""
 
-    def _make_forward(self, window: Window, states: list[Any]) -> Forward:
+    def _make_forward(self, window: Window, states: list[Any], memo: dict[str, Any]) -> Forward:
         """The math: a function from the source block ``(images, channels, H, W)`` to the
-        destination block ``(images, out_channels, y.count, x.count)``; runs at commit."""
+        destination block ``(images, out_channels, y.count, x.count)``; runs at commit.
+
+        ``memo`` lives as long as the encode configuration (window, edge mode) does: families
+        keep what they derive from the window there (e.g. the extraction plan)."""
         raise NotImplementedError
 
-    def _record_extra(self, window: Window) -> Any:
+    def _record_extra(self, window: Window, memo: dict[str, Any]) -> Any:
         """Family data stored in the gradient state's `ForwardRecord`."""
         return None
 
@@ -617,20 +625,46 @@ class CNNKernel(Kernel):
         self, cb: CommandBuffer, src: Image, dst: Image | None, states: list[Any], batch: bool
     ) -> tuple[ImageDescriptor | None, Window, ForwardRecord | None, Forward]:
         who = type(self).__name__
-        desc = None
-        if dst is None:
-            desc = self._resolve_policy([src], states or None)
-            dst_shape = desc.shape
-        else:
+        dst_shape = None
+        if dst is not None:
             self._check_image(cb, dst, "destination_image")
             if dst._root() is src._root():
                 raise ValueError(
                     f"[{who}] the destination must not alias the source, got the same image"
                 )
             dst_shape = dst._shape
-        offset = self._offset
-        window = self._window(src._shape, dst_shape, offset, batch)
-        self._check_window(window, src)
+        # The padding policy and the window depend only on shapes and properties: a plan made
+        # once per configuration keeps enum arithmetic and validation off the hot path.
+        method = int(self._padding.padding_method)
+        key = (
+            src._shape,
+            src._fmt,
+            dst_shape,
+            self._offset,
+            self._clip,
+            self._sco,
+            self._smax,
+            self._dco,
+            self._edge_mode,
+            method,
+            batch,
+        )
+        plan = self._plans.get(key)
+        if plan is None:
+            if dst_shape is None:
+                desc = self._resolve_policy([src], self._policy_states)
+                dst_shape = desc.shape
+            else:
+                desc = None
+            window = self._window(src._shape, dst_shape, self._offset, batch)
+            self._check_window(window, src)
+            plan = (desc, self._offset, window, {})
+            if self._cache_plans and not (method & _CUSTOM) and not self._policy_states:
+                if len(self._plans) >= 32:  # a kernel seldom sees many configurations
+                    self._plans.clear()
+                self._plans[key] = plan
+        desc, offset, window, memo = plan
+        self._offset = offset
         record = None
         if states:
             record = ForwardRecord(
@@ -640,13 +674,13 @@ class CNNKernel(Kernel):
                 offset,
                 self._clip,
                 src._shape,
-                dst_shape,
-                self._record_extra(window),
+                window_dst_shape(desc, dst),
+                self._record_extra(window, memo),
             )
             for st in StateBatch(states).unique():
                 if st._forward is not None and not st._forward.same_geometry(record):
                     st._record_forward(record, who)  # raises the geometry mismatch
-        return desc, window, record, self._make_forward(window, states)
+        return desc, window, record, self._make_forward(window, states, memo)
 
     def _allocate(self, cb: CommandBuffer, desc: ImageDescriptor | None, batch: bool) -> Image:
         assert desc is not None
@@ -682,12 +716,19 @@ class CNNKernel(Kernel):
         return Window(ay, ax, z_src, z_dst, images, self._sco, n_read, self._dco, n_write, y0, x0)
 
 
+def window_dst_shape(desc: ImageDescriptor | None, dst: Image | None) -> tuple[int, int, int, int]:
+    return dst._shape if dst is not None else desc.shape  # type: ignore[union-attr]
+
+
 def _forward_command(forward: Forward, src: Image, dst: Image, w: Window) -> Callable[[], None]:
     z0, n, c0, nc = w.src_image, w.images, w.src_channel, w.src_channels
+    dz, dc, dy, dx = w.dst_image, w.dst_channel, w.dst_y, w.dst_x
+    sn, sc = src._shape[0], src._shape[1]
+    whole = z0 == 0 and n == sn and c0 == 0 and nc == sc  # no slicing needed (common case)
 
     def run() -> None:
-        x = src._data()[z0 : z0 + n, c0 : c0 + nc]
-        dst._write_block(forward(x), w.dst_image, w.dst_channel, w.dst_y, w.dst_x)
+        x = src._data() if whole else src._data()[z0 : z0 + n, c0 : c0 + nc]
+        dst._write_block(forward(x), dz, dc, dy, dx)
 
     return run
 

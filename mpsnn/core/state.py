@@ -12,8 +12,7 @@ gradient kernel never takes geometry of its own that could contradict the forwar
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -164,8 +163,7 @@ def _release_state(state: State) -> Any:
     return handler
 
 
-@dataclass(frozen=True, slots=True)
-class ForwardRecord:
+class ForwardRecord(NamedTuple):
     """The forward encode's geometry, as a gradient kernel needs it.
 
     Attributes:

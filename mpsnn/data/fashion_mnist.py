@@ -48,7 +48,9 @@ def _read_idx(path: Path, magic: int) -> np.ndarray:
         data = f.read()
     got, count = struct.unpack(">II", data[:8])
     if got != magic:
-        raise ValueError(f"[load_fashion_mnist] {path} must be an idx file with magic {magic}, got {got}")
+        raise ValueError(
+            f"[load_fashion_mnist] {path} must be an idx file with magic {magic}, got {got}"
+        )
     if magic == 2051:
         rows, cols = struct.unpack(">II", data[8:16])
         return np.frombuffer(data, dtype=np.uint8, offset=16).reshape(count, rows, cols)

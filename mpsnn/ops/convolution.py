@@ -26,17 +26,25 @@ zeros between source pixels, then correlate with the weights *as given*.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from mpsnn.core.geometry import AxisWindow, EdgeMode
 from mpsnn.ops._dtypes import acc_dtype
-from mpsnn.ops.window import extract, extract_adjoint, insert_zeros, pad_axis
+from mpsnn.ops.window import (
+    ExtractPlan,
+    apply_extract,
+    apply_extract_adjoint,
+    insert_zeros,
+    pad_axis,
+    plan_extract,
+)
 
 __all__ = [
     "ConvGeometry",
+    "conv_geometry",
     "conv_backward",
     "conv_forward",
     "conv_transpose_backward",
@@ -48,14 +56,25 @@ __all__ = [
 _conv_backward = torch.ops.aten.convolution_backward.default
 
 
-@dataclass(frozen=True, slots=True)
-class ConvGeometry:
-    """The resolved windows of one convolution encode, its edge mode and group count."""
+class ConvGeometry(NamedTuple):
+    """The resolved windows of one convolution encode, its edge mode and group count, and how
+    the source is prepared for them (made once per configuration by `conv_geometry`)."""
 
     y: AxisWindow
     x: AxisWindow
     edge: EdgeMode
     groups: int
+    plan: ExtractPlan
+    crop: bool  # the operator makes more outputs than the window has
+
+
+def conv_geometry(y: AxisWindow, x: AxisWindow, edge: EdgeMode, groups: int) -> ConvGeometry:
+    plan = plan_extract(y, x, edge)
+    crop = (
+        _out_len(plan.y.length, plan.y.pad, y) != y.count
+        or _out_len(plan.x.length, plan.x.pad, x) != x.count
+    )
+    return ConvGeometry(y, x, edge, groups, plan, crop)
 
 
 def _out_len(length: int, pad: int, a: AxisWindow) -> int:
@@ -66,19 +85,17 @@ def conv_forward(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geom: ConvGeometry
 ) -> torch.Tensor:
     """``(N, I, H, W) -> (N, O, y.count, x.count)``; see the module docstring."""
-    t, pads = extract(x, geom.y, geom.x, geom.edge)
     out = F.conv2d(
-        t,
+        apply_extract(x, geom.plan),
         weight,
         bias,
         (geom.y.stride, geom.x.stride),
-        pads,
+        geom.plan.pads,
         (geom.y.dilation, geom.x.dilation),
         geom.groups,
     )
-    ny, nx = geom.y.count, geom.x.count
-    if out.shape[2] != ny or out.shape[3] != nx:
-        out = out[:, :, :ny, :nx]
+    if geom.crop:
+        out = out[:, :, : geom.y.count, : geom.x.count]
     return out
 
 
@@ -93,13 +110,15 @@ def conv_backward(
     """Gradients of `conv_forward` for the incoming gradient ``grad`` (N, O, ny, nx).
 
     Returns:
-        ``(dx, dW, db)``: dx shaped like ``x`` (or None), dW like ``weight`` in float32 (or
-        None), db ``(O,)`` in float32.
+        ``(dx, dW, db)``: dx shaped like ``x`` (or None), dW like ``weight`` in at least float32
+        (or None), db ``(O,)`` in at least float32.
     """
-    t, pads = extract(x, geom.y, geom.x, geom.edge)
-    oy, ox = _out_len(t.shape[2], pads[0], geom.y), _out_len(t.shape[3], pads[1], geom.x)
+    plan = geom.plan
+    t = apply_extract(x, plan)
     g = grad
-    if oy != g.shape[2] or ox != g.shape[3]:  # the operator made extra outputs: they get 0
+    if geom.crop:  # the operator made extra outputs: their gradient is 0
+        oy = _out_len(plan.y.length, plan.y.pad, geom.y)
+        ox = _out_len(plan.x.length, plan.x.pad, geom.x)
         g = F.pad(g, (0, ox - g.shape[3], 0, oy - g.shape[2]))
     dt, dw, _ = _conv_backward(
         g,
@@ -107,14 +126,14 @@ def conv_backward(
         weight,
         None,
         [geom.y.stride, geom.x.stride],
-        list(pads),
+        list(plan.pads),
         [geom.y.dilation, geom.x.dilation],
         False,
         [0, 0],
         geom.groups,
         [need_data, need_weights, False],
     )
-    dx = extract_adjoint(dt, geom.y, geom.x, geom.edge, pads) if need_data else None
+    dx = apply_extract_adjoint(dt, plan) if need_data else None
     acc = acc_dtype(grad.dtype)
     db = grad.sum((0, 2, 3), dtype=acc)
     return dx, (dw.to(acc) if need_weights else None), db

@@ -7,7 +7,7 @@ reads ``start + stride * i + dilation * j`` of the source, where reads outside t
 0 (`EdgeMode.ZERO`) or the nearest edge pixel (`EdgeMode.CLAMP`). The operator may produce more
 outputs than ``count``; callers keep the first ``count``.
 
-Per axis, the cheapest form is chosen:
+Per axis, the cheapest form is chosen (once per geometry: `plan_extract`):
 
 * every tap inside the source: a view (``narrow``), no copy;
 * ZERO, window starting ``p`` pixels before the image and ending at most ``p`` after it: a view
@@ -21,13 +21,72 @@ gradient back onto the edge pixel it copied (a deterministic sum, no atomics).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from mpsnn.core.geometry import AxisWindow, EdgeMode
 from mpsnn.ops._dtypes import acc_dtype
 
-__all__ = ["extract", "extract_adjoint", "insert_zeros", "pad_axis"]
+__all__ = [
+    "ExtractPlan",
+    "apply_extract",
+    "apply_extract_adjoint",
+    "extract",
+    "extract_adjoint",
+    "insert_zeros",
+    "pad_axis",
+    "plan_extract",
+]
+
+_VIEW, _OPERATOR_PAD, _ZERO_COPY, _CLAMP_COPY = range(4)
+
+
+class AxisPlan(NamedTuple):
+    """How one axis is prepared: ``mode``, the source span ``[lo, hi)`` of ``size`` pixels,
+    the operator padding ``pad`` and the prepared length ``length``."""
+
+    mode: int
+    lo: int
+    hi: int
+    size: int
+    pad: int
+    length: int
+
+
+class ExtractPlan(NamedTuple):
+    y: AxisPlan
+    x: AxisPlan
+    pads: tuple[int, int]
+    identity: bool  # the source is used as it is (no view, no copy)
+
+
+def _plan_axis(a: AxisWindow, edge: EdgeMode, allow_pad: bool) -> AxisPlan:
+    lo, hi, size = a.start, a.stop, a.size
+    if lo >= 0 and hi <= size:
+        return AxisPlan(_VIEW, lo, hi, size, 0, hi - lo)
+    if allow_pad and edge is EdgeMode.ZERO and lo < 0 < hi and hi - size <= -lo:
+        return AxisPlan(_OPERATOR_PAD, 0, min(hi, size), size, -lo, min(hi, size))
+    mode = _ZERO_COPY if edge is EdgeMode.ZERO else _CLAMP_COPY
+    return AxisPlan(mode, lo, hi, size, 0, hi - lo)
+
+
+def plan_extract(
+    ay: AxisWindow, ax: AxisWindow, edge: EdgeMode, *, allow_pad: bool = True
+) -> ExtractPlan:
+    """Decide, once per geometry, how `apply_extract` prepares each axis.
+
+    Args:
+        allow_pad: False when the operator cannot pad by itself (then the result is padded).
+    """
+    if edge not in (EdgeMode.ZERO, EdgeMode.CLAMP):
+        raise ValueError(f"[extract] edge must be ZERO or CLAMP, got {edge.name}")
+    py, px = _plan_axis(ay, edge, allow_pad), _plan_axis(ax, edge, allow_pad)
+    identity = all(
+        p.mode in (_VIEW, _OPERATOR_PAD) and p.lo == 0 and p.hi == p.size for p in (py, px)
+    )
+    return ExtractPlan(py, px, (py.pad, px.pad), identity)
 
 
 def pad_axis(t: torch.Tensor, dim: int, before: int, after: int) -> torch.Tensor:
@@ -47,90 +106,83 @@ def _zeros_like_axis(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     return t.new_zeros(shape)
 
 
-def _extract_axis(
-    x: torch.Tensor, dim: int, a: AxisWindow, edge: EdgeMode, allow_pad: bool
-) -> tuple[torch.Tensor, int]:
-    lo, hi, size = a.start, a.stop, a.size
-    if lo >= 0 and hi <= size:
-        return (x if lo == 0 and hi == size else x.narrow(dim, lo, hi - lo)), 0
-    if allow_pad and edge is EdgeMode.ZERO and lo < 0 < hi and hi - size <= -lo:
-        length = min(hi, size)
-        return (x if length == size else x.narrow(dim, 0, length)), -lo
-    if edge is EdgeMode.ZERO:
+def _apply_axis(x: torch.Tensor, dim: int, p: AxisPlan) -> torch.Tensor:
+    mode, lo, hi, size = p.mode, p.lo, p.hi, p.size
+    if mode in (_VIEW, _OPERATOR_PAD):
+        return x if (lo == 0 and hi == size) else x.narrow(dim, lo, hi - lo)
+    if mode == _ZERO_COPY:
         if hi <= 0 or lo >= size:
-            return _zeros_like_axis(x, dim, hi - lo), 0
-        return pad_axis(x, dim, -lo, hi - size), 0
+            return _zeros_like_axis(x, dim, hi - lo)
+        return pad_axis(x, dim, -lo, hi - size)
     # CLAMP: crop to the overlap, then replicate the edge pixels outward.
     if hi <= 0 or lo >= size:
         edge_px = x.narrow(dim, 0 if hi <= 0 else size - 1, 1)
         shape = list(x.shape)
         shape[dim] = hi - lo
-        return edge_px.expand(shape), 0
+        return edge_px.expand(shape)
     c0, c1 = max(lo, 0), min(hi, size)
     core = x.narrow(dim, c0, c1 - c0)
     before, after = c0 - lo, hi - c1
     if before == 0 and after == 0:
-        return core, 0
+        return core
     pads = (before, after, 0, 0) if dim == -1 else (0, 0, before, after)
     if core.dtype in (torch.float16, torch.bfloat16) and core.device.type == "cpu":
         # replication padding has no low-precision CPU kernel in every torch build
-        return F.pad(core.float(), pads, mode="replicate").to(core.dtype), 0
-    return F.pad(core, pads, mode="replicate"), 0
+        return F.pad(core.float(), pads, mode="replicate").to(core.dtype)
+    return F.pad(core, pads, mode="replicate")
+
+
+def apply_extract(x: torch.Tensor, plan: ExtractPlan) -> torch.Tensor:
+    """Prepare ``x`` (N, C, H, W) as ``plan`` says; pad by ``plan.pads`` in the operator."""
+    if plan.identity:
+        return x
+    return _apply_axis(_apply_axis(x, -2, plan.y), -1, plan.x)
 
 
 def extract(
     x: torch.Tensor, ay: AxisWindow, ax: AxisWindow, edge: EdgeMode, *, allow_pad: bool = True
 ) -> tuple[torch.Tensor, tuple[int, int]]:
-    """Prepare ``x`` (N, C, H, W) for a windowed operator; see the module docstring.
-
-    Args:
-        allow_pad: False when the operator cannot pad by itself (then the result is padded).
-
-    Returns:
-        ``(t, (pad_y, pad_x))``.
-    """
-    if edge not in (EdgeMode.ZERO, EdgeMode.CLAMP):
-        raise ValueError(f"[extract] edge must be ZERO or CLAMP, got {edge.name}")
-    t, py = _extract_axis(x, -2, ay, edge, allow_pad)
-    t, px = _extract_axis(t, -1, ax, edge, allow_pad)
-    return t, (py, px)
+    """`plan_extract` and `apply_extract` in one call: returns ``(t, (pad_y, pad_x))``."""
+    plan = plan_extract(ay, ax, edge, allow_pad=allow_pad)
+    return apply_extract(x, plan), plan.pads
 
 
-def _adjoint_axis(
-    g: torch.Tensor, dim: int, a: AxisWindow, edge: EdgeMode, pad: int
-) -> torch.Tensor:
-    lo, hi, size = a.start, a.stop, a.size
-    if lo >= 0 and hi <= size:
+def _adjoint_axis(g: torch.Tensor, dim: int, p: AxisPlan) -> torch.Tensor:
+    mode, lo, hi, size = p.mode, p.lo, p.hi, p.size
+    if mode in (_VIEW, _OPERATOR_PAD):
         return pad_axis(g, dim, lo, size - hi)
-    if pad:  # the operator padded by itself; g covers [0, min(hi, size))
-        return pad_axis(g, dim, 0, size - g.shape[dim])
-    if edge is EdgeMode.ZERO:
+    if mode == _ZERO_COPY:
         if hi <= 0 or lo >= size:
             return _zeros_like_axis(g, dim, size)
         return pad_axis(g, dim, lo, size - hi)
     # CLAMP: interior one-to-one, overflow summed onto the edge pixels.
+    acc = acc_dtype(g.dtype)
     out = _zeros_like_axis(g, dim, size)
     c0, c1 = max(lo, 0), min(hi, size)
     if c1 > c0:
         out.narrow(dim, c0, c1 - c0).copy_(g.narrow(dim, c0 - lo, c1 - c0))
     if lo < 0:
         n_before = min(-lo, hi - lo)
-        out.narrow(dim, 0, 1).add_(
-            g.narrow(dim, 0, n_before).sum(dim, keepdim=True, dtype=acc_dtype(g.dtype))
-        )
+        out.narrow(dim, 0, 1).add_(g.narrow(dim, 0, n_before).sum(dim, keepdim=True, dtype=acc))
     if hi > size:
         n_after = min(hi - size, hi - lo)
         tail = g.narrow(dim, g.shape[dim] - n_after, n_after)
-        out.narrow(dim, size - 1, 1).add_(tail.sum(dim, keepdim=True, dtype=acc_dtype(g.dtype)))
+        out.narrow(dim, size - 1, 1).add_(tail.sum(dim, keepdim=True, dtype=acc))
     return out
 
 
+def apply_extract_adjoint(g: torch.Tensor, plan: ExtractPlan) -> torch.Tensor:
+    """Adjoint of `apply_extract`: ``g`` is shaped like its result; returns the source shape."""
+    if plan.identity:
+        return g
+    return _adjoint_axis(_adjoint_axis(g, -1, plan.x), -2, plan.y)
+
+
 def extract_adjoint(
-    g: torch.Tensor, ay: AxisWindow, ax: AxisWindow, edge: EdgeMode, pads: tuple[int, int]
+    g: torch.Tensor, ay: AxisWindow, ax: AxisWindow, edge: EdgeMode, *, allow_pad: bool = True
 ) -> torch.Tensor:
-    """Adjoint of `extract`: ``g`` is shaped like ``t``; returns a tensor shaped like ``x``."""
-    g = _adjoint_axis(g, -1, ax, edge, pads[1])
-    return _adjoint_axis(g, -2, ay, edge, pads[0])
+    """Adjoint of `extract` (same windows and edge mode)."""
+    return apply_extract_adjoint(g, plan_extract(ay, ax, edge, allow_pad=allow_pad))
 
 
 def insert_zeros(x: torch.Tensor, sy: int, sx: int) -> torch.Tensor:

@@ -41,7 +41,11 @@ from mpsnn.core.binary import Backward, GradientKernel
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.geometry import Window
 from mpsnn.core.state import ForwardRecord
-from mpsnn.ops.convolution import ConvGeometry, conv_backward, conv_transpose_backward, fc_backward
+from mpsnn.ops.convolution import (
+    conv_backward,
+    conv_transpose_backward,
+    fc_backward,
+)
 
 __all__ = ["ConvolutionGradient", "ConvolutionTransposeGradient", "FullyConnectedGradient"]
 
@@ -159,11 +163,11 @@ class ConvolutionGradient(GradientKernel):
         return bool(self._option & ConvolutionGradientOption.GRADIENT_WITH_DATA)
 
     def _grads(self, record: ForwardRecord, window: Window) -> Callable[..., Grads]:
-        geom = ConvGeometry(window.y, window.x, record.edge_mode, self._descriptor.groups)
+        geom = record.extra[1]  # the forward's geometry (same windows and edge mode)
         return lambda g, x, w, nd, nw: conv_backward(g, x, w, geom, nd, nw)
 
     def _make_backward(self, record: ForwardRecord, window: Window, states: list[Any]) -> Backward:
-        ws = record.extra
+        ws = record.extra[0]
         grads = self._grads(record, window)
         need_data = bool(self._option & ConvolutionGradientOption.GRADIENT_WITH_DATA)
         need_w = bool(self._option & ConvolutionGradientOption.GRADIENT_WITH_WEIGHTS_AND_BIAS)
@@ -215,6 +219,6 @@ class ConvolutionTransposeGradient(ConvolutionGradient):
     _forward_class = ConvolutionTranspose
 
     def _grads(self, record: ForwardRecord, window: Window) -> Callable[..., Grads]:
-        geom = ConvGeometry(window.y, window.x, record.edge_mode, self._descriptor.groups)
+        geom = record.extra[1]  # the forward's geometry (same windows and edge mode)
         stride = (record.kernel.stride_in_pixels_y, record.kernel.stride_in_pixels_x)
         return lambda g, x, w, nd, nw: conv_transpose_backward(g, x, w, geom, stride, nd, nw)

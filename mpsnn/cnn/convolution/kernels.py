@@ -39,7 +39,13 @@ from mpsnn.core.image import Image, ImageDescriptor
 from mpsnn.core.kernel import CNNKernel, Forward
 from mpsnn.core.state import State
 from mpsnn.errors import UnsupportedError
-from mpsnn.ops.convolution import ConvGeometry, conv_forward, conv_transpose_forward, fc_forward
+from mpsnn.ops.convolution import (
+    ConvGeometry,
+    conv_forward,
+    conv_geometry,
+    conv_transpose_forward,
+    fc_forward,
+)
 
 __all__ = ["Convolution", "ConvolutionTranspose", "FullyConnected"]
 
@@ -242,11 +248,16 @@ class _ConvolutionBase(CNNKernel):
     def _new_state(self, cb: CommandBuffer | None) -> State | None:
         return self._gradient_state_class(self._device, self, command_buffer=cb)
 
-    def _record_extra(self, window: Window) -> Any:
-        return self._weights
+    def _record_extra(self, window: Window, memo: dict[str, Any]) -> Any:
+        """The weights the gradient must use (those of this encode) and the geometry."""
+        return self._weights, self._geometry(window, memo)
 
-    def _geometry(self, window: Window) -> ConvGeometry:
-        return ConvGeometry(window.y, window.x, self._edge_mode, self._descriptor.groups)
+    def _geometry(self, window: Window, memo: dict[str, Any]) -> ConvGeometry:
+        geom = memo.get("geometry")
+        if geom is None:
+            geom = conv_geometry(window.y, window.x, self._edge_mode, self._descriptor.groups)
+            memo["geometry"] = geom
+        return geom
 
     def _with_precision(self, op: Callable[..., torch.Tensor]) -> Forward:
         ws = self._weights
@@ -277,8 +288,8 @@ class Convolution(_ConvolutionBase):
     dilations, odd and even kernels, offsets, clip rects and both edge modes are supported.
     """
 
-    def _make_forward(self, window: Window, states: list[Any]) -> Forward:
-        geom = self._geometry(window)
+    def _make_forward(self, window: Window, states: list[Any], memo: dict[str, Any]) -> Forward:
+        geom = self._geometry(window, memo)
         return self._with_precision(lambda x, w, b: conv_forward(x, w, b, geom))
 
 
@@ -340,7 +351,7 @@ class FullyConnected(_ConvolutionBase):
                 f"{self._kw}x{self._kh}, got {w}x{h}"
             )
 
-    def _make_forward(self, window: Window, states: list[Any]) -> Forward:
+    def _make_forward(self, window: Window, states: list[Any], memo: dict[str, Any]) -> Forward:
         return self._with_precision(fc_forward)
 
 
@@ -361,6 +372,7 @@ class ConvolutionTranspose(_ConvolutionBase):
 
     _is_backwards = True
     _gradient_state_class = ConvolutionTransposeGradientState
+    _cache_plans = False  # its policy also sets kernel_offset_x/y
 
     def __init__(self, device: Device, weights: ConvolutionDataSource) -> None:
         super().__init__(device, weights)
@@ -431,12 +443,6 @@ class ConvolutionTranspose(_ConvolutionBase):
         finally:
             self._policy_states = None
 
-    def _resolve_policy(self, source_images: Any, source_states: Any) -> ImageDescriptor:
-        extra = getattr(self, "_policy_states", None)
-        if extra:
-            source_states = list(extra) + list(source_states or [])
-        return super()._resolve_policy(source_images, source_states)
-
     def _policy(self, source_images: Any, source_states: Any) -> tuple[ImageDescriptor, Offset]:
         desc, _ = super()._policy(source_images, source_states)  # reverse sizes
         src = source_images[0]
@@ -473,7 +479,7 @@ class ConvolutionTranspose(_ConvolutionBase):
             AxisWindow(cx - ex // 2, nx, self._kw, 1, self._dx, (src_w - 1) * self._sx + 1),
         )
 
-    def _make_forward(self, window: Window, states: list[Any]) -> Forward:
-        geom = self._geometry(window)
+    def _make_forward(self, window: Window, states: list[Any], memo: dict[str, Any]) -> Forward:
+        geom = self._geometry(window, memo)
         stride = (self._sy, self._sx)
         return self._with_precision(lambda x, w, b: conv_transpose_forward(x, w, b, geom, stride))
