@@ -232,7 +232,8 @@ def main() -> None:
         )
     print(
         f"encode+commit overhead, tiny conv: torch {over['torch_us']:.1f} us, "
-        f"mpsnn {over['mpsnn_us']:.1f} us, overhead {over['overhead_us']:.1f} us"
+        f"mpsnn {over['mpsnn_us']:.1f} us, overhead {over['overhead_us']:.1f} us "
+        f"(encode alone {over['encode_only_us']:.1f} us)"
     )
     print("(ratio = mpsnn / torch; for 'step clamp+offset': mpsnn / mpsnn's standard step)")
     if args.json:

@@ -132,11 +132,37 @@ def _apply_axis(x: torch.Tensor, dim: int, p: AxisPlan) -> torch.Tensor:
     return F.pad(core, pads, mode="replicate")
 
 
+def _overlap(p: AxisPlan) -> tuple[int, int]:
+    """The part of the source an axis reads directly: ``[c0, c1)``."""
+    if p.mode in (_VIEW, _OPERATOR_PAD):
+        return p.lo, p.hi
+    return max(p.lo, 0), min(p.hi, p.size)
+
+
 def apply_extract(x: torch.Tensor, plan: ExtractPlan) -> torch.Tensor:
     """Prepare ``x`` (N, C, H, W) as ``plan`` says; pad by ``plan.pads`` in the operator."""
     if plan.identity:
         return x
-    return _apply_axis(_apply_axis(x, -2, plan.y), -1, plan.x)
+    py, px = plan.y, plan.x
+    (y0, y1), (x0, x1) = _overlap(py), _overlap(px)
+    copies = py.mode >= _ZERO_COPY or px.mode >= _ZERO_COPY
+    if not copies or y1 <= y0 or x1 <= x0:  # views only, or a window wholly off the image
+        return _apply_axis(_apply_axis(x, -2, py), -1, px)
+    # One pass for both axes: crop to the overlap (views), then pad every side at once.
+    core = x[:, :, y0:y1, x0:x1]
+    pads = (x0 - px.lo, px.hi - x1, y0 - py.lo, py.hi - y1)
+    pads = tuple(
+        p if m >= _ZERO_COPY else 0
+        for p, m in zip(pads, (px.mode,) * 2 + (py.mode,) * 2, strict=True)
+    )
+    if max(pads) == 0:
+        return core
+    if py.mode == _CLAMP_COPY or px.mode == _CLAMP_COPY:
+        if core.dtype in (torch.float16, torch.bfloat16) and core.device.type == "cpu":
+            # replication padding has no low-precision CPU kernel in every torch build
+            return F.pad(core.float(), pads, mode="replicate").to(core.dtype)
+        return F.pad(core, pads, mode="replicate")
+    return F.pad(core, pads)
 
 
 def extract(
@@ -155,27 +181,51 @@ def _adjoint_axis(g: torch.Tensor, dim: int, p: AxisPlan) -> torch.Tensor:
         if hi <= 0 or lo >= size:
             return _zeros_like_axis(g, dim, size)
         return pad_axis(g, dim, lo, size - hi)
-    # CLAMP: interior one-to-one, overflow summed onto the edge pixels.
-    acc = acc_dtype(g.dtype)
-    out = _zeros_like_axis(g, dim, size)
+    # CLAMP: interior one-to-one, each overflow summed onto its edge pixel. One pass (cat);
+    # the sums read only the overflow, and the order of additions is fixed (deterministic).
     c0, c1 = max(lo, 0), min(hi, size)
-    if c1 > c0:
-        out.narrow(dim, c0, c1 - c0).copy_(g.narrow(dim, c0 - lo, c1 - c0))
+    acc = acc_dtype(g.dtype)
+    if c1 <= c0:  # every tap reads one edge pixel
+        total = g.sum(dim, keepdim=True, dtype=acc).to(g.dtype)
+        return pad_axis(total, dim, 0 if hi <= 0 else size - 1, size - 1 if hi <= 0 else 0)
+    inner = g.narrow(dim, c0 - lo, c1 - c0)
+    parts = []
+    if c0 > 0:
+        parts.append(_zeros_like_axis(g, dim, c0))
+    first = inner.narrow(dim, 0, 1)
+    last = inner.narrow(dim, inner.shape[dim] - 1, 1)
     if lo < 0:
-        n_before = min(-lo, hi - lo)
-        out.narrow(dim, 0, 1).add_(g.narrow(dim, 0, n_before).sum(dim, keepdim=True, dtype=acc))
+        first = first + g.narrow(dim, 0, -lo).sum(dim, keepdim=True, dtype=acc).to(g.dtype)
     if hi > size:
-        n_after = min(hi - size, hi - lo)
-        tail = g.narrow(dim, g.shape[dim] - n_after, n_after)
-        out.narrow(dim, size - 1, 1).add_(tail.sum(dim, keepdim=True, dtype=acc))
-    return out
+        tail = g.narrow(dim, g.shape[dim] - (hi - size), hi - size)
+        last = last + tail.sum(dim, keepdim=True, dtype=acc).to(g.dtype)
+    if c1 - c0 == 1:
+        parts.append(
+            first + last - inner if (lo < 0 and hi > size) else (first if lo < 0 else last)
+        )
+    else:
+        parts += [first, inner.narrow(dim, 1, c1 - c0 - 2), last]
+    if c1 < size:
+        parts.append(_zeros_like_axis(g, dim, size - c1))
+    return torch.cat(parts, dim)
 
 
 def apply_extract_adjoint(g: torch.Tensor, plan: ExtractPlan) -> torch.Tensor:
     """Adjoint of `apply_extract`: ``g`` is shaped like its result; returns the source shape."""
     if plan.identity:
         return g
-    return _adjoint_axis(_adjoint_axis(g, -1, plan.x), -2, plan.y)
+    py, px = plan.y, plan.x
+    if py.mode != _CLAMP_COPY and px.mode != _CLAMP_COPY:
+        # Crops and zero padding only: one pad (zero-embedding) per side, in one call.
+        pads = (px.lo, px.size - px.hi, py.lo, py.size - py.hi)
+        if px.mode == _ZERO_COPY and (px.hi <= 0 or px.lo >= px.size):
+            return _adjoint_axis(_adjoint_axis(g, -1, px), -2, py)
+        if py.mode == _ZERO_COPY and (py.hi <= 0 or py.lo >= py.size):
+            return _adjoint_axis(_adjoint_axis(g, -1, px), -2, py)
+        if max(abs(p) for p in pads) == 0:
+            return g
+        return F.pad(g, pads)
+    return _adjoint_axis(_adjoint_axis(g, -1, px), -2, py)
 
 
 def extract_adjoint(

@@ -44,7 +44,9 @@ def test_permanent_state_has_no_read_count() -> None:
     conv, _ = _pair(dev)
     state = conv.result_state(m.Image.from_tensor(torch.zeros(1, 2, 3, 3)))
     assert not state.is_temporary and state.read_count == 0
-    assert state.resource_size() == (2 * 2 * 3 * 3 + 2) * 4
+    assert state.resource_size() == 0  # accumulators are made by the first gradient
+    assert state.gradient_for_weights.abs().sum() == 0  # ... or read as zeros before one
+    assert state.resource_size() == (2 * 2 * 3 * 3 + 2) * 4 - 2 * 4
     with pytest.raises(
         ValueError,
         match=r"\[ConvolutionGradientState\] read_count can only be set on a temporary state, got a permanent one",
@@ -103,3 +105,18 @@ def test_forward_record_reports_the_source_size() -> None:
     conv.encode(cb, x, destination_state=state)
     assert (state.source_width, state.source_height) == (7, 5)
     assert state.forward.kernel is conv and state.forward.edge_mode is m.EdgeMode.ZERO
+
+
+def test_reading_gradients_before_the_first_write_then_writing_adds_into_them() -> None:
+    dev = m.Device("cpu")
+    conv, grad = _pair(dev)
+    x = m.Image.from_tensor(torch.randn(1, 2, 4, 4))
+    g = m.Image.from_tensor(torch.randn(1, 2, 4, 4))
+    state = conv.result_state(x)
+    early = state.gradient_for_weights  # zeros, materialized before any gradient ran
+    cb = dev.new_command_queue().command_buffer()
+    conv.encode(cb, x, destination_state=state)
+    grad.encode(cb, g, x, state)
+    run(cb)
+    assert early.abs().sum() > 0  # the write went into the tensor the caller already holds
+    assert torch.equal(early, state.gradient_for_weights)

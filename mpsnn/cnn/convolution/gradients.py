@@ -172,19 +172,21 @@ class ConvolutionGradient(GradientKernel):
         need_data = bool(self._option & ConvolutionGradientOption.GRADIENT_WITH_DATA)
         need_w = bool(self._option & ConvolutionGradientOption.GRADIENT_WITH_WEIGHTS_AND_BIAS)
         groups = _group_by_state(states)
+        # Encode time: which writes come first decides "store" vs "add" at execution.
+        firsts = [state._claim_write() if need_w else False for state, _ in groups]
 
         def backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
             w, _ = ws.cast(x.dtype)
             if len(groups) == 1:
                 dx, dw, db = grads(g, x, w, need_data, need_w)
                 if need_w:
-                    groups[0][0]._accumulate(dw, db)
+                    groups[0][0]._accumulate(dw, db, firsts[0])
                 return dx
             dx = grads(g, x, w, True, False)[0] if need_data else None
             if need_w:  # distinct states per image: each sums its own images
-                for state, idx in groups:
+                for (state, idx), first in zip(groups, firsts, strict=True):
                     _, dw, db = grads(g[idx], x[idx], w, False, True)
-                    state._accumulate(dw, db)
+                    state._accumulate(dw, db, first)
             return dx
 
         return backward

@@ -23,7 +23,7 @@ class ConvolutionGradientState(GradientState):
     Read by: weight updates (data source ``update`` / ``update_on_cpu``, reloads), and by
     `ConvolutionTranspose` to size its result (MPS ``MPSImageSizeEncodingState``).
 
-    Accumulators are float32 (float64 once float64 images are used, for verification).
+    Accumulators are float32 (float64 when the images are float64, for verification).
     """
 
     def __init__(
@@ -36,10 +36,11 @@ class ConvolutionGradientState(GradientState):
     ) -> None:
         super().__init__(device, command_buffer=command_buffer, label=label)
         self._convolution = convolution
-        o, kh, kw, ig = convolution._descriptor.weights_shape
-        dev = device.torch_device
-        self._grad_w: torch.Tensor | None = torch.zeros((o, ig, kh, kw), device=dev)
-        self._grad_b: torch.Tensor | None = torch.zeros((o,), device=dev)
+        # Allocated by the first gradient write (which stores its result as it is: no zero
+        # fill, no extra add), or as zeros when read before any write.
+        self._grad_w: torch.Tensor | None = None
+        self._grad_b: torch.Tensor | None = None
+        self._writers = 0  # gradient encodes recorded so far (encode time)
 
     @property
     def convolution(self) -> Any:
@@ -50,14 +51,18 @@ class ConvolutionGradientState(GradientState):
     def gradient_for_weights(self) -> torch.Tensor:
         """dL/dW in the OHWI layout ``[O][kH][kW][I / groups]`` (a view of the accumulator)."""
         self._check_live(None)
-        assert self._grad_w is not None
+        if self._grad_w is None:
+            o, kh, kw, ig = self._convolution._descriptor.weights_shape
+            self._grad_w = torch.zeros((o, ig, kh, kw), device=self._device.torch_device)
         return self._grad_w.permute(0, 2, 3, 1)
 
     @property
     def gradient_for_biases(self) -> torch.Tensor:
         """dL/db, ``(O,)``."""
         self._check_live(None)
-        assert self._grad_b is not None
+        if self._grad_b is None:
+            o = self._convolution._descriptor.output_feature_channels
+            self._grad_b = torch.zeros((o,), device=self._device.torch_device)
         return self._grad_b
 
     @property
@@ -71,16 +76,17 @@ class ConvolutionGradientState(GradientState):
         self._grad_w = None
         self._grad_b = None
 
-    def _accumulate(self, dw: torch.Tensor | None, db: torch.Tensor | None) -> None:
-        """Add a gradient encode's contribution (runs at execution)."""
+    def _claim_write(self) -> bool:
+        """Called by a gradient encode (encode time): True for the first writer."""
+        self._writers += 1
+        return self._writers == 1
+
+    def _accumulate(self, dw: torch.Tensor | None, db: torch.Tensor | None, first: bool) -> None:
+        """Add a gradient encode's contribution (execution time; dw/db are fresh tensors)."""
         if dw is not None:
-            if dw.dtype != self._grad_w.dtype and dw.dtype == torch.float64:
-                self._grad_w = self._grad_w.double()
-            self._grad_w.add_(dw)
+            self._grad_w = _sum_into(self._grad_w, dw, first)
         if db is not None:
-            if db.dtype != self._grad_b.dtype and db.dtype == torch.float64:
-                self._grad_b = self._grad_b.double()
-            self._grad_b.add_(db)
+            self._grad_b = _sum_into(self._grad_b, db, first)
 
     def destination_image_descriptor(
         self, source_images: Any, source_states: Any, kernel: Any, suggested_descriptor: Any
@@ -121,6 +127,16 @@ class ConvolutionGradientState(GradientState):
         desc: ImageDescriptor = suggested_descriptor.copy()
         desc.width, desc.height = w, h
         return desc
+
+
+def _sum_into(acc: torch.Tensor | None, value: torch.Tensor, first: bool) -> torch.Tensor:
+    if acc is None and first:
+        return value  # the first write is the sum so far
+    if acc is None:
+        raise RuntimeError("[ConvolutionGradientState] internal error: accumulator missing")
+    if value.dtype == torch.float64 and acc.dtype != torch.float64:
+        acc = acc.double()  # float64 verification runs accumulate in float64
+    return acc.add_(value)
 
 
 class ConvolutionTransposeGradientState(ConvolutionGradientState):
