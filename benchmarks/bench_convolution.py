@@ -182,14 +182,19 @@ def bench_overhead(device: str, iters: int, trials: int) -> dict:
             cb.wait_until_completed()
         return out
 
+    def encode_only() -> object:
+        return conv.encode(q.command_buffer(), src)
+
     td = timeit(direct, device, iters, trials)
     tm = timeit(mps, device, iters, trials)
+    te = timeit(encode_only, device, iters, trials)
     return dict(
         device=device,
         case="encode overhead (tiny conv)",
         torch_us=td * 1e6,
         mpsnn_us=tm * 1e6,
         overhead_us=(tm - td) * 1e6,
+        encode_only_us=te * 1e6,
     )
 
 
