@@ -77,9 +77,12 @@ class Device:
             return torch.cuda.get_device_name(self._torch)
         return "cpu"
 
-    def new_command_queue(self, label: str | None = None) -> CommandQueue:
-        """A new queue; on CUDA it owns its own stream."""
-        return CommandQueue(self, label=label)
+    def new_command_queue(
+        self, label: str | None = None, *, stream: torch.cuda.Stream | None = None
+    ) -> CommandQueue:
+        """A new queue. On CUDA its work runs on ``stream`` (default: the current stream when
+        the queue is made, so it orders with the caller's PyTorch work at no cost)."""
+        return CommandQueue(self, label=label, stream=stream)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Device) and other._torch == self._torch
@@ -101,16 +104,34 @@ class CommandBufferStatus(enum.IntEnum):
 
 
 class CommandQueue:
-    """Creates command buffers; work committed to one queue runs in commit order."""
+    """Creates command buffers; work committed to one queue runs in commit order.
+
+    On CUDA the queue owns a stream: by default the current stream of the device when the queue
+    is made (usually the default stream), so its work is ordered with the caller's PyTorch work
+    without extra synchronization. Given a private ``stream``, each commit first makes that
+    stream wait for the caller's current stream (so inputs written there are ready).
+    """
 
     __slots__ = ("_device", "_stream", "_worker", "label")
 
-    def __init__(self, device: Device, label: str | None = None) -> None:
+    def __init__(
+        self, device: Device, label: str | None = None, *, stream: torch.cuda.Stream | None = None
+    ) -> None:
         if not isinstance(device, Device):
             raise TypeError(f"[CommandQueue] device must be a Device, got {type(device).__name__}")
         self._device = device
         self.label = label
-        self._stream = torch.cuda.Stream(device.torch_device) if device.type == "cuda" else None
+        if device.type != "cuda":
+            if stream is not None:
+                raise ValueError("[CommandQueue] a stream needs a CUDA device, got one for the CPU")
+            self._stream = None
+        else:
+            if stream is not None and stream.device != device.torch_device:
+                raise ValueError(
+                    f"[CommandQueue] stream must be on {device.torch_device}, "
+                    f"got one on {stream.device}"
+                )
+            self._stream = stream or torch.cuda.current_stream(device.torch_device)
         self._worker: _CompletionWorker | None = None
 
     @property
@@ -238,12 +259,16 @@ class CommandBuffer:
             self._finish()
             return
         self._done = threading.Event()
-        # Work the caller queued on its current stream (inputs being written) must finish first.
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
-        with torch.cuda.stream(stream):
+        current = torch.cuda.current_stream(stream.device)
+        if current == stream:
             self._run()
-            self._event = torch.cuda.Event()
-            self._event.record(stream)
+        else:
+            # Work the caller queued on its current stream (inputs) must finish first.
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                self._run()
+        self._event = torch.cuda.Event()
+        self._event.record(stream)
         self._queue._completion_worker().submit(self)
 
     def _run(self) -> None:

@@ -110,8 +110,8 @@ def conv_backward(
     """Gradients of `conv_forward` for the incoming gradient ``grad`` (N, O, ny, nx).
 
     Returns:
-        ``(dx, dW, db)``: dx shaped like ``x`` (or None), dW like ``weight`` in at least float32
-        (or None), db ``(O,)`` in at least float32.
+        ``(dx, dW, db)``: dx shaped like ``x`` (or None), dW like ``weight`` (in the storage
+        dtype, accumulated in float32 by the backend; or None), db ``(O,)`` in at least float32.
     """
     plan = geom.plan
     t = apply_extract(x, plan)
@@ -134,9 +134,8 @@ def conv_backward(
         [need_data, need_weights, False],
     )
     dx = apply_extract_adjoint(dt, plan) if need_data else None
-    acc = acc_dtype(grad.dtype)
-    db = grad.sum((0, 2, 3), dtype=acc)
-    return dx, (dw.to(acc) if need_weights else None), db
+    db = grad.sum((0, 2, 3), dtype=acc_dtype(grad.dtype))
+    return dx, (dw if need_weights else None), db
 
 
 # -- fully connected -------------------------------------------------------------------------
@@ -167,11 +166,10 @@ def fc_backward(
         dx = (g2 @ weight.reshape(o, -1)).view(n, c, kh, kw)
         if (kh, kw) != (h, w):
             dx = F.pad(dx, (0, w - kw, 0, h - kh))
-    acc = acc_dtype(grad.dtype)
     if need_weights:
         xin = x[:, :, :kh, :kw].reshape(n, -1)
-        dw = (g2.t() @ xin).to(acc).view(o, c, kh, kw)
-    return dx, dw, g2.sum(0, dtype=acc)
+        dw = (g2.t() @ xin).view(o, c, kh, kw)
+    return dx, dw, g2.sum(0, dtype=acc_dtype(grad.dtype))
 
 
 # -- convolution transpose -------------------------------------------------------------------
@@ -258,8 +256,7 @@ def conv_transpose_backward(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Gradients of `conv_transpose_forward` (dx like ``x``; dW OIHW float32; db float32)."""
     sy, sx = stride
-    acc = acc_dtype(grad.dtype)
-    db = grad.sum((0, 2, 3), dtype=acc)
+    db = grad.sum((0, 2, 3), dtype=acc_dtype(grad.dtype))
     if geom.edge is EdgeMode.CLAMP:
         dxe, dw, _ = conv_backward(
             grad, insert_zeros(x, sy, sx), weight, geom, need_data, need_weights
@@ -282,5 +279,5 @@ def conv_transpose_backward(
         geom.groups,
         [need_data, need_weights, False],
     )
-    dw = _ungroup(dwr, geom.groups).to(acc) if need_weights else None
+    dw = _ungroup(dwr, geom.groups) if need_weights else None
     return (dx if need_data else None), dw, db

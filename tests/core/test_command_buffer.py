@@ -164,7 +164,30 @@ def test_images_and_buffers_on_another_device_are_rejected() -> None:
     assert len(cb) == 0
 
 
+def test_a_stream_needs_a_cuda_queue() -> None:
+    with pytest.raises(
+        ValueError, match=r"\[CommandQueue\] a stream needs a CUDA device, got one for the CPU"
+    ):
+        m.Device("cpu").new_command_queue(stream=object())
+    assert m.Device("cpu").new_command_queue().stream is None
+
+
 if torch.cuda.is_available():  # the same check with real devices, on the GPU machine
+
+    def test_private_stream_queue_waits_for_the_callers_stream() -> None:
+        dev = m.Device("cuda")
+        stream = torch.cuda.Stream()
+        q = dev.new_command_queue(stream=stream)
+        assert q.stream is stream and dev.new_command_queue().stream == torch.cuda.current_stream()
+        conv = _conv(dev)
+        x = torch.zeros(64, 1, 64, 64, device="cuda")
+        torch.cuda._sleep(10_000_000)  # keep the default stream busy ...
+        x.fill_(1.0)  # ... so this write is still pending at commit
+        cb = q.command_buffer()
+        y = conv.encode(cb, m.Image.from_tensor(x))
+        cb.commit()
+        cb.wait_until_completed()
+        assert torch.equal(y.tensor, torch.full_like(x, 2.0))
 
     def test_real_cross_device_images_are_rejected() -> None:
         conv = _conv(m.Device("cuda"))

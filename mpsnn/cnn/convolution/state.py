@@ -10,6 +10,7 @@ from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.geometry import Offset
 from mpsnn.core.image import ImageDescriptor
 from mpsnn.core.state import GradientState
+from mpsnn.ops._dtypes import acc_dtype
 
 __all__ = ["ConvolutionGradientState", "ConvolutionTransposeGradientState"]
 
@@ -130,13 +131,15 @@ class ConvolutionGradientState(GradientState):
 
 
 def _sum_into(acc: torch.Tensor | None, value: torch.Tensor, first: bool) -> torch.Tensor:
+    """Accumulate in float32 (float64 for float64 values); ``value`` may be low precision."""
+    want = acc_dtype(value.dtype)
     if acc is None and first:
-        return value  # the first write is the sum so far
+        return value.to(want)  # the first write is the sum so far (no copy when float32)
     if acc is None:
         raise RuntimeError("[ConvolutionGradientState] internal error: accumulator missing")
-    if value.dtype == torch.float64 and acc.dtype != torch.float64:
+    if want == torch.float64 and acc.dtype != torch.float64:
         acc = acc.double()  # float64 verification runs accumulate in float64
-    return acc.add_(value)
+    return acc.add_(value)  # one kernel: add_ promotes a bfloat16/float16 value itself
 
 
 class ConvolutionTransposeGradientState(ConvolutionGradientState):
