@@ -44,17 +44,27 @@ def timeit(
     fn: Callable[[], object], device: str, iters: int, trials: int, warmup: int = 3
 ) -> float:
     """Median seconds per call over ``trials`` runs of ``iters`` calls."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    runs = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(iters):
+    return compare([fn], device, iters, trials, warmup)[0]
+
+
+def compare(
+    fns: list[Callable[[], object]], device: str, iters: int, trials: int, warmup: int = 3
+) -> list[float]:
+    """Median seconds per call of each function; trials alternate between the functions so
+    that drift (clocks, thermal state, other load) affects them alike."""
+    for fn in fns:
+        for _ in range(warmup):
             fn()
-        sync(device)
-        runs.append((time.perf_counter() - t0) / iters)
-    return statistics.median(runs)
+    sync(device)
+    runs: list[list[float]] = [[] for _ in fns]
+    for _ in range(trials):
+        for fn, out in zip(fns, runs, strict=True):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            sync(device)
+            out.append((time.perf_counter() - t0) / iters)
+    return [statistics.median(r) for r in runs]
 
 
 def bench_standard(
@@ -135,8 +145,7 @@ def bench_standard(
         ("gradient", torch_bwd, mps_bwd, 2 * flops),
         ("step", torch_step, mps_step, 3 * flops),
     ):
-        tt = timeit(t_fn, device, iters, trials)
-        tm = timeit(m_fn, device, iters, trials)
+        tt, tm = compare([t_fn, m_fn], device, iters, trials)
         rows.append(
             dict(
                 device=device,
@@ -148,8 +157,8 @@ def bench_standard(
                 tflops=work / tm / 1e12,
             )
         )
-    std_ms = rows[-1]["mpsnn_ms"]
-    to = timeit(mps_step_odd, device, iters, trials)
+    std, to = compare([mps_step, mps_step_odd], device, iters, trials)
+    std_ms = std * 1e3
     rows.append(
         dict(
             device=device, dtype=str(dtype).split(".")[1], case="step clamp+offset",
@@ -185,9 +194,7 @@ def bench_overhead(device: str, iters: int, trials: int) -> dict:
     def encode_only() -> object:
         return conv.encode(q.command_buffer(), src)
 
-    td = timeit(direct, device, iters, trials)
-    tm = timeit(mps, device, iters, trials)
-    te = timeit(encode_only, device, iters, trials)
+    td, tm, te = compare([direct, mps, encode_only], device, iters, trials)
     return dict(
         device=device,
         case="encode overhead (tiny conv)",

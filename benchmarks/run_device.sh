@@ -16,6 +16,6 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   for b in benchmarks/bench_*.py; do
     name=$(basename "$b" .py)
     python "$b" --device cuda --json "$OUT/${name}_cuda.json" 2>&1 | tee "$OUT/${name}_cuda.txt"
-    timeout 300 python "$b" --device cpu --batch 16 --iters 4 --trials 5 --json "$OUT/${name}_cpu.json" 2>&1 | tee "$OUT/${name}_cpu.txt"
+    timeout 300 python "$b" --device cpu --batch 16 --iters 5 --trials 9 --json "$OUT/${name}_cpu.json" 2>&1 | tee "$OUT/${name}_cpu.txt"
   done
 fi

@@ -11,9 +11,11 @@ re-raises any exception the work raised.
 
 from __future__ import annotations
 
+import atexit
 import enum
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -321,19 +323,30 @@ class CommandBuffer:
 
 
 class _CompletionWorker:
-    """One daemon thread per CUDA queue: waits for each committed buffer's event, in order."""
+    """One daemon thread per CUDA queue: waits for each committed buffer's event, in order.
+
+    At interpreter exit the workers drain what was committed (`_drain_workers`), so no thread is
+    inside CUDA while the runtime shuts down.
+    """
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[CommandBuffer] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[CommandBuffer | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="mpsnn-completion", daemon=True)
         self._thread.start()
+        _WORKERS.add(self)
 
     def submit(self, cb: CommandBuffer) -> None:
         self._queue.put(cb)
 
+    def stop(self, timeout: float) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
     def _loop(self) -> None:
         while True:
             cb = self._queue.get()
+            if cb is None:
+                return
             try:
                 assert cb._event is not None  # internal invariant: set by commit()
                 cb._event.synchronize()
@@ -341,3 +354,12 @@ class _CompletionWorker:
                 if cb.error is None:
                     cb.error = exc
             cb._finish()
+
+
+_WORKERS: weakref.WeakSet[_CompletionWorker] = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_workers() -> None:
+    for worker in list(_WORKERS):
+        worker.stop(timeout=60.0)
