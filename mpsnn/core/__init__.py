@@ -2,6 +2,11 @@
 
 from mpsnn.core.binary import BinaryKernel as BinaryKernel
 from mpsnn.core.binary import GradientKernel as GradientKernel
+from mpsnn.core.cnn_kernel import CNNKernel as CNNKernel
+from mpsnn.core.descriptor import DataLayout as DataLayout
+from mpsnn.core.descriptor import FeatureChannelFormat as FeatureChannelFormat
+from mpsnn.core.descriptor import ImageDescriptor as ImageDescriptor
+from mpsnn.core.descriptor import ImageReadWriteParams as ImageReadWriteParams
 from mpsnn.core.device import CommandBuffer as CommandBuffer
 from mpsnn.core.device import CommandBufferStatus as CommandBufferStatus
 from mpsnn.core.device import CommandQueue as CommandQueue
@@ -17,15 +22,10 @@ from mpsnn.core.geometry import PaddingMethod as PaddingMethod
 from mpsnn.core.geometry import Region as Region
 from mpsnn.core.geometry import Size as Size
 from mpsnn.core.geometry import Window as Window
-from mpsnn.core.image import DataLayout as DataLayout
-from mpsnn.core.image import FeatureChannelFormat as FeatureChannelFormat
 from mpsnn.core.image import Image as Image
 from mpsnn.core.image import ImageAllocator as ImageAllocator
-from mpsnn.core.image import ImageBatch as ImageBatch
-from mpsnn.core.image import ImageDescriptor as ImageDescriptor
-from mpsnn.core.image import ImageReadWriteParams as ImageReadWriteParams
 from mpsnn.core.image import TemporaryImage as TemporaryImage
-from mpsnn.core.kernel import CNNKernel as CNNKernel
+from mpsnn.core.image_batch import ImageBatch as ImageBatch
 from mpsnn.core.kernel import Kernel as Kernel
 from mpsnn.core.kernel import KernelOptions as KernelOptions
 from mpsnn.core.state import BinaryGradientState as BinaryGradientState

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 
 from mpsnn.core._checks import check_enum, check_int, check_type
+from mpsnn.core.cnn_kernel import DEFAULT_PADDING_METHOD
+from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.geometry import (
     _HUGE,
@@ -32,31 +34,15 @@ from mpsnn.core.geometry import (
     Region,
     Window,
 )
-from mpsnn.core.image import Image, ImageBatch, ImageDescriptor
-from mpsnn.core.kernel import DEFAULT_PADDING_METHOD, Kernel, resolve_span
+from mpsnn.core.image import Image
+from mpsnn.core.image_batch import ImageBatch
+from mpsnn.core.kernel import Kernel, resolve_span
 from mpsnn.core.state import ForwardRecord, GradientState, State, StateBatch
 from mpsnn.errors import UnsupportedError
 
 __all__ = ["BinaryKernel", "GradientKernel"]
 
 Backward = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
-
-_GEOMETRY = (
-    "primary_offset",
-    "secondary_offset",
-    "kernel_offset_x",
-    "kernel_offset_y",
-    "primary_edge_mode",
-    "secondary_edge_mode",
-    "primary_stride_in_pixels_x",
-    "primary_stride_in_pixels_y",
-    "secondary_stride_in_pixels_x",
-    "secondary_stride_in_pixels_y",
-    "primary_source_feature_channel_offset",
-    "secondary_source_feature_channel_offset",
-    "primary_source_feature_channel_max_count",
-    "secondary_source_feature_channel_max_count",
-)
 
 
 def _geometry_property(name: str, kind: str, minimum: int | None = None) -> property:

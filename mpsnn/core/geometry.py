@@ -28,7 +28,7 @@ import enum
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from mpsnn.core.image import ImageDescriptor
+    from mpsnn.core.descriptor import ImageDescriptor
 
 __all__ = [
     "RECT_NO_CLIP",

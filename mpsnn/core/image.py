@@ -1,4 +1,4 @@
-"""Images, image batches, temporary images and byte I/O (SPEC §3).
+"""Images, temporary images, allocators and byte I/O (SPEC §3).
 
 An `Image` is backed by one tensor of shape ``(number_of_images, feature_channels, height,
 width)``. Channels are dense: no padding to multiples of four, and channel offsets need not be
@@ -16,200 +16,24 @@ that read it last, and any later use raises `StaleResourceError`.
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, overload
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from mpsnn.core.descriptor import (
+    _FORMAT_TO_DTYPE,
+    DataLayout,
+    FeatureChannelFormat,
+    ImageDescriptor,
+    ImageReadWriteParams,
+    _check_count,
+)
 from mpsnn.core.device import CommandBuffer, CommandBufferStatus, Device
 from mpsnn.core.geometry import Region
 from mpsnn.errors import StaleResourceError
 
-if TYPE_CHECKING:
-    pass
-
-__all__ = [
-    "DataLayout",
-    "FeatureChannelFormat",
-    "Image",
-    "ImageAllocator",
-    "ImageBatch",
-    "ImageDescriptor",
-    "ImageReadWriteParams",
-    "TemporaryImage",
-]
-
-
-class FeatureChannelFormat(enum.IntEnum):
-    """Storage format of an image's feature channels (MPS ``MPSImageFeatureChannelFormat``).
-
-    FLOAT64 is an mpsnn extension for verification. Arithmetic on FLOAT16 and BFLOAT16 images
-    accumulates in float32 (SPEC §1.4).
-    """
-
-    FLOAT16 = 3
-    FLOAT32 = 4
-    BFLOAT16 = 5
-    FLOAT64 = 64
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The torch dtype of the storage."""
-        return _FORMAT_TO_DTYPE[self]
-
-    @classmethod
-    def from_dtype(cls, dtype: torch.dtype) -> FeatureChannelFormat:
-        """The format whose storage dtype is ``dtype``."""
-        try:
-            return _DTYPE_TO_FORMAT[dtype]
-        except KeyError:
-            raise TypeError(
-                "[FeatureChannelFormat] the dtype must be float32, float16, bfloat16 or float64, "
-                f"got {dtype}"
-            ) from None
-
-
-_FORMAT_TO_DTYPE = {
-    FeatureChannelFormat.FLOAT16: torch.float16,
-    FeatureChannelFormat.FLOAT32: torch.float32,
-    FeatureChannelFormat.BFLOAT16: torch.bfloat16,
-    FeatureChannelFormat.FLOAT64: torch.float64,
-}
-_DTYPE_TO_FORMAT = {v: k for k, v in _FORMAT_TO_DTYPE.items()}
-
-
-class DataLayout(enum.IntEnum):
-    """Element order of `Image.read_bytes` / `Image.write_bytes` arrays (MPS ``MPSDataLayout``)."""
-
-    HEIGHT_WIDTH_FEATURE_CHANNELS = 0
-    FEATURE_CHANNELS_HEIGHT_WIDTH = 1
-
-
-class ImageReadWriteParams:
-    """Which channels byte I/O touches (MPS ``MPSImageReadWriteParams``).
-
-    Args:
-        feature_channel_offset: first channel (any value; no multiple-of-4 rule here).
-        number_of_feature_channels_to_read_write: how many; None means the rest.
-    """
-
-    __slots__ = ("feature_channel_offset", "number_of_feature_channels_to_read_write")
-
-    def __init__(
-        self,
-        feature_channel_offset: int = 0,
-        number_of_feature_channels_to_read_write: int | None = None,
-    ) -> None:
-        self.feature_channel_offset = feature_channel_offset
-        self.number_of_feature_channels_to_read_write = number_of_feature_channels_to_read_write
-
-
-def _check_count(owner: str, name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"[{owner}] {name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"[{owner}] {name} must be >= {minimum}, got {value}")
-    return value
-
-
-class ImageDescriptor:
-    """Shape and format of an image to allocate (MPS ``MPSImageDescriptor``).
-
-    Args:
-        channel_format: a `FeatureChannelFormat` (FLOAT32 by default).
-        width, height, feature_channels, number_of_images: sizes, each >= 1.
-    """
-
-    __slots__ = ("_c", "_fmt", "_h", "_n", "_w")
-
-    def __init__(
-        self,
-        channel_format: FeatureChannelFormat = FeatureChannelFormat.FLOAT32,
-        width: int = 1,
-        height: int = 1,
-        feature_channels: int = 1,
-        number_of_images: int = 1,
-    ) -> None:
-        self.channel_format = channel_format
-        self.width = width
-        self.height = height
-        self.feature_channels = feature_channels
-        self.number_of_images = number_of_images
-
-    @property
-    def channel_format(self) -> FeatureChannelFormat:
-        return self._fmt
-
-    @channel_format.setter
-    def channel_format(self, value: FeatureChannelFormat) -> None:
-        if not isinstance(value, FeatureChannelFormat):
-            raise TypeError(
-                "[ImageDescriptor] channel_format must be a FeatureChannelFormat, "
-                f"got {type(value).__name__}"
-            )
-        self._fmt = value
-
-    @property
-    def width(self) -> int:
-        return self._w
-
-    @width.setter
-    def width(self, value: int) -> None:
-        self._w = _check_count("ImageDescriptor", "width", value)
-
-    @property
-    def height(self) -> int:
-        return self._h
-
-    @height.setter
-    def height(self, value: int) -> None:
-        self._h = _check_count("ImageDescriptor", "height", value)
-
-    @property
-    def feature_channels(self) -> int:
-        return self._c
-
-    @feature_channels.setter
-    def feature_channels(self, value: int) -> None:
-        self._c = _check_count("ImageDescriptor", "feature_channels", value)
-
-    @property
-    def number_of_images(self) -> int:
-        return self._n
-
-    @number_of_images.setter
-    def number_of_images(self, value: int) -> None:
-        self._n = _check_count("ImageDescriptor", "number_of_images", value)
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        """``(number_of_images, feature_channels, height, width)``."""
-        return (self._n, self._c, self._h, self._w)
-
-    def copy(self) -> ImageDescriptor:
-        return ImageDescriptor._make(self._fmt, self._w, self._h, self._c, self._n)
-
-    @classmethod
-    def _make(cls, fmt: FeatureChannelFormat, w: int, h: int, c: int, n: int) -> ImageDescriptor:
-        """Internal: a descriptor from values already known to be valid (no checks)."""
-        d = cls.__new__(cls)
-        d._fmt, d._w, d._h, d._c, d._n = fmt, w, h, c, n
-        return d
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, ImageDescriptor)
-            and other._fmt == self._fmt
-            and other.shape == self.shape
-        )
-
-    def __repr__(self) -> str:
-        return (
-            f"ImageDescriptor({self._fmt.name}, width={self._w}, height={self._h}, "
-            f"feature_channels={self._c}, number_of_images={self._n})"
-        )
+__all__ = ["Image", "ImageAllocator", "TemporaryImage"]
 
 
 class Image:
@@ -652,116 +476,6 @@ class _TemporaryAllocator:
 
 _PERMANENT = _PermanentAllocator()
 _TEMPORARY = _TemporaryAllocator()
-
-
-class ImageBatch(Sequence[Image]):
-    """A training batch (MPS ``MPSImageBatch``): images of one shape, backed by one tensor.
-
-    ``batch[i]`` is a view of image ``i``; batch kernels run on the whole ``(N, C, H, W)``
-    tensor as one operation.
-    """
-
-    __slots__ = ("_image",)
-
-    def __init__(self, image: Image) -> None:
-        if not isinstance(image, Image):
-            raise TypeError(f"[ImageBatch] image must be an Image, got {type(image).__name__}")
-        self._image = image
-
-    @classmethod
-    def from_tensor(cls, tensor: torch.Tensor, *, label: str | None = None) -> ImageBatch:
-        """Wrap an ``(N, C, H, W)`` tensor without copying."""
-        if isinstance(tensor, torch.Tensor) and tensor.dim() != 4:
-            raise ValueError(
-                f"[ImageBatch] the tensor must have shape (N, C, H, W), got {tuple(tensor.shape)}"
-            )
-        return cls(Image.from_tensor(tensor, label=label))
-
-    @classmethod
-    def from_images(cls, images: Sequence[Image], *, label: str | None = None) -> ImageBatch:
-        """Stack images of one shape, format and device into a new batch (copies)."""
-        images = list(images)
-        if not images:
-            raise ValueError("[ImageBatch] from_images needs at least one image, got 0")
-        first = images[0]
-        for i, im in enumerate(images):
-            if not isinstance(im, Image):
-                raise TypeError(
-                    f"[ImageBatch] images[{i}] must be an Image, got {type(im).__name__}"
-                )
-            if (
-                im.shape[1:] != first.shape[1:]
-                or im.dtype != first.dtype
-                or im.device != first.device
-            ):
-                raise ValueError(
-                    "[ImageBatch] from_images needs images of one shape, format and device, "
-                    f"got {first!r} and images[{i}] = {im!r}"
-                )
-        return cls(Image.from_tensor(torch.cat([im.tensor for im in images]), label=label))
-
-    @property
-    def image(self) -> Image:
-        """The backing multi-image image."""
-        return self._image
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        return self._image.tensor
-
-    @property
-    def device(self) -> Device:
-        return self._image.device
-
-    @property
-    def feature_channel_format(self) -> FeatureChannelFormat:
-        return self._image.feature_channel_format
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return self._image.shape
-
-    @property
-    def read_count(self) -> int:
-        return self._image.read_count
-
-    def numpy(self) -> np.ndarray:
-        return self._image.numpy()
-
-    def __len__(self) -> int:
-        return self._image.number_of_images
-
-    @overload
-    def __getitem__(self, index: int) -> Image: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[Image]: ...
-
-    def __getitem__(self, index: int | slice) -> Image | list[Image]:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        n = len(self)
-        if not -n <= index < n:
-            raise IndexError(f"[ImageBatch] index must be in [-{n}, {n}), got {index}")
-        index %= n
-        view = Image.__new__(Image)
-        _, c, h, w = self._image.shape
-        Image.__init__(
-            view,
-            self._image.device,
-            ImageDescriptor(self._image.feature_channel_format, w, h, c, 1),
-            label=f"{self._image.label or 'batch'}[{index}]",
-        )
-        view._base = self._image
-        view._index = index
-        return view
-
-    def __iter__(self) -> Iterator[Image]:
-        for i in range(len(self)):
-            yield self[i]
-
-    def __repr__(self) -> str:
-        return f"<ImageBatch of {len(self)}: {self._image!r}>"
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:

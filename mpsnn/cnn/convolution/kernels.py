@@ -25,6 +25,8 @@ from mpsnn.cnn.convolution.descriptor import (
 )
 from mpsnn.cnn.convolution.state import ConvolutionGradientState, ConvolutionTransposeGradientState
 from mpsnn.core._checks import check_enum, check_int
+from mpsnn.core.cnn_kernel import CNNKernel, Forward
+from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.geometry import (
     AxisWindow,
@@ -35,8 +37,7 @@ from mpsnn.core.geometry import (
     padding_offset,
     remainder_first,
 )
-from mpsnn.core.image import Image, ImageDescriptor
-from mpsnn.core.kernel import CNNKernel, Forward
+from mpsnn.core.image import Image
 from mpsnn.core.state import State
 from mpsnn.errors import UnsupportedError
 from mpsnn.ops.convolution import (

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
+from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.geometry import Offset
-from mpsnn.core.image import ImageDescriptor
 from mpsnn.core.state import GradientState
 from mpsnn.ops._dtypes import acc_dtype
 

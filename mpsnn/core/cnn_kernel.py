@@ -1,0 +1,591 @@
+"""Kernel bases: `Kernel` and the unary `CNNKernel` (SPEC §5).
+
+An encode goes through the same steps for every family:
+
+1. validate the command buffer, images and states (types, device, liveness, shapes);
+2. size the destination with the padding policy when none is given (this sets ``offset``);
+3. resolve the `Window` (images, channels, per-axis windows) and let the family check it;
+4. only then change anything: allocate the destination, record the command, record the
+   forward geometry into the state, and drop the read counts of what was read.
+
+A failed encode therefore leaves the command buffer, images and states as they were. Nothing
+in steps 1-3 reads device memory.
+
+Families override a few hooks: ``_destination_channels`` (and its checks), ``_axis_windows``
+for non-standard window placement, ``_make_forward`` for the math, and ``_gradient_state_class``
+for what ``result_state`` returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from mpsnn.core._checks import check_enum, check_int, check_positive, check_type
+from mpsnn.core.descriptor import ImageDescriptor
+from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.geometry import (
+    _HUGE,
+    RECT_NO_CLIP,
+    AxisWindow,
+    DefaultPadding,
+    EdgeMode,
+    Offset,
+    Padding,
+    PaddingMethod,
+    Region,
+    Window,
+    forward_size,
+    padding_offset,
+    remainder_first,
+    reverse_size,
+)
+from mpsnn.core.image import Image
+from mpsnn.core.image_batch import ImageBatch
+from mpsnn.core.kernel import Kernel, resolve_images, resolve_span
+from mpsnn.core.state import ForwardRecord, GradientState, State, StateBatch
+
+__all__ = ["DEFAULT_PADDING_METHOD", "CNNKernel", "Forward"]
+
+_CUSTOM = int(PaddingMethod.CUSTOM)
+DEFAULT_PADDING_METHOD = (
+    PaddingMethod.ALIGN_CENTERED | PaddingMethod.ADD_REMAINDER_TO_TOP_LEFT | PaddingMethod.SIZE_SAME
+)
+
+Forward = Callable[[torch.Tensor], torch.Tensor]
+
+
+class CNNKernel(Kernel):
+    """A kernel with one source image (MPS ``MPSCNNKernel``).
+
+    Properties (MPS defaults): ``offset`` (0, 0, 0), ``clip_rect`` (`RECT_NO_CLIP`),
+    ``destination_feature_channel_offset`` 0, ``source_feature_channel_offset`` 0,
+    ``source_feature_channel_max_count`` (no limit), ``edge_mode`` ZERO, ``padding``
+    (centred, remainder top-left, same size), ``destination_image_allocator`` (permanent images;
+    MPS uses temporary ones, which a Python caller could not read). Read-only: kernel size,
+    strides, dilations, ``is_backwards``.
+    """
+
+    _default_padding_method: PaddingMethod = DEFAULT_PADDING_METHOD
+    _edge_modes: tuple[EdgeMode, ...] = (EdgeMode.ZERO, EdgeMode.CLAMP)
+    _gradient_state_class: type[GradientState] | None = None
+    _is_backwards = False
+    _reused_across_batch = False
+    _batch_barrier = False
+    _cache_plans = True  # False for kernels whose policy has side effects beyond `offset`
+    _policy_states: Any = None  # source states the padding policy consults (transpose pairing)
+
+    def __init__(
+        self,
+        device: Device,
+        *,
+        kernel_width: int = 1,
+        kernel_height: int = 1,
+        stride_in_pixels_x: int = 1,
+        stride_in_pixels_y: int = 1,
+        dilation_rate_x: int = 1,
+        dilation_rate_y: int = 1,
+    ) -> None:
+        super().__init__(device)
+        who = type(self).__name__
+        self._kw = check_positive(who, "kernel_width", kernel_width)
+        self._kh = check_positive(who, "kernel_height", kernel_height)
+        self._sx = check_positive(who, "stride_in_pixels_x", stride_in_pixels_x)
+        self._sy = check_positive(who, "stride_in_pixels_y", stride_in_pixels_y)
+        self._dx = check_positive(who, "dilation_rate_x", dilation_rate_x)
+        self._dy = check_positive(who, "dilation_rate_y", dilation_rate_y)
+        self._offset = Offset()
+        self._clip = RECT_NO_CLIP
+        self._dco = 0
+        self._sco = 0
+        self._smax = _HUGE
+        self._edge_mode = EdgeMode.ZERO
+        self._padding: Any = DefaultPadding(self._default_padding_method)
+        self._allocator: Any = Image.default_allocator()
+        self._plans: dict[tuple[Any, ...], tuple[Any, Offset, Window, dict[str, Any]]] = {}
+
+    # -- properties -----------------------------------------------------------------------
+
+    @property
+    def offset(self) -> Offset:
+        """Source position of the first destination pixel's window centre (``z``: first image)."""
+        return self._offset
+
+    @offset.setter
+    def offset(self, value: Offset) -> None:
+        self._offset = check_type(type(self).__name__, "offset", value, Offset)
+
+    @property
+    def clip_rect(self) -> Region:
+        """Destination region to write (intersected with the destination)."""
+        return self._clip
+
+    @clip_rect.setter
+    def clip_rect(self, value: Region) -> None:
+        self._clip = check_type(type(self).__name__, "clip_rect", value, Region)
+
+    @property
+    def destination_feature_channel_offset(self) -> int:
+        return self._dco
+
+    @destination_feature_channel_offset.setter
+    def destination_feature_channel_offset(self, value: int) -> None:
+        self._dco = check_int(type(self).__name__, "destination_feature_channel_offset", value, 0)
+
+    @property
+    def source_feature_channel_offset(self) -> int:
+        return self._sco
+
+    @source_feature_channel_offset.setter
+    def source_feature_channel_offset(self, value: int) -> None:
+        self._sco = check_int(type(self).__name__, "source_feature_channel_offset", value, 0)
+
+    @property
+    def source_feature_channel_max_count(self) -> int:
+        return self._smax
+
+    @source_feature_channel_max_count.setter
+    def source_feature_channel_max_count(self, value: int) -> None:
+        self._smax = check_int(type(self).__name__, "source_feature_channel_max_count", value, 1)
+
+    @property
+    def edge_mode(self) -> EdgeMode:
+        return self._edge_mode
+
+    @edge_mode.setter
+    def edge_mode(self, value: EdgeMode) -> None:
+        self._edge_mode = check_enum(
+            type(self).__name__, "edge_mode", value, EdgeMode, self._edge_modes
+        )
+
+    @property
+    def kernel_width(self) -> int:
+        return self._kw
+
+    @property
+    def kernel_height(self) -> int:
+        return self._kh
+
+    @property
+    def stride_in_pixels_x(self) -> int:
+        return self._sx
+
+    @property
+    def stride_in_pixels_y(self) -> int:
+        return self._sy
+
+    @property
+    def dilation_rate_x(self) -> int:
+        return self._dx
+
+    @property
+    def dilation_rate_y(self) -> int:
+        return self._dy
+
+    @property
+    def is_backwards(self) -> bool:
+        """True for enlarging kernels (convolution transpose)."""
+        return self._is_backwards
+
+    @property
+    def is_state_modified(self) -> bool:
+        """Whether encode writes the state it is given."""
+        return self._gradient_state_class is not None
+
+    @property
+    def padding(self) -> Padding:
+        return self._padding
+
+    @padding.setter
+    def padding(self, value: Padding) -> None:
+        if not hasattr(value, "padding_method"):
+            raise TypeError(
+                f"[{type(self).__name__}] padding must have a padding_method (see DefaultPadding), "
+                f"got {type(value).__name__}"
+            )
+        _ = PaddingMethod(value.padding_method).size_style  # validates the size field
+        self._padding = value
+
+    @property
+    def destination_image_allocator(self) -> Any:
+        return self._allocator
+
+    @destination_image_allocator.setter
+    def destination_image_allocator(self, value: Any) -> None:
+        if not callable(getattr(value, "image", None)):
+            raise TypeError(
+                f"[{type(self).__name__}] destination_image_allocator must have an "
+                f"image(command_buffer, descriptor, kernel) method, got {type(value).__name__}"
+            )
+        self._allocator = value
+
+    @property
+    def is_result_state_reused_across_batch(self) -> bool:
+        """True when ``result_state_batch`` repeats one shared state (accumulating kernels)."""
+        return self._reused_across_batch
+
+    @property
+    def append_batch_barrier(self) -> bool:
+        """True when consumers must wait for the whole batch (statistics kernels)."""
+        return self._batch_barrier
+
+    # -- family hooks ---------------------------------------------------------------------
+
+    def _destination_channels(self, source_channels: int) -> int:
+        """Channels written for ``source_channels`` read; raise ValueError if not acceptable."""
+        return source_channels
+
+    def _axis_windows(
+        self,
+        offset: Offset,
+        clip: Region,
+        y0: int,
+        ny: int,
+        x0: int,
+        nx: int,
+        src_h: int,
+        src_w: int,
+    ) -> tuple[AxisWindow, AxisWindow]:
+        """The standard window model (SPEC §4); enlarging or fixed-window kernels override."""
+        ey = self._dy * (self._kh - 1) + 1
+        ex = self._dx * (self._kw - 1) + 1
+        cy = offset.y + self._sy * (y0 - clip.origin.y)
+        cx = offset.x + self._sx * (x0 - clip.origin.x)
+        return (
+            AxisWindow(cy - ey // 2, ny, self._kh, self._sy, self._dy, src_h),
+            AxisWindow(cx - ex // 2, nx, self._kw, self._sx, self._dx, src_w),
+        )
+
+    def _check_window(self, window: Window, src: Image) -> None:
+        """Family checks on the resolved window (raise ValueError)."""
+
+    def _make_forward(self, window: Window, states: list[Any], memo: dict[str, Any]) -> Forward:
+        """The math: a function from the source block ``(images, channels, H, W)`` to the
+        destination block ``(images, out_channels, y.count, x.count)``; runs at commit.
+
+        ``memo`` lives as long as the encode configuration (window, edge mode) does: families
+        keep what they derive from the window there (e.g. the extraction plan)."""
+        raise NotImplementedError
+
+    def _record_extra(self, window: Window, memo: dict[str, Any]) -> Any:
+        """Family data stored in the gradient state's `ForwardRecord`."""
+        return None
+
+    # -- padding policy -------------------------------------------------------------------
+
+    def _policy(
+        self, source_images: Sequence[Image], source_states: Any
+    ) -> tuple[ImageDescriptor, Offset]:
+        """Default descriptor and offset, without changing the kernel (SPEC §4)."""
+        src = source_images[0]
+        method = PaddingMethod(self._padding.padding_method)
+        style = method.size_style
+        x_first, y_first = remainder_first(method)
+        align = method.alignment
+        n, c, h, w = src.shape
+        channels = self._destination_channels(min(self._smax, c - self._sco))
+        ey = self._dy * (self._kh - 1) + 1
+        ex = self._dx * (self._kw - 1) + 1
+        if self._is_backwards:
+            dh = reverse_size(h, ey, self._sy, style)
+            dw = reverse_size(w, ex, self._sx, style)
+        else:
+            dh = forward_size(h, ey, self._sy, style)
+            dw = forward_size(w, ex, self._sx, style)
+        if dh < 1 or dw < 1:
+            raise ValueError(
+                f"[{type(self).__name__}] the padding policy gives an empty {dw}x{dh} destination "
+                f"for a {w}x{h} source and a {ex}x{ey} effective window; use a larger source or "
+                "SIZE_SAME"
+            )
+        offset = Offset(
+            padding_offset(w, dw, ex, self._sx, align, x_first),
+            padding_offset(h, dh, ey, self._sy, align, y_first),
+            self._offset.z,
+        )
+        images = max(1, n - self._offset.z)
+        return ImageDescriptor(src.feature_channel_format, dw, dh, channels, images), offset
+
+    def destination_image_descriptor(
+        self, source_images: Sequence[Image], source_states: Any = None
+    ) -> ImageDescriptor:
+        """Apply the padding policy: set ``offset`` and return the destination descriptor.
+
+        Runs the default computation, then each source state's hook, then the padding object's
+        ``destination_image_descriptor`` when its method has the CUSTOM bit.
+        """
+        if isinstance(source_images, Image):
+            source_images = [source_images]
+        return self._resolve_policy(source_images, source_states)
+
+    def _resolve_policy(
+        self, source_images: Sequence[Image], source_states: Any
+    ) -> ImageDescriptor:
+        desc, offset = self._policy(source_images, source_states)
+        self._offset = offset
+        for st in _as_list(source_states):
+            if st is not None:
+                desc = st.destination_image_descriptor(source_images, source_states, self, desc)
+        if PaddingMethod(self._padding.padding_method) & PaddingMethod.CUSTOM:
+            desc = self._padding.destination_image_descriptor(
+                source_images, source_states, self, desc
+            )
+            if not isinstance(desc, ImageDescriptor):
+                raise TypeError(
+                    f"[{type(self).__name__}] the custom padding policy must return an "
+                    f"ImageDescriptor, got {type(desc).__name__}"
+                )
+        return desc
+
+    # -- states -----------------------------------------------------------------------------
+
+    def result_state(
+        self, source_image: Image, source_states: Any = None, destination_image: Image | None = None
+    ) -> State | None:
+        """The state a training encode fills for the gradient kernel (None if none is needed)."""
+        return self._new_state(None)
+
+    def temporary_result_state(
+        self,
+        command_buffer: CommandBuffer,
+        source_image: Image,
+        source_states: Any = None,
+        destination_image: Image | None = None,
+    ) -> State | None:
+        """Like `result_state`, but temporary on ``command_buffer`` (read count 1)."""
+        self._check_command_buffer(command_buffer)
+        return self._new_state(command_buffer)
+
+    def result_state_batch(
+        self,
+        source_images: ImageBatch,
+        source_states: Any = None,
+        destination_images: ImageBatch | None = None,
+    ) -> StateBatch | None:
+        """One state per image, or one shared state repeated (accumulating kernels)."""
+        return self._new_state_batch(len(source_images), None)
+
+    def temporary_result_state_batch(
+        self,
+        command_buffer: CommandBuffer,
+        source_images: ImageBatch,
+        source_states: Any = None,
+        destination_images: ImageBatch | None = None,
+    ) -> StateBatch | None:
+        self._check_command_buffer(command_buffer)
+        return self._new_state_batch(len(source_images), command_buffer)
+
+    def _new_state(self, cb: CommandBuffer | None) -> State | None:
+        cls = self._gradient_state_class
+        return None if cls is None else cls(self._device, command_buffer=cb)
+
+    def _new_state_batch(self, n: int, cb: CommandBuffer | None) -> StateBatch | None:
+        if self._gradient_state_class is None:
+            return None
+        if self._reused_across_batch:
+            shared = self._new_state(cb)
+            return StateBatch([shared] * n)
+        return StateBatch(self._new_state(cb) for _ in range(n))
+
+    # -- encode -------------------------------------------------------------------------------
+
+    def encode(
+        self,
+        command_buffer: CommandBuffer,
+        source_image: Image,
+        destination_image: Image | None = None,
+        destination_state: State | None = None,
+    ) -> Image:
+        """Encode one source into ``destination_image`` (or into a new image sized by the
+        padding policy, which sets ``offset``). A ``destination_state`` from `result_state`
+        records what the gradient kernel needs. Returns the destination."""
+        self._check_command_buffer(command_buffer)
+        self._check_image(command_buffer, source_image, "source_image")
+        states: list[Any] = []
+        if destination_state is not None:
+            states = [
+                self._check_state(
+                    command_buffer, destination_state, "destination_state", self._state_kind()
+                )
+            ]
+        return self._encode(command_buffer, source_image, destination_image, states, batch=False)
+
+    def encode_batch(
+        self,
+        command_buffer: CommandBuffer,
+        source_images: ImageBatch,
+        destination_images: ImageBatch | None = None,
+        destination_states: Sequence[State] | None = None,
+    ) -> ImageBatch:
+        """Encode a whole batch as one operation; returns the destination batch."""
+        self._check_command_buffer(command_buffer)
+        src = self._check_batch(command_buffer, source_images, "source_images")
+        dst = None
+        if destination_images is not None:
+            dst = self._check_batch(command_buffer, destination_images, "destination_images")
+        states: list[Any] = []
+        if destination_states is not None:
+            states = self._check_state_batch(
+                command_buffer,
+                destination_states,
+                "destination_states",
+                self._state_kind(),
+                len(source_images),
+            )
+        out = self._encode(command_buffer, src, dst, states, batch=True)
+        return destination_images if destination_images is not None else ImageBatch(out)
+
+    def _state_kind(self) -> type:
+        if self._gradient_state_class is None:
+            raise ValueError(
+                f"[{type(self).__name__}] this kernel has no gradient state; "
+                "destination_state must be None, got a state"
+            )
+        return self._gradient_state_class
+
+    def _encode(
+        self,
+        cb: CommandBuffer,
+        src: Image,
+        dst: Image | None,
+        states: list[Any],
+        batch: bool,
+    ) -> Image:
+        who = type(self).__name__
+        saved_offset = self._offset
+        try:
+            desc, window, record, forward = self._prepare(cb, src, dst, states, batch)
+        except Exception:
+            self._offset = saved_offset  # a failed encode changes nothing
+            raise
+        # -- validation is over: from here on nothing raises --
+        if dst is None:
+            dst = self._allocate(cb, desc, batch)
+        cb.record(who, _forward_command(forward, src, dst, window))
+        dst._note_writer(cb)
+        if record is not None:
+            for st in StateBatch(states).unique():
+                st._record_forward(record, who)
+        src._root()._consume_read(cb, who)
+        return dst
+
+    def _prepare(
+        self, cb: CommandBuffer, src: Image, dst: Image | None, states: list[Any], batch: bool
+    ) -> tuple[ImageDescriptor | None, Window, ForwardRecord | None, Forward]:
+        who = type(self).__name__
+        dst_shape = None
+        if dst is not None:
+            self._check_image(cb, dst, "destination_image")
+            if dst._root() is src._root():
+                raise ValueError(
+                    f"[{who}] the destination must not alias the source, got the same image"
+                )
+            dst_shape = dst._shape
+        # The padding policy and the window depend only on shapes and properties: a plan made
+        # once per configuration keeps enum arithmetic and validation off the hot path.
+        method = int(self._padding.padding_method)
+        key = (
+            src._shape,
+            src._fmt,
+            dst_shape,
+            self._offset,
+            self._clip,
+            self._sco,
+            self._smax,
+            self._dco,
+            self._edge_mode,
+            method,
+            batch,
+        )
+        plan = self._plans.get(key)
+        if plan is None:
+            if dst_shape is None:
+                desc = self._resolve_policy([src], self._policy_states)
+                dst_shape = desc.shape
+            else:
+                desc = None
+            window = self._window(src._shape, dst_shape, self._offset, batch)
+            self._check_window(window, src)
+            plan = (desc, self._offset, window, {})
+            if self._cache_plans and not (method & _CUSTOM) and not self._policy_states:
+                if len(self._plans) >= 32:  # a kernel seldom sees many configurations
+                    self._plans.clear()
+                self._plans[key] = plan
+        desc, offset, window, memo = plan
+        self._offset = offset
+        record = None
+        if states:
+            record = ForwardRecord(
+                self,
+                window,
+                self._edge_mode,
+                offset,
+                self._clip,
+                src._shape,
+                window_dst_shape(desc, dst),
+                self._record_extra(window, memo),
+            )
+            for st in StateBatch(states).unique():
+                if st._forward is not None and not st._forward.same_geometry(record):
+                    st._record_forward(record, who)  # raises the geometry mismatch
+        return desc, window, record, self._make_forward(window, states, memo)
+
+    def _allocate(self, cb: CommandBuffer, desc: ImageDescriptor | None, batch: bool) -> Image:
+        assert desc is not None
+        alloc = self._allocator
+        if batch and hasattr(alloc, "image_batch"):
+            out = alloc.image_batch(cb, desc, self, desc.number_of_images)
+            return out._image if isinstance(out, ImageBatch) else out
+        return alloc.image(cb, desc, self)
+
+    def _window(
+        self, src_shape: tuple[int, ...], dst_shape: tuple[int, ...], offset: Offset, batch: bool
+    ) -> Window:
+        who = type(self).__name__
+        sn, sc, sh, sw = src_shape
+        dn, dc, dh, dw = dst_shape
+        z_src, z_dst, images = resolve_images(who, sn, dn, offset.z, self._clip, batch)
+        if self._sco >= sc:
+            raise ValueError(
+                f"[{who}] source_feature_channel_offset must be < the source's {sc} channels, "
+                f"got {self._sco}"
+            )
+        n_read = min(self._smax, sc - self._sco)
+        n_write = self._destination_channels(n_read)
+        if self._dco + n_write > dc:
+            raise ValueError(
+                f"[{who}] the destination needs destination_feature_channel_offset + "
+                f"{n_write} channels = {self._dco + n_write}, got a destination with {dc}"
+            )
+        clip = self._clip
+        y0, ny = resolve_span(who, "y", clip.origin.y, clip.size.height, dh)
+        x0, nx = resolve_span(who, "x", clip.origin.x, clip.size.width, dw)
+        ay, ax = self._axis_windows(offset, clip, y0, ny, x0, nx, sh, sw)
+        return Window(ay, ax, z_src, z_dst, images, self._sco, n_read, self._dco, n_write, y0, x0)
+
+
+def window_dst_shape(desc: ImageDescriptor | None, dst: Image | None) -> tuple[int, int, int, int]:
+    return dst._shape if dst is not None else desc.shape  # type: ignore[union-attr]
+
+
+def _forward_command(forward: Forward, src: Image, dst: Image, w: Window) -> Callable[[], None]:
+    z0, n, c0, nc = w.src_image, w.images, w.src_channel, w.src_channels
+    dz, dc, dy, dx = w.dst_image, w.dst_channel, w.dst_y, w.dst_x
+    sn, sc = src._shape[0], src._shape[1]
+    whole = z0 == 0 and n == sn and c0 == 0 and nc == sc  # no slicing needed (common case)
+
+    def run() -> None:
+        x = src._data() if whole else src._data()[z0 : z0 + n, c0 : c0 + nc]
+        dst._write_block(forward(x), dz, dc, dy, dx)
+
+    return run
+
+
+def _as_list(states: Any) -> list[Any]:
+    if states is None:
+        return []
+    if isinstance(states, State):
+        return [states]
+    return list(states)
