@@ -21,6 +21,8 @@ from mpsnn.cnn.convolution import (
     FullyConnectedGradient,
     TensorConvolutionDataSource,
 )
+from mpsnn.cnn.neuron import Neuron, NeuronGradient
+from mpsnn.cnn.neuron_descriptor import NeuronDescriptor, NeuronType
 from mpsnn.core import (
     RECT_NO_CLIP,
     BinaryGradientState,
@@ -95,6 +97,10 @@ __all__ = [
     "Kernel",
     "KernelOptions",
     "MpsnnError",
+    "Neuron",
+    "NeuronDescriptor",
+    "NeuronGradient",
+    "NeuronType",
     "Offset",
     "Origin",
     "Padding",

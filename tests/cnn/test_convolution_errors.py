@@ -229,20 +229,25 @@ def test_mismatched_gradient_and_forward() -> None:
     assert len(cb) == 3
 
 
-def test_fused_neurons_and_optimizers_are_not_there_yet() -> None:
-    class Relu:
-        neuron_type = "RELU"
+def test_fused_neuron_must_be_a_shared_parameter_neuron_and_optimizers_are_not_there_yet() -> None:
+    def conv(neuron):
+        desc = m.ConvolutionDescriptor(1, 1, 1, 1, fused_neuron_descriptor=neuron)
+        return m.Convolution(CPU, m.TensorConvolutionDataSource(desc, torch.zeros(1, 1, 1, 1)))
 
     with pytest.raises(
-        m.UnsupportedError, match=r"\[Convolution\] fused neurons arrive with the neuron family"
+        TypeError,
+        match=r"\[Convolution\] fused_neuron_descriptor must be a NeuronDescriptor or None, got str",
     ):
-        m.Convolution(
-            CPU,
-            m.TensorConvolutionDataSource(
-                m.ConvolutionDescriptor(1, 1, 1, 1, fused_neuron_descriptor=Relu()),
-                torch.zeros(1, 1, 1, 1),
-            ),
-        )
+        conv("relu")
+    with pytest.raises(
+        ValueError,
+        match=r"\[Convolution\] a fused neuron must have parameters shared by all channels, got PRELU",
+    ):
+        conv(m.NeuronDescriptor(m.NeuronType.PRELU, data=[0.1]))
+    assert (
+        conv(m.NeuronDescriptor(m.NeuronType.NONE)).fused_neuron_descriptor.neuron_type
+        is m.NeuronType.NONE
+    )
     with pytest.raises(
         m.UnsupportedError,
         match=r"\[TensorConvolutionDataSource\] optimizers arrive with the optimizer family",

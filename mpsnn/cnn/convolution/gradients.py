@@ -69,7 +69,7 @@ class ConvolutionGradient(GradientKernel):
     def __init__(self, device: Device, weights: ConvolutionDataSource) -> None:
         who = type(self).__name__
         desc, _, _ = read_data_source(who, weights)
-        check_fused_neuron(who, desc)
+        check_fused_neuron(who, desc)  # validates it; the neuron's gradient is a separate step
         super().__init__(
             device,
             secondary_kernel=(desc.kernel_width, desc.kernel_height),

@@ -24,6 +24,8 @@ from mpsnn.cnn.convolution.descriptor import (
     ConvolutionDescriptor,
 )
 from mpsnn.cnn.convolution.state import ConvolutionGradientState, ConvolutionTransposeGradientState
+from mpsnn.cnn.neuron import apply_neuron
+from mpsnn.cnn.neuron_descriptor import NeuronDescriptor, NeuronType
 from mpsnn.core._checks import check_enum, check_int
 from mpsnn.core.cnn_kernel import CNNKernel, Forward
 from mpsnn.core.descriptor import ImageDescriptor
@@ -38,8 +40,7 @@ from mpsnn.core.geometry import (
     remainder_first,
 )
 from mpsnn.core.image import Image
-from mpsnn.core.state import State
-from mpsnn.errors import UnsupportedError
+from mpsnn.core.state import State, StateBatch
 from mpsnn.ops.convolution import (
     ConvGeometry,
     conv_forward,
@@ -77,14 +78,21 @@ def read_data_source(
     return desc.copy(), w, b
 
 
-def check_fused_neuron(who: str, descriptor: Any) -> None:
-    neuron = getattr(descriptor, "fused_neuron_descriptor", None)
-    kind = getattr(neuron, "neuron_type", None)
-    if neuron is not None and getattr(kind, "name", kind) not in ("NONE", 0, None):
-        raise UnsupportedError(
-            f"[{who}] fused neurons arrive with the neuron family; fused_neuron_descriptor must "
-            f"be None or of type NONE until then, got {neuron!r}"
+def check_fused_neuron(who: str, descriptor: Any) -> NeuronDescriptor | None:
+    """The descriptor's fused neuron (None for none or NONE); PRELU is not allowed (MPS)."""
+    neuron = descriptor.fused_neuron_descriptor
+    if neuron is None:
+        return None
+    if not isinstance(neuron, NeuronDescriptor):
+        raise TypeError(
+            f"[{who}] fused_neuron_descriptor must be a NeuronDescriptor or None, "
+            f"got {type(neuron).__name__}"
         )
+    if neuron.neuron_type is NeuronType.PRELU:
+        raise ValueError(
+            f"[{who}] a fused neuron must have parameters shared by all channels, got PRELU"
+        )
+    return None if neuron.neuron_type is NeuronType.NONE else neuron
 
 
 class _ConvolutionBase(CNNKernel):
@@ -96,7 +104,7 @@ class _ConvolutionBase(CNNKernel):
     def __init__(self, device: Device, weights: ConvolutionDataSource) -> None:
         who = type(self).__name__
         desc, w, b = read_data_source(who, weights)
-        check_fused_neuron(who, desc)
+        self._neuron = check_fused_neuron(who, desc)
         super().__init__(
             device,
             kernel_width=desc.kernel_width,
@@ -260,15 +268,24 @@ class _ConvolutionBase(CNNKernel):
             memo["geometry"] = geom
         return geom
 
-    def _with_precision(self, op: Callable[..., torch.Tensor]) -> Forward:
+    def _with_precision(self, op: Callable[..., torch.Tensor], states: list[Any]) -> Forward:
+        """The forward of ``op(x, w, b)`` with this encode's weights, the accumulator option and
+        the fused neuron (whose input a training encode keeps in its state)."""
         ws = self._weights
         half = self._precision is ConvolutionAccumulatorPrecisionOption.HALF
+        neuron = self._neuron
+        keep = StateBatch(states).unique() if (neuron is not None and states) else ()
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             if half and x.dtype != torch.float16:
                 x = x.to(torch.float16)
             w, b = ws.cast(x.dtype)
-            return op(x, w, b)
+            z = op(x, w, b)
+            if neuron is None:
+                return z
+            for state in keep:
+                state._preactivation = z
+            return apply_neuron(neuron, z)
 
         return forward
 
@@ -291,7 +308,7 @@ class Convolution(_ConvolutionBase):
 
     def _make_forward(self, window: Window, states: list[Any], memo: dict[str, Any]) -> Forward:
         geom = self._geometry(window, memo)
-        return self._with_precision(lambda x, w, b: conv_forward(x, w, b, geom))
+        return self._with_precision(lambda x, w, b: conv_forward(x, w, b, geom), states)
 
 
 class FullyConnected(_ConvolutionBase):
@@ -353,7 +370,7 @@ class FullyConnected(_ConvolutionBase):
             )
 
     def _make_forward(self, window: Window, states: list[Any], memo: dict[str, Any]) -> Forward:
-        return self._with_precision(fc_forward)
+        return self._with_precision(fc_forward, states)
 
 
 class ConvolutionTranspose(_ConvolutionBase):
@@ -483,4 +500,6 @@ class ConvolutionTranspose(_ConvolutionBase):
     def _make_forward(self, window: Window, states: list[Any], memo: dict[str, Any]) -> Forward:
         geom = self._geometry(window, memo)
         stride = (self._sy, self._sx)
-        return self._with_precision(lambda x, w, b: conv_transpose_forward(x, w, b, geom, stride))
+        return self._with_precision(
+            lambda x, w, b: conv_transpose_forward(x, w, b, geom, stride), states
+        )

@@ -42,6 +42,13 @@ class ConvolutionGradientState(GradientState):
         self._grad_w: torch.Tensor | None = None
         self._grad_b: torch.Tensor | None = None
         self._writers = 0  # gradient encodes recorded so far (encode time)
+        self._preactivation: torch.Tensor | None = None  # fused neuron input, kept for training
+
+    @property
+    def _fused_neuron_state(self) -> bool:
+        """True when the forward fused a neuron: `NeuronGradient` then reads this state."""
+        fwd = self._forward
+        return fwd is not None and getattr(fwd.kernel, "_neuron", None) is not None
 
     @property
     def convolution(self) -> Any:
@@ -71,11 +78,12 @@ class ConvolutionGradientState(GradientState):
         return "OHWI"
 
     def resources(self) -> list[torch.Tensor]:
-        return [t for t in (self._grad_w, self._grad_b) if t is not None]
+        return [t for t in (self._grad_w, self._grad_b, self._preactivation) if t is not None]
 
     def _free_storage(self) -> None:
         self._grad_w = None
         self._grad_b = None
+        self._preactivation = None
 
     def _claim_write(self) -> bool:
         """Called by a gradient encode (encode time): True for the first writer."""

@@ -1,0 +1,141 @@
+"""Neuron (activation) math: ``f(x)`` and ``f'(x)`` for the 16 MPS neuron types.
+
+Types and derivatives (x is the neuron's input; at kinks the positive branch is taken where the
+MPS header says ``x >= 0``, and clamp boundaries have derivative 0, as inventory §5 decides):
+
+========== ================================ ==========================================
+type       f(x)                             f'(x)
+========== ================================ ==========================================
+NONE       x                                1
+RELU       x >= 0 ? x : a x                 x >= 0 ? 1 : a
+LINEAR     a x + b                          a
+SIGMOID    1 / (1 + e^-x)                   s (1 - s)
+HARD_SIG.  clamp(a x + b, 0, 1)             a where 0 < a x + b < 1, else 0
+TANH       a tanh(b x)                      a b (1 - tanh^2(b x))
+ABSOLUTE   |x|                              sign(x) (0 at 0)
+SOFT_PLUS  a log(1 + e^(b x))               a b sigmoid(b x)
+SOFT_SIGN  x / (1 + |x|)                    1 / (1 + |x|)^2
+ELU        x >= 0 ? x : a (e^x - 1)         x >= 0 ? 1 : a e^x
+PRELU      x >= 0 ? x : a[c] x              x >= 0 ? 1 : a[c]
+RELU_N     min(x >= 0 ? x : a x, b)         0 where that min is b, else RELU's
+POWER      (a x + b)^c                      a c (a x + b)^(c - 1)
+EXPONENTIAL c^(a x + b) (c = -1: e)         a ln(c) c^(a x + b)
+LOGARITHM  log_c(a x + b) (c = -1: ln)      a / (ln(c) (a x + b))
+GELU       x Phi(x)                         Phi(x) + x phi(x)
+========== ================================ ==========================================
+
+Domains: POWER with a non-integer ``c`` is real only where ``a x + b >= 0`` (NaN elsewhere, as
+``torch.pow``); LOGARITHM needs ``a x + b > 0`` (``-inf`` at 0, NaN below). Inputs outside the
+domain give what PyTorch gives; they are not errors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["neuron_derivative", "neuron_forward"]
+
+# Type codes match `mpsnn.cnn.neuron.NeuronType` (MPS MPSCNNNeuronType values).
+NONE, RELU, LINEAR, SIGMOID, HARD_SIGMOID, TANH, ABSOLUTE, SOFT_PLUS = range(8)
+SOFT_SIGN, ELU, PRELU, RELU_N, POWER, EXPONENTIAL, LOGARITHM, GELU = range(8, 16)
+
+_INV_SQRT2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+def _channel_view(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Per-channel values shaped to broadcast over (N, C, H, W)."""
+    return data.to(device=x.device, dtype=x.dtype).view(1, -1, 1, 1)
+
+
+def _log_base(c: float) -> float:
+    return 1.0 if c == -1 else math.log(c)
+
+
+def neuron_forward(
+    kind: int, x: torch.Tensor, a: float, b: float, c: float, data: torch.Tensor | None
+) -> torch.Tensor:
+    """``f(x)`` for neuron type ``kind`` (see the module table)."""
+    if kind == NONE:
+        return x.clone()
+    if kind == RELU:
+        return torch.where(x >= 0, x, x * a)
+    if kind == LINEAR:
+        return x * a + b
+    if kind == SIGMOID:
+        return torch.sigmoid(x)
+    if kind == HARD_SIGMOID:
+        return (x * a + b).clamp_(0.0, 1.0)
+    if kind == TANH:
+        return torch.tanh(x * b) * a
+    if kind == ABSOLUTE:
+        return x.abs()
+    if kind == SOFT_PLUS:
+        return F.softplus(x * b) * a
+    if kind == SOFT_SIGN:
+        return x / (1 + x.abs())
+    if kind == ELU:
+        return torch.where(x >= 0, x, torch.expm1(x) * a)
+    if kind == PRELU:
+        assert data is not None  # checked by NeuronDescriptor
+        return torch.where(x >= 0, x, x * _channel_view(data, x))
+    if kind == RELU_N:
+        return torch.where(x >= 0, x, x * a).clamp_(max=b)
+    if kind == POWER:
+        return torch.pow(x * a + b, c)
+    if kind == EXPONENTIAL:
+        return torch.exp((x * a + b) * _log_base(c))
+    if kind == LOGARITHM:
+        return torch.log(x * a + b) / _log_base(c)
+    if kind == GELU:
+        return x * 0.5 * (1 + torch.erf(x * _INV_SQRT2))
+    raise ValueError(f"[Neuron] neuron type must be 0..15, got {kind}")
+
+
+def neuron_derivative(
+    kind: int, x: torch.Tensor, a: float, b: float, c: float, data: torch.Tensor | None
+) -> torch.Tensor:
+    """``f'(x)`` for neuron type ``kind`` (see the module table)."""
+    if kind in (NONE, LINEAR):
+        return torch.full_like(x, 1.0 if kind == NONE else a)
+    if kind == RELU:
+        return (x >= 0).to(x.dtype) * (1 - a) + a  # scalars keep x's dtype (no float32 a)
+    if kind == SIGMOID:
+        s = torch.sigmoid(x)
+        return s * (1 - s)
+    if kind == HARD_SIGMOID:
+        z = x * a + b
+        return ((z > 0) & (z < 1)).to(x.dtype) * a
+    if kind == TANH:
+        t = torch.tanh(x * b)
+        return (1 - t * t) * (a * b)
+    if kind == ABSOLUTE:
+        return torch.sign(x)
+    if kind == SOFT_PLUS:
+        return torch.sigmoid(x * b) * (a * b)
+    if kind == SOFT_SIGN:
+        d = 1 + x.abs()
+        return 1 / (d * d)
+    if kind == ELU:
+        return torch.where(x >= 0, 1.0, torch.exp(x) * a).to(x.dtype)
+    if kind == PRELU:
+        assert data is not None
+        return torch.where(x >= 0, torch.ones_like(x), _channel_view(data, x).expand_as(x))
+    if kind == RELU_N:
+        leaky = torch.where(x >= 0, x, x * a)
+        slope = (x >= 0).to(x.dtype) * (1 - a) + a
+        return slope * (leaky < b).to(x.dtype)
+    if kind == POWER:
+        return torch.pow(x * a + b, c - 1) * (a * c)
+    if kind == EXPONENTIAL:
+        lc = _log_base(c)
+        return torch.exp((x * a + b) * lc) * (a * lc)
+    if kind == LOGARITHM:
+        return a / ((x * a + b) * _log_base(c))
+    if kind == GELU:
+        cdf = 0.5 * (1 + torch.erf(x * _INV_SQRT2))
+        return cdf + x * torch.exp(-0.5 * x * x) * _INV_SQRT_2PI
+    raise ValueError(f"[NeuronGradient] neuron type must be 0..15, got {kind}")
