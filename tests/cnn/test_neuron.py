@@ -105,10 +105,11 @@ def test_kink_conventions() -> None:
     dev = m.Device("cpu")
     x = torch.tensor([[[[0.0, -1.25, 1.25, 1.2]]]], dtype=torch.float64)
     g = torch.ones_like(x) * 3.0
+
     def slope(kind, **kw):
         return _encode_pair(dev, m.NeuronDescriptor(kind, **kw), x, g)[1].flatten().tolist()
 
-assert slope(T.RELU, a=0.2)[0] == 3.0
+    assert slope(T.RELU, a=0.2)[0] == 3.0
     assert slope(T.ELU, a=0.5)[0] == 3.0
     assert slope(T.ABSOLUTE)[0] == 0.0
     hs = slope(T.HARD_SIGMOID, a=0.4, b=0.5)  # 0.4x+0.5 is 0.5, 0, 1, 0.98
