@@ -23,6 +23,17 @@ from mpsnn.cnn.convolution import (
 )
 from mpsnn.cnn.neuron import Neuron, NeuronGradient
 from mpsnn.cnn.neuron_descriptor import NeuronDescriptor, NeuronType
+from mpsnn.cnn.pooling import (
+    DilatedPoolingMax,
+    DilatedPoolingMaxGradient,
+    PoolingAverage,
+    PoolingAverageGradient,
+    PoolingGradient,
+    PoolingL2Norm,
+    PoolingL2NormGradient,
+    PoolingMax,
+    PoolingMaxGradient,
+)
 from mpsnn.core import (
     RECT_NO_CLIP,
     BinaryGradientState,
@@ -82,6 +93,8 @@ __all__ = [
     "DataLayout",
     "DefaultPadding",
     "Device",
+    "DilatedPoolingMax",
+    "DilatedPoolingMaxGradient",
     "EdgeMode",
     "FeatureChannelFormat",
     "ForwardRecord",
@@ -105,6 +118,13 @@ __all__ = [
     "Origin",
     "Padding",
     "PaddingMethod",
+    "PoolingAverage",
+    "PoolingAverageGradient",
+    "PoolingGradient",
+    "PoolingL2Norm",
+    "PoolingL2NormGradient",
+    "PoolingMax",
+    "PoolingMaxGradient",
     "Region",
     "Size",
     "StaleResourceError",

@@ -1,7 +1,13 @@
-"""Strict numerics for every test: no TF32, seeded."""
+"""Strict numerics for every test: no TF32, seeded. Without a GPU, Triton kernels run in
+Triton's interpreter (set before any kernel is defined)."""
+
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

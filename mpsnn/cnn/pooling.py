@@ -1,0 +1,336 @@
+"""The pooling family (MPS ``MPSCNNPooling*``): max, average, L2 norm, dilated max, and their
+gradients. The math and its conventions are in `mpsnn.ops.pooling`.
+
+Windows follow the MPS window model: output ``x`` is centred at
+``offset.x + stride * (x - clip.origin.x)`` and even windows lean top-left. The kernels default
+to ZERO edges (graph pooling nodes will default to CLAMP, as in MPS). Gradient kernels take
+their geometry from the forward's state and must be made with the same kernel size, strides,
+dilation and zero pad; ``source_size`` limits which part of the incoming gradient contributes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mpsnn.core._checks import check_int, check_positive, check_type
+from mpsnn.core.binary import Backward, GradientKernel
+from mpsnn.core.cnn_kernel import CNNKernel, Forward
+from mpsnn.core.device import Device
+from mpsnn.core.geometry import (
+    _HUGE,
+    EdgeMode,
+    PaddingMethod,
+    Size,
+    Window,
+    forward_size,
+    padding_offset,
+    remainder_first,
+)
+from mpsnn.core.state import ForwardRecord, GradientState
+from mpsnn.ops.pooling import (
+    PoolGeometry,
+    average_pool_backward,
+    average_pool_forward,
+    l2_pool_backward,
+    l2_pool_forward,
+    max_pool_backward,
+    max_pool_forward,
+    pool_geometry,
+)
+
+__all__ = [
+    "DilatedPoolingMax",
+    "DilatedPoolingMaxGradient",
+    "PoolingAverage",
+    "PoolingAverageGradient",
+    "PoolingGradient",
+    "PoolingL2Norm",
+    "PoolingL2NormGradient",
+    "PoolingMax",
+    "PoolingMaxGradient",
+]
+
+
+class _Pooling(CNNKernel):
+    """Shared by the forward pooling kernels."""
+
+    _gradient_state_class = GradientState
+    _forward_op = staticmethod(max_pool_forward)
+
+    def __init__(
+        self,
+        device: Device,
+        kernel_width: int,
+        kernel_height: int,
+        stride_in_pixels_x: int = 1,
+        stride_in_pixels_y: int = 1,
+        *,
+        dilation_rate_x: int = 1,
+        dilation_rate_y: int = 1,
+    ) -> None:
+        super().__init__(
+            device,
+            kernel_width=kernel_width,
+            kernel_height=kernel_height,
+            stride_in_pixels_x=stride_in_pixels_x,
+            stride_in_pixels_y=stride_in_pixels_y,
+            dilation_rate_x=dilation_rate_x,
+            dilation_rate_y=dilation_rate_y,
+        )
+
+    def _geometry(self, window: Window, memo: dict[str, Any]) -> PoolGeometry:
+        geom = memo.get("pool")
+        if geom is None:
+            geom = pool_geometry(window.y, window.x, self._edge_mode)
+            memo["pool"] = geom
+        return geom
+
+    def _make_forward(self, window: Window, states: list[Any], memo: dict[str, Any]) -> Forward:
+        geom, op = self._geometry(window, memo), self._forward_op
+        return lambda x: op(x, geom)
+
+    def _record_extra(self, window: Window, memo: dict[str, Any]) -> Any:
+        return self._geometry(window, memo)
+
+
+class PoolingMax(_Pooling):
+    """Maximum over each window (MPS ``MPSCNNPoolingMax``).
+
+    Args:
+        device: the kernel's device.
+        kernel_width, kernel_height: window size (odd or even).
+        stride_in_pixels_x, stride_in_pixels_y: strides (default 1).
+
+    With ZERO edges, zeros read outside the image take part in the maximum.
+    """
+
+
+class DilatedPoolingMax(_Pooling):
+    """Maximum over a dilated window (MPS ``MPSCNNDilatedPoolingMax``): taps
+    ``c - E // 2 + d * j``; kernel 2 with dilation 3 reads ``c - 2`` and ``c + 1``."""
+
+    def __init__(
+        self,
+        device: Device,
+        kernel_width: int,
+        kernel_height: int,
+        dilation_rate_x: int = 1,
+        dilation_rate_y: int = 1,
+        stride_in_pixels_x: int = 1,
+        stride_in_pixels_y: int = 1,
+    ) -> None:
+        super().__init__(
+            device, kernel_width, kernel_height, stride_in_pixels_x, stride_in_pixels_y,
+            dilation_rate_x=dilation_rate_x, dilation_rate_y=dilation_rate_y,
+        )  # fmt: skip
+
+
+class PoolingL2Norm(_Pooling):
+    """``sqrt(sum x^2)`` over each window (MPS ``MPSCNNPoolingL2Norm``)."""
+
+    _forward_op = staticmethod(l2_pool_forward)
+
+
+class _ZeroPad:
+    """``zero_pad_size_x/y`` of the average pooling kernels."""
+
+    _zpx = 0
+    _zpy = 0
+
+    @property
+    def zero_pad_size_x(self) -> int:
+        """With CLAMP edges, how far the window may reach into a zero border (counted in the
+        divisor). Ignored with ZERO edges."""
+        return self._zpx
+
+    @zero_pad_size_x.setter
+    def zero_pad_size_x(self, value: int) -> None:
+        self._zpx = check_int(type(self).__name__, "zero_pad_size_x", value, 0)
+
+    @property
+    def zero_pad_size_y(self) -> int:
+        return self._zpy
+
+    @zero_pad_size_y.setter
+    def zero_pad_size_y(self, value: int) -> None:
+        self._zpy = check_int(type(self).__name__, "zero_pad_size_y", value, 0)
+
+
+class PoolingAverage(_ZeroPad, _Pooling):
+    """Mean over each window (MPS ``MPSCNNPoolingAverage``); the divisor rules are in
+    `mpsnn.ops.pooling`: ZERO divides by the whole window, CLAMP shrinks the window to the image
+    grown by ``zero_pad_size_x/y``, and ZERO with the EXCLUDE_EDGES padding flag counts only
+    the image and the padding the policy adds (Caffe)."""
+
+    def _valid(self, window: Window, size_y: int, size_x: int) -> tuple[Any, Any]:
+        if self._edge_mode is EdgeMode.CLAMP:
+            return (-self._zpy, size_y + self._zpy), (-self._zpx, size_x + self._zpx)
+        method = PaddingMethod(self._padding.padding_method)
+        if not method & PaddingMethod.EXCLUDE_EDGES:
+            return None, None
+        x_first, y_first = remainder_first(method)
+        return (
+            _policy_region(size_y, window.y, method, y_first),
+            _policy_region(size_x, window.x, method, x_first),
+        )
+
+    def _geometry(self, window: Window, memo: dict[str, Any]) -> PoolGeometry:
+        geom = memo.get("pool")
+        if geom is None:
+            vy, vx = self._valid(window, window.y.size, window.x.size)
+            # Reads outside the image are zeros: CLAMP shrinks the window, it does not replicate.
+            geom = pool_geometry(
+                window.y, window.x, self._edge_mode, vy, vx, read_edge=EdgeMode.ZERO
+            )
+            memo["pool"] = geom
+        return geom
+
+    def _make_forward(self, window: Window, states: list[Any], memo: dict[str, Any]) -> Forward:
+        geom = self._geometry(window, memo)
+        return lambda x: average_pool_forward(x, geom)
+
+
+def _policy_region(size: int, a: Any, method: PaddingMethod, first: bool) -> tuple[int, int]:
+    """The image plus the padding the policy adds along one axis: ``[-before, size + after)``."""
+    extent, stride = a.extent, a.stride
+    dst = forward_size(size, extent, stride, method.size_style)
+    offset = padding_offset(size, dst, extent, stride, method.alignment, first)
+    before = max(extent // 2 - offset, 0)
+    after = max((dst - 1) * stride + extent - size - before, 0)
+    return -before, size + after
+
+
+_PARAMS = (
+    "kernel_width", "kernel_height", "stride_in_pixels_x", "stride_in_pixels_y",
+    "dilation_rate_x", "dilation_rate_y",
+)  # fmt: skip
+
+
+class PoolingGradient(GradientKernel):
+    """Base of the pooling gradients (MPS ``MPSCNNPoolingGradient``).
+
+    Args:
+        device: the kernel's device.
+        kernel_width, kernel_height, stride_in_pixels_x, stride_in_pixels_y: must equal the
+            forward pooling's.
+
+    ``source_size`` (default: all of it) limits the incoming gradient that contributes to the
+    first ``width x height`` outputs the forward wrote.
+    """
+
+    _state_class = GradientState
+    _forward_class: type = PoolingMax
+    _backward_op = staticmethod(max_pool_backward)
+
+    def __init__(
+        self,
+        device: Device,
+        kernel_width: int,
+        kernel_height: int,
+        stride_in_pixels_x: int = 1,
+        stride_in_pixels_y: int = 1,
+        *,
+        dilation_rate_x: int = 1,
+        dilation_rate_y: int = 1,
+    ) -> None:
+        who = type(self).__name__
+        params = (
+            kernel_width, kernel_height, stride_in_pixels_x, stride_in_pixels_y,
+            dilation_rate_x, dilation_rate_y,
+        )  # fmt: skip
+        for name, value in zip(_PARAMS, params, strict=True):
+            check_positive(who, name, value)
+        super().__init__(
+            device,
+            secondary_kernel=(kernel_width, kernel_height),
+            secondary_dilation=(dilation_rate_x, dilation_rate_y),
+        )
+        self._params = dict(zip(_PARAMS, params, strict=True))
+        self._source_size = Size(_HUGE, _HUGE, _HUGE)
+
+    @property
+    def source_size(self) -> Size:
+        return self._source_size
+
+    @source_size.setter
+    def source_size(self, value: Size) -> None:
+        self._source_size = check_type(type(self).__name__, "source_size", value, Size)
+
+    def _check_forward(self, record: ForwardRecord) -> None:
+        who = type(self).__name__
+        fwd = record.kernel
+        if type(fwd) is not self._forward_class:
+            raise ValueError(
+                f"[{who}] gradient_state must come from a {self._forward_class.__name__} encode, "
+                f"got one from {type(fwd).__name__}"
+            )
+        for name, value in self._params.items():
+            if getattr(fwd, name) != value:
+                raise ValueError(
+                    f"[{who}] {name} must equal the forward pooling's ({getattr(fwd, name)}), "
+                    f"got {value}"
+                )
+        for name in ("zero_pad_size_x", "zero_pad_size_y"):
+            if hasattr(fwd, name) and getattr(fwd, name) != getattr(self, name, 0):
+                raise ValueError(
+                    f"[{who}] {name} must equal the forward pooling's ({getattr(fwd, name)}), "
+                    f"got {getattr(self, name, 0)}"
+                )
+
+    def _make_backward(self, record: ForwardRecord, window: Window, states: list[Any]) -> Backward:
+        geom: PoolGeometry = record.extra
+        op = self._backward_op
+        sw, sh = self._source_size.width, self._source_size.height
+        if sw >= window.x.count and sh >= window.y.count:
+            return lambda g, x: op(g, x, geom)
+
+        def limited(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            g = g.clone()
+            g[:, :, sh:, :] = 0
+            g[:, :, :, sw:] = 0
+            return op(g, x, geom)
+
+        return limited
+
+
+class PoolingMaxGradient(PoolingGradient):
+    """Gradient of `PoolingMax` (MPS ``MPSCNNPoolingMaxGradient``): each output's gradient goes
+    to the first maximum of its window, recomputed from the source; none goes to a maximum that
+    is a ZERO-edge padding value. On CUDA, disjoint windows use a one-pass Triton kernel."""
+
+
+class DilatedPoolingMaxGradient(PoolingGradient):
+    """Gradient of `DilatedPoolingMax` (MPS ``MPSCNNDilatedPoolingMaxGradient``)."""
+
+    _forward_class = DilatedPoolingMax
+
+    def __init__(
+        self,
+        device: Device,
+        kernel_width: int,
+        kernel_height: int,
+        dilation_rate_x: int = 1,
+        dilation_rate_y: int = 1,
+        stride_in_pixels_x: int = 1,
+        stride_in_pixels_y: int = 1,
+    ) -> None:
+        super().__init__(
+            device, kernel_width, kernel_height, stride_in_pixels_x, stride_in_pixels_y,
+            dilation_rate_x=dilation_rate_x, dilation_rate_y=dilation_rate_y,
+        )  # fmt: skip
+
+
+class PoolingL2NormGradient(PoolingGradient):
+    """Gradient of `PoolingL2Norm`: ``g x / y``, and 0 for an all-zero window."""
+
+    _forward_class = PoolingL2Norm
+    _backward_op = staticmethod(l2_pool_backward)
+
+
+class PoolingAverageGradient(_ZeroPad, PoolingGradient):
+    """Gradient of `PoolingAverage`: ``g / N`` spread over the image pixels of each window."""
+
+    _forward_class = PoolingAverage
+    _backward_op = staticmethod(average_pool_backward)

@@ -1,0 +1,57 @@
+"""CUDA fast paths written in Triton, and the one place that decides when they run.
+
+A fast path computes the same function as the portable PyTorch path it replaces and is tested
+against it (on the GPU machine, and on the CPU through Triton's interpreter at small sizes).
+It runs for CUDA tensors when Triton is importable and the configuration is one it handles;
+`set_enabled(False)` forces the portable paths (for comparisons and debugging).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+__all__ = ["available", "enabled", "max_pool_backward_eligible", "set_enabled"]
+
+_enabled = True
+
+
+@functools.cache
+def available() -> bool:
+    """True when Triton can be imported."""
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def set_enabled(flag: bool) -> None:
+    """Turn the Triton fast paths on or off for the whole process."""
+    global _enabled
+    _enabled = bool(flag)
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def _runs(*tensors: torch.Tensor) -> bool:
+    return _enabled and all(t.is_cuda for t in tensors) and available()
+
+
+def max_pool_backward_eligible(g: torch.Tensor, x: torch.Tensor, geom: Any) -> bool:
+    """Non-overlapping windows (stride == kernel, no dilation) that lie inside the image."""
+    if not _runs(g, x):
+        return False
+    return pool_tiles(geom) and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+
+
+def pool_tiles(geom: Any) -> bool:
+    """Windows of ``geom`` are disjoint and inside the image (the Triton kernel's case)."""
+    for a, p in ((geom.y, geom.plan.y), (geom.x, geom.plan.x)):
+        if a.stride != a.kernel or a.dilation != 1 or p.mode != 0:  # 0: a view of the source
+            return False
+    return True
