@@ -34,6 +34,7 @@ from mpsnn.cnn.pooling import (
     PoolingMax,
     PoolingMaxGradient,
 )
+from mpsnn.cnn.softmax import LogSoftMax, LogSoftMaxGradient, SoftMax, SoftMaxGradient
 from mpsnn.core import (
     RECT_NO_CLIP,
     BinaryGradientState,
@@ -109,6 +110,8 @@ __all__ = [
     "ImageReadWriteParams",
     "Kernel",
     "KernelOptions",
+    "LogSoftMax",
+    "LogSoftMaxGradient",
     "MpsnnError",
     "Neuron",
     "NeuronDescriptor",
@@ -127,6 +130,8 @@ __all__ = [
     "PoolingMaxGradient",
     "Region",
     "Size",
+    "SoftMax",
+    "SoftMaxGradient",
     "StaleResourceError",
     "State",
     "StateBatch",

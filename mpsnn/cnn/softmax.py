@@ -1,0 +1,96 @@
+"""Softmax over feature channels (MPS ``MPSCNNSoftMax``, ``MPSCNNLogSoftMax`` and gradients).
+
+Per pixel, over the channels read (``source_feature_channel_offset`` ...)::
+
+    softmax:     s_k = exp(x_k - max x) / sum_j exp(x_j - max x)
+    log-softmax: l_k = x_k - max x - log sum_j exp(x_j - max x)
+
+Both are computed in float32 for float16/bfloat16 storage, and stay finite for any finite
+logits (a spread of 1000 included). The gradients read the forward **result** (secondary image
+= forward destination), as MPS prescribes::
+
+    softmax:     dx_k = s_k (g_k - sum_j g_j s_j)
+    log-softmax: dx_k = g_k - exp(l_k) sum_j g_j
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mpsnn.cnn._pointwise import Pointwise, PointwiseBackward, PointwiseGradient, PointwiseKernel
+from mpsnn.core.device import Device
+from mpsnn.core.geometry import Window
+from mpsnn.core.state import ForwardRecord, GradientState
+
+__all__ = ["LogSoftMax", "LogSoftMaxGradient", "SoftMax", "SoftMaxGradient"]
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+class SoftMax(PointwiseKernel):
+    """``softmax`` over the feature channels of each pixel (MPS ``MPSCNNSoftMax``)."""
+
+    _gradient_state_class = GradientState
+
+    def __init__(self, device: Device) -> None:
+        super().__init__(device)
+
+    def _pointwise(self, window: Window, states: list[Any]) -> Pointwise:
+        return lambda x: torch.softmax(_wide(x), 1).to(x.dtype)
+
+
+class LogSoftMax(PointwiseKernel):
+    """``log_softmax`` over the feature channels of each pixel (MPS ``MPSCNNLogSoftMax``)."""
+
+    _gradient_state_class = GradientState
+
+    def __init__(self, device: Device) -> None:
+        super().__init__(device)
+
+    def _pointwise(self, window: Window, states: list[Any]) -> Pointwise:
+        return lambda x: torch.log_softmax(_wide(x), 1).to(x.dtype)
+
+
+class _SoftMaxGradientBase(PointwiseGradient):
+    _state_class = GradientState
+    _secondary_is_result = True
+    _forward_class: type = SoftMax
+
+    def __init__(self, device: Device) -> None:
+        super().__init__(device)
+
+    def _check_forward(self, record: ForwardRecord) -> None:
+        got = type(record.kernel).__name__
+        if type(record.kernel) is not self._forward_class:
+            raise ValueError(
+                f"[{type(self).__name__}] gradient_state must come from a "
+                f"{self._forward_class.__name__} encode, got one from {got}"
+            )
+
+
+class SoftMaxGradient(_SoftMaxGradientBase):
+    """``dx = s (g - sum g s)``; ``source_image`` is the forward **result** ``s``."""
+
+    def _pointwise_backward(self, record: ForwardRecord, states: list[Any]) -> PointwiseBackward:
+        def backward(g: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+            gw, sw = _wide(g), _wide(s)
+            return (sw * (gw - (gw * sw).sum(1, keepdim=True))).to(g.dtype)
+
+        return backward
+
+
+class LogSoftMaxGradient(_SoftMaxGradientBase):
+    """``dx = g - exp(l) sum g``; ``source_image`` is the forward **result** ``l``."""
+
+    _forward_class = LogSoftMax
+
+    def _pointwise_backward(self, record: ForwardRecord, states: list[Any]) -> PointwiseBackward:
+        def backward(g: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+            gw = _wide(g)
+            return (gw - torch.exp(_wide(logp)) * gw.sum(1, keepdim=True)).to(g.dtype)
+
+        return backward
