@@ -21,6 +21,7 @@ from mpsnn.cnn.convolution import (
     FullyConnectedGradient,
     TensorConvolutionDataSource,
 )
+from mpsnn.cnn.dropout import Dropout, DropoutGradient, DropoutGradientState
 from mpsnn.cnn.neuron import Neuron, NeuronGradient
 from mpsnn.cnn.neuron_descriptor import NeuronDescriptor, NeuronType
 from mpsnn.cnn.pooling import (
@@ -96,6 +97,9 @@ __all__ = [
     "Device",
     "DilatedPoolingMax",
     "DilatedPoolingMaxGradient",
+    "Dropout",
+    "DropoutGradient",
+    "DropoutGradientState",
     "EdgeMode",
     "FeatureChannelFormat",
     "ForwardRecord",

@@ -454,8 +454,9 @@ class GradientKernel(BinaryKernel):
         if self._explicit:
             self._check_explicit(self._derived(record))
         fw = record.window
-        # Which images: the whole batch, or the forward's old-style z mapping.
-        if batch:
+        # Which images: those given (a batch, or images of a forward batch taken one by one), or
+        # the forward's old-style z mapping.
+        if batch or record.batch:
             z_src, z_dst, images = 0, 0, grad.number_of_images
         else:
             z_src, z_dst, images = fw.src_image, fw.dst_image, fw.images

@@ -526,6 +526,7 @@ class CNNKernel(Kernel):
                 src._shape,
                 window_dst_shape(desc, dst),
                 self._record_extra(window, memo),
+                batch,
             )
             for st in StateBatch(states).unique():
                 if st._forward is not None and not st._forward.same_geometry(record):

@@ -174,6 +174,7 @@ class ForwardRecord(NamedTuple):
         source_shape: ``(N, C, H, W)`` of the forward source.
         destination_shape: ``(N, C, H, W)`` of the forward destination.
         extra: family data (weights used, fused neuron, ...).
+        batch: whether an ``encode_batch`` made it.
     """
 
     kernel: Any
@@ -184,6 +185,7 @@ class ForwardRecord(NamedTuple):
     source_shape: tuple[int, int, int, int]
     destination_shape: tuple[int, int, int, int]
     extra: Any = None
+    batch: bool = False  # made by encode_batch: gradients may take the batch's images one by one
 
     def same_geometry(self, other: ForwardRecord) -> bool:
         """True when two encodes used the same spatial and channel geometry (images may differ)."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["available", "enabled", "max_pool_backward_eligible", "set_enabled"]
+__all__ = ["available", "dropout_eligible", "enabled", "max_pool_backward_eligible", "set_enabled"]
 
 _enabled = True
 
@@ -55,3 +55,8 @@ def pool_tiles(geom: Any) -> bool:
         if a.stride != a.kernel or a.dilation != 1 or p.mode != 0:  # 0: a view of the source
             return False
     return True
+
+
+def dropout_eligible(t: torch.Tensor) -> bool:
+    """CUDA tensors in float16, bfloat16 or float32 (float64 runs on the portable path)."""
+    return _runs(t) and t.dtype in (torch.float16, torch.bfloat16, torch.float32)

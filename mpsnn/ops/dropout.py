@@ -1,0 +1,113 @@
+"""Inverted dropout with masks regenerated from a key (no mask is stored).
+
+``y = x * keep / p`` with ``keep`` true with probability ``p``. The mask bit of element ``e`` of
+image ``n`` is a counter-based hash::
+
+    u = mix(mix(e) ^ mix(stream_key ^ mix(n + 1)))      (32-bit values)
+    keep = u < floor(p * 2^32)
+
+where ``mix`` is the "lowbias32" integer finalizer (xor-shift-multiply, full avalanche),
+``stream_key`` is derived from the kernel's seed and the number of encodes it made, and ``e``
+indexes the mask: ``(c * Hm + y) * Wm + x`` over the *mask* shape, where an axis whose
+``mask_stride_in_pixels`` is 0 has extent 1 (the mask is broadcast along it). The same bits come
+from the portable path (int64 tensor arithmetic, written so that no product overflows) and from
+the Triton kernel, on any device: a gradient regenerates exactly its forward's mask.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "DropoutGeometry",
+    "dropout_apply",
+    "dropout_apply_portable",
+    "keep_mask",
+    "mix32",
+    "stream_key",
+]
+
+M32 = 0xFFFFFFFF
+_K1, _K2 = 0x7FEB352D, 0x846CA68B
+
+
+class DropoutGeometry(NamedTuple):
+    """``threshold``: keep when the hash is below it; ``scale``: ``1 / keep_probability``;
+    ``strides``: the mask strides (channels, y, x), each 0 (broadcast) or 1."""
+
+    threshold: int
+    scale: float
+    strides: tuple[int, int, int]
+
+
+def dropout_geometry(keep_probability: float, strides: tuple[int, int, int]) -> DropoutGeometry:
+    threshold = min(int(keep_probability * 2**32), M32)
+    return DropoutGeometry(threshold, 1.0 / keep_probability, strides)
+
+
+def mix32(h: int) -> int:
+    """The finalizer on a Python int (host side)."""
+    h &= M32
+    h ^= h >> 16
+    h = (h * _K1) & M32
+    h ^= h >> 15
+    h = (h * _K2) & M32
+    return h ^ (h >> 16)
+
+
+def stream_key(seed: int, counter: int) -> int:
+    """Key of one encode of a dropout kernel: its seed (64 bits) and encode number."""
+    return mix32(mix32((seed & M32) ^ 0x9E3779B9) ^ mix32(seed >> 32) ^ mix32(counter + 0x632BE5AB))
+
+
+def _mul32(h: torch.Tensor, k: int) -> torch.Tensor:
+    """``(h * k) mod 2^32`` for int64 ``h`` in [0, 2^32) without int64 overflow."""
+    lo = h * (k & 0xFFFF)
+    hi = ((h * (k >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & M32
+
+
+def _mix(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = _mul32(h, _K1)
+    h = h ^ (h >> 15)
+    h = _mul32(h, _K2)
+    return h ^ (h >> 16)
+
+
+def keep_mask(
+    key: int, first_image: int, shape: tuple[int, int, int, int], geom: DropoutGeometry,
+    device: torch.device,
+) -> torch.Tensor:  # fmt: skip
+    """Boolean mask of shape ``(N, Cm, Hm, Wm)`` (broadcastable to ``shape``)."""
+    n, c, h, w = shape
+    sc, sy, sx = geom.strides
+    cm, hm, wm = (c if sc else 1), (h if sy else 1), (w if sx else 1)
+    e = torch.arange(cm * hm * wm, dtype=torch.int64, device=device).view(1, cm, hm, wm)
+    images = torch.arange(first_image, first_image + n, dtype=torch.int64, device=device)
+    image_keys = _mix(key ^ _mix(images + 1)).view(n, 1, 1, 1)
+    return _mix(_mix(e) ^ image_keys) < geom.threshold
+
+
+def dropout_apply_portable(
+    t: torch.Tensor, key: int, first_image: int, geom: DropoutGeometry
+) -> torch.Tensor:
+    """``t * keep * scale`` (forward, or the gradient with ``t = g``), on any device."""
+    keep = keep_mask(key, first_image, tuple(t.shape), geom, t.device)
+    wide = torch.float64 if t.dtype == torch.float64 else torch.float32
+    factor = keep.to(wide) * geom.scale
+    return (t.to(wide) * factor).to(t.dtype)
+
+
+def dropout_apply(
+    t: torch.Tensor, key: int, first_image: int, geom: DropoutGeometry
+) -> torch.Tensor:
+    from mpsnn.ops import triton as fast_paths
+
+    if fast_paths.dropout_eligible(t):
+        from mpsnn.ops.triton.dropout import dropout_apply_triton
+
+        return dropout_apply_triton(t, key, first_image, geom)
+    return dropout_apply_portable(t, key, first_image, geom)
