@@ -36,6 +36,13 @@ from mpsnn.cnn.pooling import (
     PoolingMaxGradient,
 )
 from mpsnn.cnn.softmax import LogSoftMax, LogSoftMaxGradient, SoftMax, SoftMaxGradient
+from mpsnn.cnn.upsampling import (
+    UpsamplingBilinear,
+    UpsamplingBilinearGradient,
+    UpsamplingGradient,
+    UpsamplingNearest,
+    UpsamplingNearestGradient,
+)
 from mpsnn.core import (
     RECT_NO_CLIP,
     BinaryGradientState,
@@ -141,6 +148,11 @@ __all__ = [
     "StateBatch",
     "TemporaryImage",
     "TensorConvolutionDataSource",
+    "UpsamplingBilinear",
+    "UpsamplingBilinearGradient",
+    "UpsamplingGradient",
+    "UpsamplingNearest",
+    "UpsamplingNearestGradient",
     "UnsupportedError",
     "__version__",
 ]
