@@ -5,6 +5,21 @@ Everything public is importable from here; the subpackages group it for reading:
 (the math, on tensors), `mpsnn.cnn` (the MPS kernel families).
 """
 
+from mpsnn.cnn.arithmetic import (
+    Add,
+    Arithmetic,
+    ArithmeticGradientState,
+    Divide,
+    Multiply,
+    Subtract,
+)
+from mpsnn.cnn.arithmetic_gradient import (
+    AddGradient,
+    ArithmeticGradient,
+    DivideGradient,
+    MultiplyGradient,
+    SubtractGradient,
+)
 from mpsnn.cnn.convolution import (
     Convolution,
     ConvolutionAccumulatorPrecisionOption,
@@ -82,6 +97,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "RECT_NO_CLIP",
+    "Add",
+    "AddGradient",
+    "Arithmetic",
+    "ArithmeticGradient",
+    "ArithmeticGradientState",
     "BinaryGradientState",
     "BinaryKernel",
     "CNNKernel",
@@ -104,6 +124,8 @@ __all__ = [
     "Device",
     "DilatedPoolingMax",
     "DilatedPoolingMaxGradient",
+    "Divide",
+    "DivideGradient",
     "Dropout",
     "DropoutGradient",
     "DropoutGradientState",
@@ -124,6 +146,8 @@ __all__ = [
     "LogSoftMax",
     "LogSoftMaxGradient",
     "MpsnnError",
+    "Multiply",
+    "MultiplyGradient",
     "Neuron",
     "NeuronDescriptor",
     "NeuronGradient",
@@ -146,6 +170,8 @@ __all__ = [
     "StaleResourceError",
     "State",
     "StateBatch",
+    "Subtract",
+    "SubtractGradient",
     "TemporaryImage",
     "TensorConvolutionDataSource",
     "UpsamplingBilinear",

@@ -1,0 +1,263 @@
+"""Arithmetic gradient kernels (MPS ``MPSCNNAddGradient``, ``SubtractGradient``,
+``MultiplyGradient``; ``DivideGradient`` is an mpsnn extension: MPS has none).
+
+One kernel per forward input (``is_secondary_source_filter``). Formulas and the broadcast sums
+are in `mpsnn.ops.arithmetic`; the clamp mask of the forward zeroes the gradient where it clamped.
+
+``source_image`` (the secondary input of the gradient encode) is, as in MPS:
+
+* Add / Subtract: the forward input this kernel differentiates (its shape is checked);
+* Multiply / Divide: the *other* forward input (``y`` for the primary filter, ``x`` for the
+  secondary one), whose values the derivative needs. DivideGradient's secondary filter also
+  needs the divisor ``y``: the state keeps a reference to the block the forward read (no copy),
+  so the divisor image must not be overwritten before the gradient runs.
+
+Gradient geometry (offsets, strides, clamp range, scales) comes from the state; the scale and
+clamp properties report the forward's values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mpsnn.cnn.arithmetic import (
+    Add,
+    Arithmetic,
+    ArithmeticGradientState,
+    ArithmeticRecord,
+    Divide,
+    Multiply,
+    Subtract,
+)
+from mpsnn.core._checks import check_type
+from mpsnn.core.binary import GradientKernel
+from mpsnn.core.descriptor import ImageDescriptor
+from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.image import Image
+from mpsnn.core.image_batch import ImageBatch
+from mpsnn.ops._dtypes import acc_dtype
+from mpsnn.ops.arithmetic import (
+    DIVIDE,
+    MULTIPLY,
+    SUBTRACT,
+    read_source,
+    read_source_adjoint,
+    unpack_bits,
+)
+
+__all__ = [
+    "AddGradient",
+    "ArithmeticGradient",
+    "DivideGradient",
+    "MultiplyGradient",
+    "SubtractGradient",
+]
+
+
+class ArithmeticGradient(GradientKernel):
+    """Base of the arithmetic gradients (MPS ``MPSCNNArithmeticGradient``).
+
+    Args:
+        device: the kernel's device.
+        is_secondary_source_filter: False for d/d(primary), True for d/d(secondary).
+    """
+
+    _state_class = ArithmeticGradientState
+    _forward_class: type = Arithmetic
+
+    def __init__(self, device: Device, is_secondary_source_filter: bool) -> None:
+        super().__init__(device)
+        self._secondary_filter = check_type(
+            type(self).__name__, "is_secondary_source_filter", is_secondary_source_filter, bool
+        )
+        self._last: ArithmeticRecord | None = None
+
+    @property
+    def is_secondary_source_filter(self) -> bool:
+        return self._secondary_filter
+
+    def _reported(self, index: int, default: float) -> float:
+        return default if self._last is None else (*self._last.scales, *self._last.clamp)[index]
+
+    @property
+    def primary_scale(self) -> float:
+        return self._reported(0, 1.0)
+
+    @property
+    def secondary_scale(self) -> float:
+        return self._reported(1, 1.0)
+
+    @property
+    def bias(self) -> float:
+        """Reported; a bias does not enter the gradient."""
+        return self._reported(2, 0.0)
+
+    @property
+    def minimum_value(self) -> float:
+        return self._reported(3, -3.4028234663852886e38)
+
+    @property
+    def maximum_value(self) -> float:
+        return self._reported(4, 3.4028234663852886e38)
+
+    def encode(  # type: ignore[override]
+        self,
+        command_buffer: CommandBuffer,
+        source_gradient: Image,
+        source_image: Image,
+        gradient_state: ArithmeticGradientState,
+        destination_gradient: Image | None = None,
+    ) -> Image:
+        """dL/d(this kernel's forward input); see the module docstring for ``source_image``."""
+        cb = command_buffer
+        self._check_command_buffer(cb)
+        self._check_image(cb, source_gradient, "source_gradient")
+        self._check_image(cb, source_image, "source_image")
+        state = self._check_state(cb, gradient_state, "gradient_state", ArithmeticGradientState)
+        return self._encode_arith(
+            cb, source_gradient, source_image, state, destination_gradient, batch=False
+        )
+
+    def encode_batch(  # type: ignore[override]
+        self,
+        command_buffer: CommandBuffer,
+        source_gradients: ImageBatch,
+        source_images: ImageBatch,
+        gradient_states: Sequence[ArithmeticGradientState],
+        destination_gradients: ImageBatch | None = None,
+    ) -> ImageBatch:
+        cb = command_buffer
+        self._check_command_buffer(cb)
+        g = self._check_batch(cb, source_gradients, "source_gradients")
+        x = self._check_batch(cb, source_images, "source_images")
+        states = self._check_state_batch(
+            cb, gradient_states, "gradient_states", ArithmeticGradientState, len(source_gradients)
+        )
+        if len({id(s) for s in states}) != 1:
+            raise ValueError(
+                f"[{type(self).__name__}] gradient_states must repeat one state "
+                "(see result_state_batch)"
+            )
+        d = (
+            None
+            if destination_gradients is None
+            else self._check_batch(cb, destination_gradients, "destination_gradients")
+        )
+        out = self._encode_arith(cb, g, x, states[0], d, batch=True)
+        return destination_gradients if destination_gradients is not None else ImageBatch(out)
+
+    def _encode_arith(
+        self,
+        cb: CommandBuffer,
+        grad: Image,
+        other: Image,
+        state: Any,
+        dst: Image | None,
+        batch: bool,
+    ) -> Image:
+        who = type(self).__name__
+        record: ArithmeticRecord = state._require_forward(who)
+        if not isinstance(record.kernel, self._forward_class):
+            raise ValueError(
+                f"[{who}] gradient_state must come from a {self._forward_class.__name__} "
+                f"encode, got one from {type(record.kernel).__name__}"
+            )
+        this = 1 if self._secondary_filter else 0
+        needs_other = record.op in (MULTIPLY, DIVIDE)
+        pz, sz, dz, count = record.images
+        kind = "encode_batch" if record.batch else "encode"
+        if batch != record.batch:
+            raise ValueError(
+                f"[{who}] the gradient of an {kind} must use {kind}, got the other form"
+            )
+        _check(who, "source_gradient", grad, record.shapes[2], "destination")
+        names = ("primary", "secondary")
+        sec = (1 - this) if needs_other else this
+        _check(who, "source_image", other, record.shapes[sec], f"{names[sec]} source")
+        n, c, h, w = record.shapes[this]
+        z_this = (pz, sz)[this]
+        if dst is None:
+            desc = ImageDescriptor._make(grad._fmt, w, h, c, n)
+        else:
+            self._check_image(cb, dst, "destination_gradient")
+            if dst._shape != (n, c, h, w):
+                raise ValueError(
+                    f"[{who}] destination_gradient must have the {names[this]} source's shape "
+                    f"{(n, c, h, w)}, got {dst._shape}"
+                )
+        # -- validation is over --
+        self._last = record
+        out = dst if dst is not None else self._allocator.image(cb, desc, self)
+        z_other = (pz, sz)[sec]
+        c0, nc, y0, ny, x0, nx = record.out
+        ps, ss, _ = record.scales
+        op = record.op
+        this_read, other_read = record.reads[this], record.reads[1 - this]
+
+        def run() -> None:
+            g = grad._data()[dz : dz + count, c0 : c0 + nc, y0 : y0 + ny, x0 : x0 + nx]
+            if state._mask is not None:
+                g = g * unpack_bits(state._mask, state._mask_shape).to(g.dtype)
+            if op == MULTIPLY:
+                d = g * (
+                    read_source(other._data()[z_other : z_other + count], other_read) * (ps * ss)
+                )
+            elif op == DIVIDE:
+                if this == 0:
+                    d = g * (
+                        ps
+                        / (read_source(other._data()[z_other : z_other + count], other_read) * ss)
+                    )
+                else:
+                    xv = read_source(other._data()[z_other : z_other + count], other_read)
+                    yv = state._divisor
+                    d = -g * (ps * xv / (ss * yv * yv))
+            else:
+                d = g * (ss if this else ps) * (-1.0 if (op == SUBTRACT and this) else 1.0)
+            d = torch.broadcast_to(d, (count, nc, ny, nx))
+            dsrc = read_source_adjoint(d, this_read, c, acc_dtype(d.dtype)).to(out._dtype)
+            out._write_block(dsrc, z_this, 0, 0, 0)
+
+        cb.record(who, run)
+        out._note_writer(cb)
+        grad._root()._consume_read(cb, who)
+        other._root()._consume_read(cb, who)
+        state._consume_read(cb, who)
+        return out
+
+
+def _check(who: str, name: str, image: Image, want: tuple[int, ...], what: str) -> None:
+    if image._shape[1:] != tuple(want[1:]) or image.number_of_images < want[0]:
+        raise ValueError(
+            f"[{who}] {name} must have the forward {what}'s shape {tuple(want)}, got {image._shape}"
+        )
+
+
+class AddGradient(ArithmeticGradient):
+    """Gradient of `Add`: ``g ps`` (primary), ``g ss`` (secondary), summed over broadcasts."""
+
+    _forward_class = Add
+
+
+class SubtractGradient(ArithmeticGradient):
+    """Gradient of `Subtract`: ``g ps`` (primary), ``-g ss`` (secondary)."""
+
+    _forward_class = Subtract
+
+
+class MultiplyGradient(ArithmeticGradient):
+    """Gradient of `Multiply`: ``g ps ss y`` (primary), ``g ps ss x`` (secondary);
+    ``source_image`` is the other input."""
+
+    _forward_class = Multiply
+
+
+class DivideGradient(ArithmeticGradient):
+    """Gradient of `Divide` (an mpsnn extension, MPS has no divide gradient):
+    ``g ps / (ss y)`` (primary; ``source_image`` = y) and ``-g ps x / (ss y^2)`` (secondary;
+    ``source_image`` = x, and the divisor comes from the state)."""
+
+    _forward_class = Divide

@@ -1,0 +1,93 @@
+"""Arithmetic math: reading a broadcast source, the four operations, and bit-packed masks.
+
+With ``x`` the primary and ``y`` the secondary source (each read through its own offset, edge
+mode and 0/1 strides), ``z = clamp(op(ps x, ss y) + bias, min, max)`` where op is ``+``, ``-``,
+``*`` or ``/``. Gradients, per input, multiplied by the clamp mask ``min < z_unclamped < max``
+(0 where the forward clamped, boundaries included)::
+
+    add:       dx = g ps              dy = g ss
+    subtract:  dx = g ps              dy = -g ss
+    multiply:  dx = g ps ss y         dy = g ps ss x
+    divide:    dx = g ps / (ss y)     dy = -g ps x / (ss y^2)
+
+then summed over every axis along which that input was broadcast (stride 0), and passed through
+the adjoint of the read (pixels read twice under CLAMP add up; ZERO reads pass nothing back).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from mpsnn.core.geometry import AxisWindow, EdgeMode
+from mpsnn.ops.window import ExtractPlan, apply_extract, apply_extract_adjoint, plan_extract
+
+__all__ = [
+    "ReadGeometry",
+    "pack_bits",
+    "read_geometry",
+    "read_source",
+    "read_source_adjoint",
+    "unpack_bits",
+]
+
+ADD, SUBTRACT, MULTIPLY, DIVIDE = range(4)
+
+
+class ReadGeometry(NamedTuple):
+    """How one source is read: its extraction plan (a broadcast axis reads one pixel) and the
+    channel range ``[channel, channel + channels)`` (1 channel when broadcast)."""
+
+    plan: ExtractPlan
+    channel: int
+    channels: int
+    broadcast: tuple[bool, bool, bool]  # channels, y, x
+
+
+def read_geometry(
+    ay: AxisWindow, ax: AxisWindow, edge: EdgeMode, channel: int, channels: int,
+    broadcast: tuple[bool, bool, bool],
+) -> ReadGeometry:  # fmt: skip
+    return ReadGeometry(plan_extract(ay, ax, edge, allow_pad=False), channel, channels, broadcast)
+
+
+def read_source(x: torch.Tensor, geom: ReadGeometry) -> torch.Tensor:
+    """The block ``(N, C or 1, ny or 1, nx or 1)`` that broadcasts against the output block."""
+    return apply_extract(x[:, geom.channel : geom.channel + geom.channels], geom.plan)
+
+
+def read_source_adjoint(
+    d: torch.Tensor, geom: ReadGeometry, source_channels: int, acc: torch.dtype
+) -> torch.Tensor:
+    """Adjoint of `read_source`: sum ``d`` (the output block) over broadcast axes, undo the read,
+    and place it at the channels read; returns ``(N, source_channels, H, W)``."""
+    dims = [i + 1 for i, b in enumerate(geom.broadcast) if b]
+    if dims:
+        d = d.sum(dims, keepdim=True, dtype=acc)
+    d = apply_extract_adjoint(d, geom.plan)
+    if geom.channels == source_channels:
+        return d
+    full = d.new_zeros((d.shape[0], source_channels, d.shape[2], d.shape[3]))
+    full[:, geom.channel : geom.channel + geom.channels] = d
+    return full
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean tensor as uint8 bytes, 8 elements per byte (little-endian bit order)."""
+    flat = mask.reshape(-1)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
+    return (flat.view(-1, 8).to(torch.uint8) * weights).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Inverse of `pack_bits`."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    bits = (packed.unsqueeze(1) >> shifts) & 1
+    n = 1
+    for s in shape:
+        n *= s
+    return bits.reshape(-1)[:n].view(shape).bool()
