@@ -50,6 +50,7 @@ from mpsnn.cnn.pooling import (
     PoolingMax,
     PoolingMaxGradient,
 )
+from mpsnn.cnn.shape import Pad, PadGradient, Reshape, ReshapeGradient, Slice, SliceGradient
 from mpsnn.cnn.softmax import LogSoftMax, LogSoftMaxGradient, SoftMax, SoftMaxGradient
 from mpsnn.cnn.upsampling import (
     UpsamplingBilinear,
@@ -77,6 +78,7 @@ from mpsnn.core import (
     Image,
     ImageAllocator,
     ImageBatch,
+    ImageCoordinate,
     ImageDescriptor,
     ImageReadWriteParams,
     Kernel,
@@ -139,6 +141,7 @@ __all__ = [
     "Image",
     "ImageAllocator",
     "ImageBatch",
+    "ImageCoordinate",
     "ImageDescriptor",
     "ImageReadWriteParams",
     "Kernel",
@@ -154,6 +157,8 @@ __all__ = [
     "NeuronType",
     "Offset",
     "Origin",
+    "Pad",
+    "PadGradient",
     "Padding",
     "PaddingMethod",
     "PoolingAverage",
@@ -164,7 +169,11 @@ __all__ = [
     "PoolingMax",
     "PoolingMaxGradient",
     "Region",
+    "Reshape",
+    "ReshapeGradient",
     "Size",
+    "Slice",
+    "SliceGradient",
     "SoftMax",
     "SoftMaxGradient",
     "StaleResourceError",

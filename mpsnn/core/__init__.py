@@ -15,6 +15,7 @@ from mpsnn.core.geometry import RECT_NO_CLIP as RECT_NO_CLIP
 from mpsnn.core.geometry import AxisWindow as AxisWindow
 from mpsnn.core.geometry import DefaultPadding as DefaultPadding
 from mpsnn.core.geometry import EdgeMode as EdgeMode
+from mpsnn.core.geometry import ImageCoordinate as ImageCoordinate
 from mpsnn.core.geometry import Offset as Offset
 from mpsnn.core.geometry import Origin as Origin
 from mpsnn.core.geometry import Padding as Padding

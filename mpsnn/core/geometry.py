@@ -35,6 +35,7 @@ __all__ = [
     "AxisWindow",
     "DefaultPadding",
     "EdgeMode",
+    "ImageCoordinate",
     "Offset",
     "Origin",
     "Padding",
@@ -136,6 +137,28 @@ class Region(_RegionFields):
     def make(cls, x: int, y: int, width: int, height: int, z: int = 0, depth: int = 1) -> Region:
         """Shorthand for ``Region(Origin(x, y, z), Size(width, height, depth))``."""
         return cls(Origin(x, y, z), Size(width, height, depth))
+
+
+class _CoordinateFields(NamedTuple):
+    x: int
+    y: int
+    channel: int
+
+
+class ImageCoordinate(_CoordinateFields):
+    """A position in x, y and feature channels (MPS ``MPSImageCoordinate``); each >= 0 here,
+    where it gives padding sizes."""
+
+    __slots__ = ()
+
+    def __new__(cls, x: int = 0, y: int = 0, channel: int = 0) -> ImageCoordinate:
+        values = []
+        for name, v in (("x", x), ("y", y), ("channel", channel)):
+            v = _int("ImageCoordinate", name, v)
+            if v < 0:
+                raise ValueError(f"[ImageCoordinate] {name} must be >= 0, got {v}")
+            values.append(v)
+        return super().__new__(cls, *values)
 
 
 RECT_NO_CLIP = Region(Origin(0, 0, 0), Size(_HUGE, _HUGE, _HUGE))
