@@ -208,7 +208,7 @@ def bench_overhead(device: str, iters: int, trials: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default=m.Device.default().type)
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--batch", type=int, default=None, help="default 64 on CUDA, 16 on the CPU")
     p.add_argument("--channels", type=int, default=64)
     p.add_argument("--size", type=int, default=56)
     p.add_argument("--iters", type=int, default=None)
@@ -218,6 +218,7 @@ def main() -> None:
     args = p.parse_args()
     device = args.device
     iters = args.iters or (50 if device.startswith("cuda") else 3)
+    args.batch = args.batch or (64 if device.startswith("cuda") else 16)
     info = dict(
         device=m.Device(device).name,
         torch=torch.__version__,

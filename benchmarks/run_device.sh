@@ -15,7 +15,7 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   for b in benchmarks/bench_*.py; do
     name=$(basename "$b" .py)
-    python "$b" --device cuda --json "$OUT/${name}_cuda.json" 2>&1 | tee "$OUT/${name}_cuda.txt"
-    timeout 300 python "$b" --device cpu --batch 16 --iters 5 --trials 9 --json "$OUT/${name}_cpu.json" 2>&1 | tee "$OUT/${name}_cpu.txt"
+    python -m "benchmarks.$name" --device cuda --json "$OUT/${name}_cuda.json" 2>&1 | tee "$OUT/${name}_cuda.txt"
+    timeout 240 python -m "benchmarks.$name" --device cpu --iters 3 --trials 7 --json "$OUT/${name}_cpu.json" 2>&1 | tee "$OUT/${name}_cpu.txt"
   done
 fi
