@@ -14,6 +14,7 @@ activation), shaped like the convolution's destination, for `ConvolutionGradient
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.geometry import Window
 from mpsnn.core.image import Image
+from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.ops.neuron import neuron_derivative, neuron_forward
 
@@ -175,6 +177,34 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
         if getattr(gradient_state, "_fused_neuron_state", False):
             return self._encode_fused(*args)
         return super().encode(*args)
+
+    def encode_batch(  # type: ignore[override]
+        self,
+        command_buffer: CommandBuffer,
+        source_gradients: ImageBatch,
+        source_images: ImageBatch,
+        gradient_states: Sequence[GradientState],
+        destination_gradients: ImageBatch | None = None,
+    ) -> ImageBatch | None:
+        """Like `GradientKernel.encode_batch`; see the class for the fused-convolution form."""
+        state = gradient_states[0] if len(gradient_states) else None
+        if getattr(state, "_fused_neuron_state", False):
+            cb = command_buffer
+            g = self._check_batch(cb, source_gradients, "source_gradients")
+            x = self._check_batch(cb, source_images, "source_images")
+            self._check_state_batch(
+                cb, gradient_states, "gradient_states", GradientState, len(source_gradients)
+            )
+            if len({id(st) for st in gradient_states}) != 1:
+                raise ValueError(
+                    "[NeuronGradient] gradient_states of a convolution must repeat one state"
+                )
+            d = None if destination_gradients is None else destination_gradients.image
+            out = self._encode_fused(cb, g, x, state, d)
+            return destination_gradients if destination_gradients is not None else ImageBatch(out)
+        return super().encode_batch(
+            command_buffer, source_gradients, source_images, gradient_states, destination_gradients
+        )
 
     def _encode_fused(
         self,
