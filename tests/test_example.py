@@ -25,6 +25,6 @@ def test_example_trains_on_fashion_mnist() -> None:
         capture_output=True, text=True, timeout=300, check=True,
     ).stdout  # fmt: skip
     accuracy = float(re.findall(r"test accuracy ([0-9.]+)", out)[-1])
-    losses = [float(v) for v in re.findall(r"loss ([0-9.]+)", out)]
-    assert losses[-1] < losses[0], out
+    loss = float(re.findall(r"loss ([0-9.]+)", out)[-1])
+    assert loss < 2.0, out  # the epoch's mean loss, well under chance level ln(10) = 2.30
     assert accuracy > 0.65, out  # 10 classes: chance is 0.10
