@@ -4,6 +4,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+if [ -d .data/fashion-mnist ]; then export MPSNN_DATA=$PWD/.data; fi  # carried: no apt there
 OUT=${OUT:-/tmp/mpsnn-out}
 mkdir -p "$OUT"
 what=${1:-all}

@@ -20,6 +20,9 @@ TOL = {
 }
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# Triton kernels run compiled on CUDA tensors, or in Triton's interpreter on CPU tensors when
+# there is no GPU (tests/conftest.py turns the interpreter on then).
+TRITON_DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 FORMATS = {
     torch.float32: m.FeatureChannelFormat.FLOAT32,
     torch.float16: m.FeatureChannelFormat.FLOAT16,

@@ -10,7 +10,7 @@ import torch
 
 import mpsnn as m
 from mpsnn.ops.dropout import dropout_apply_portable, dropout_geometry, stream_key
-from tests.helpers import DEVICES, assert_adjoint, run
+from tests.helpers import DEVICES, TRITON_DEVICES, assert_adjoint, run
 
 
 def _forward_backward(dev, kernel, grad, x, g, batch=False):
@@ -109,7 +109,7 @@ def test_mask_stride_broadcasts(stride) -> None:
         assert const == (s == 0), f"mask {'is' if const else 'is not'} constant along dim {dim}"
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("strides", [(1, 1, 1), (0, 1, 1), (1, 0, 0), (0, 0, 0)], ids=str)
 def test_triton_dropout_equals_portable(strides, dtype, device) -> None:

@@ -9,7 +9,7 @@ import torch
 from mpsnn.core.geometry import AxisWindow, EdgeMode
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops.pooling import max_pool_backward_portable, pool_geometry
-from tests.helpers import DEVICES
+from tests.helpers import TRITON_DEVICES
 
 triton_pooling = pytest.importorskip("mpsnn.ops.triton.pooling")
 
@@ -23,7 +23,7 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_triton_max_pool_gradient_equals_portable(shape, dtype, device) -> None:

@@ -1,8 +1,10 @@
 """Dropout (forward or gradient) in one pass, the mask regenerated from its key (Triton).
 
-The same integer hash as `mpsnn.ops.dropout` (int64 arithmetic, no overflow), so the bits equal
-the portable path's. Bytes moved: the input once and the output once; nothing is stored for
-the gradient, which regenerates the mask.
+The same integer hash as `mpsnn.ops.dropout`, in native uint32 arithmetic (the portable path
+emulates it with int64 tensors), so the bits equal the portable path's. Bytes moved: the input
+once and the output once; nothing is stored for the gradient, which regenerates the mask.
+One (image, channel) plane per program row: the image key is a per-program scalar, and no
+element needs an integer division unless the mask is broadcast along y or x.
 """
 
 from __future__ import annotations
@@ -16,44 +18,48 @@ from mpsnn.ops.dropout import DropoutGeometry
 __all__ = ["dropout_apply_triton"]
 
 
-@triton.jit
-def _mul32(h, k: tl.constexpr):
-    lo = h * (k & 0xFFFF)
-    hi = ((h * (k >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & 0xFFFFFFFF
+# The hash's multipliers as int32 bit patterns (literals above 2^31 would be typed int64).
+_K1 = tl.constexpr(0x7FEB352D)
+_K2 = tl.constexpr(0x846CA68B - (1 << 32))
 
 
 @triton.jit
 def _mix(h):
+    # "lowbias32" in native uint32 arithmetic (multiplication wraps mod 2^32, shifts are logical)
     h = h ^ (h >> 16)
-    h = _mul32(h, 0x7FEB352D)
+    h = h * tl.full((), _K1, tl.int32).to(tl.uint32, bitcast=True)
     h = h ^ (h >> 15)
-    h = _mul32(h, 0x846CA68B)
+    h = h * tl.full((), _K2, tl.int32).to(tl.uint32, bitcast=True)
     return h ^ (h >> 16)
 
 
 @triton.jit
 def _dropout(
-    t_ptr, out_ptr, total, key, first_image, C, H, W, threshold, scale,
+    t_ptr, out_ptr, key, first_image, C, H, W, threshold, scale,
     SC: tl.constexpr, SY: tl.constexpr, SX: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = idx < total
-    chw = C * H * W
-    n = idx // chw
-    rem = idx - n * chw
-    c = rem // (H * W)
-    y = (rem // W) % H
-    x = rem % W
-    hm = H if SY else 1
-    wm = W if SX else 1
-    e = ((c * SC) * hm + y * SY) * wm + x * SX
-    image_key = _mix(key ^ _mix(n + first_image + 1))
-    keep = _mix(_mix(e) ^ image_key) < threshold
-    v = tl.load(t_ptr + idx, mask=m, other=0.0).to(tl.float32)
-    factor = tl.where(keep, scale, 0.0)
-    out = (v * factor).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-    tl.store(out_ptr + idx, out, mask=m)
+    # one (image, channel) plane per program row; per-program scalars for the image key
+    plane = tl.program_id(0)
+    n = plane // C
+    c = plane - n * C
+    s = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    hw = H * W
+    m = s < hw
+    if SY == 1 and SX == 1:
+        spatial = s
+    else:
+        y = s // W
+        x = s - y * W
+        spatial = (y * SY) * (W if SX == 1 else 1) + x * SX
+    hm = H if SY == 1 else 1
+    wm = W if SX == 1 else 1
+    e = (c * SC) * hm * wm + spatial
+    image_key = _mix(key.to(tl.uint32) ^ _mix((n + first_image + 1).to(tl.uint32)))
+    keep = _mix(_mix(e.to(tl.uint32)) ^ image_key) < threshold.to(tl.uint32)
+    offs = plane.to(tl.int64) * hw + s
+    v = tl.load(t_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    out = (v * tl.where(keep, scale, 0.0)).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(out_ptr + offs, out, mask=m)
 
 
 def dropout_apply_triton(
@@ -62,12 +68,14 @@ def dropout_apply_triton(
     """Same result as `mpsnn.ops.dropout.dropout_apply_portable` (float16/bfloat16/float32)."""
     t = t.contiguous()
     out = torch.empty_like(t)
-    _, c, h, w = t.shape
-    total = t.numel()
-    block = 2048
+    n, c, h, w = t.shape
+    block = min(4096, triton.next_power_of_2(h * w))
     sc, sy, sx = geom.strides
-    _dropout[(triton.cdiv(total, block),)](
-        t, out, total, key, first_image, c, h, w, geom.threshold,
+    # 32-bit key and threshold, passed as int32 bit patterns (reinterpreted as uint32 inside)
+    key32 = key - (1 << 32) if key >= (1 << 31) else key
+    thr32 = geom.threshold - (1 << 32) if geom.threshold >= (1 << 31) else geom.threshold
+    _dropout[(n * c, triton.cdiv(h * w, block))](
+        t, out, key32, first_image, c, h, w, thr32,
         float(torch.tensor(geom.scale, dtype=torch.float32)),
         SC=sc, SY=sy, SX=sx, BLOCK=block,
     )  # fmt: skip
