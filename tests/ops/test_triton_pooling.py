@@ -19,7 +19,8 @@ SHAPES = [
     (1, 2, 9, 7, 3, 0, 1, 3, 2),  # leftover rows and columns get 0
     (2, 2, 6, 6, 2, 1, 0, 2, 3),
     (1, 2, 8, 12, 4, 0, 0, 2, 3),
-    (1, 1, 5, 33, 1, 0, 0, 5, 33),  # 1x1 windows, more than one column block
+    (1, 1, 5, 33, 1, 0, 0, 5, 33),  # 1x1 windows
+    (1, 2, 4, 301, 2, 0, 1, 2, 150),  # 2-wide windows over two column blocks, offset by one
 ]
 
 

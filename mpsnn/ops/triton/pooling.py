@@ -20,6 +20,15 @@ __all__ = ["max_pool_backward_triton"]
 
 
 @triton.jit
+def _take(v, k, best, best_k, best_nan):
+    """Raster-order update with tap ``k``: a number must be strictly larger (the first maximum
+    wins) and follow no NaN; every NaN is taken (the last NaN wins, as in PyTorch)."""
+    isn = v != v
+    take = isn | ((v > best) & (best_nan == 0))
+    return tl.where(take & (isn == 0), v, best), tl.where(take, k, best_k), best_nan | isn
+
+
+@triton.jit
 def _max_pool_bwd(
     x_ptr, g_ptr, dx_ptr, rows, OH, OW, H, W, y0, x0,
     KH: tl.constexpr, KW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -30,27 +39,38 @@ def _max_pool_bwd(
     plane = r // OH
     oh = r - plane * OH
     row0 = (plane.to(tl.int64) * H + (y0 + oh * KH)) * W + x0  # window row 0, column x0
-    mask = (r < rows)[:, None] & (ow < OW)[None, :]
-    col = (ow * KW)[None, :]
+    rmask = (r < rows)[:, None]
+    mask = rmask & (ow < OW)[None, :]
     best = tl.full((BLOCK_R, BLOCK_W), float("-inf"), tl.float32)
     best_nan = tl.zeros((BLOCK_R, BLOCK_W), tl.int1)
     best_k = tl.zeros((BLOCK_R, BLOCK_W), tl.int32)
-    for kh in tl.static_range(KH):
-        for kw in tl.static_range(KW):
-            ptr = x_ptr + row0[:, None] + kh * W + col + kw
-            v = tl.load(ptr, mask=mask, other=float("-inf")).to(tl.float32)
-            isn = v != v
-            # raster order: a number must be strictly larger (the first maximum wins) and
-            # comes after no NaN; every NaN is taken (the last NaN wins, as in PyTorch)
-            take = isn | ((v > best) & (best_nan == 0))
-            best_k = tl.where(take, kh * KW + kw, best_k)
-            best = tl.where(take & (isn == 0), v, best)
-            best_nan = best_nan | isn
     gv = tl.load(g_ptr + r.to(tl.int64)[:, None] * OW + ow[None, :], mask=mask, other=0.0)
-    for kh in tl.static_range(KH):
-        for kw in tl.static_range(KW):
-            val = tl.where(best_k == kh * KW + kw, gv, 0.0).to(dx_ptr.dtype.element_ty)
-            tl.store(dx_ptr + row0[:, None] + kh * W + col + kw, val, mask=mask)
+    if KW == 2:
+        # Whole row segments, split into even/odd columns: every access is contiguous.
+        c2 = tl.program_id(1) * 2 * BLOCK_W + tl.arange(0, 2 * BLOCK_W)
+        mask2 = rmask & (c2 < 2 * OW)[None, :]
+        for kh in tl.static_range(KH):
+            ptr = x_ptr + row0[:, None] + kh * W + c2[None, :]
+            v = tl.load(ptr, mask=mask2, other=float("-inf")).to(tl.float32)
+            even, odd = tl.split(tl.reshape(v, (BLOCK_R, BLOCK_W, 2)))
+            best, best_k, best_nan = _take(even, kh * 2, best, best_k, best_nan)
+            best, best_k, best_nan = _take(odd, kh * 2 + 1, best, best_k, best_nan)
+        for kh in tl.static_range(KH):
+            a = tl.where(best_k == kh * 2, gv, 0.0)
+            b = tl.where(best_k == kh * 2 + 1, gv, 0.0)
+            out = tl.reshape(tl.join(a, b), (BLOCK_R, 2 * BLOCK_W)).to(dx_ptr.dtype.element_ty)
+            tl.store(dx_ptr + row0[:, None] + kh * W + c2[None, :], out, mask=mask2)
+    else:
+        col = (ow * KW)[None, :]
+        for kh in tl.static_range(KH):
+            for kw in tl.static_range(KW):
+                ptr = x_ptr + row0[:, None] + kh * W + col + kw
+                v = tl.load(ptr, mask=mask, other=float("-inf")).to(tl.float32)
+                best, best_k, best_nan = _take(v, kh * KW + kw, best, best_k, best_nan)
+        for kh in tl.static_range(KH):
+            for kw in tl.static_range(KW):
+                val = tl.where(best_k == kh * KW + kw, gv, 0.0).to(dx_ptr.dtype.element_ty)
+                tl.store(dx_ptr + row0[:, None] + kh * W + col + kw, val, mask=mask)
 
 
 def max_pool_backward_triton(g: torch.Tensor, x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
