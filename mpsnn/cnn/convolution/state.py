@@ -92,10 +92,17 @@ class ConvolutionGradientState(GradientState):
 
     def _accumulate(self, dw: torch.Tensor | None, db: torch.Tensor | None, first: bool) -> None:
         """Add a gradient encode's contribution (execution time; dw/db are fresh tensors)."""
+        acc_w, acc_b = self._grad_w, self._grad_b
+        if (
+            dw is not None and db is not None and acc_w is not None and acc_b is not None
+            and acc_w.dtype == acc_dtype(dw.dtype) and acc_b.dtype == db.dtype
+        ):  # fmt: skip
+            torch._foreach_add_([acc_w, acc_b], [dw, db])  # one launch for both on CUDA
+            return
         if dw is not None:
-            self._grad_w = _sum_into(self._grad_w, dw, first)
+            self._grad_w = _sum_into(acc_w, dw, first)
         if db is not None:
-            self._grad_b = _sum_into(self._grad_b, db, first)
+            self._grad_b = _sum_into(acc_b, db, first)
 
     def destination_image_descriptor(
         self, source_images: Any, source_states: Any, kernel: Any, suggested_descriptor: Any
