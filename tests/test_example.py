@@ -28,3 +28,14 @@ def test_example_trains_on_fashion_mnist() -> None:
     loss = float(re.findall(r"loss ([0-9.]+)", out)[-1])
     assert loss < 2.0, out  # the epoch's mean loss, well under chance level ln(10) = 2.30
     assert accuracy > 0.65, out  # 10 classes: chance is 0.10
+
+
+def test_readme_api_tour_runs() -> None:
+    """The README's Python blocks run in order, as one script, and print what they claim."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    assert len(blocks) >= 3, "the README's API tour lost its code blocks"
+    namespace: dict[str, object] = {}
+    exec(compile("\n".join(blocks), "README.md", "exec"), namespace)
+    assert tuple(namespace["dx"].shape) == (8, 16, 32, 32)
+    assert tuple(namespace["states"][0].gradient_for_weights.shape) == (32, 3, 3, 16)
+    assert tuple(namespace["dy"].shape) == tuple(namespace["y"].shape)

@@ -25,7 +25,14 @@ from mpsnn.core.binary import Backward, GradientKernel
 from mpsnn.core.cnn_kernel import CNNKernel, Forward
 from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.device import Device
-from mpsnn.core.geometry import AxisWindow, EdgeMode, ImageCoordinate, Offset, Region, Window
+from mpsnn.core.geometry import (
+    AxisWindow,
+    DestinationSpan,
+    EdgeMode,
+    ImageCoordinate,
+    Offset,
+    Window,
+)
 from mpsnn.core.image import Image
 from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.errors import UnsupportedError
@@ -117,18 +124,11 @@ class Reshape(CNNKernel):
             0, 0, self._offset.z
         )
 
-    def _axis_windows(
-        self,
-        offset: Offset,
-        clip: Region,
-        y0: int,
-        ny: int,
-        x0: int,
-        nx: int,
-        src_h: int,
-        src_w: int,
-    ) -> tuple[AxisWindow, AxisWindow]:
-        return AxisWindow(0, ny, 1, 1, 1, src_h), AxisWindow(0, nx, 1, 1, 1, src_w)
+    def _axis_windows(self, span: DestinationSpan) -> tuple[AxisWindow, AxisWindow]:
+        return (
+            AxisWindow(0, span.count_y, 1, 1, 1, span.source_height),
+            AxisWindow(0, span.count_x, 1, 1, 1, span.source_width),
+        )
 
     def _check_window(self, window: Window, src: Image) -> None:
         c, h, w = self._result
@@ -252,20 +252,10 @@ class Pad(CNNKernel):
         )
         return desc, Offset(-b.x, -b.y, self._offset.z)
 
-    def _axis_windows(
-        self,
-        offset: Offset,
-        clip: Region,
-        y0: int,
-        ny: int,
-        x0: int,
-        nx: int,
-        src_h: int,
-        src_w: int,
-    ) -> tuple[AxisWindow, AxisWindow]:
+    def _axis_windows(self, span: DestinationSpan) -> tuple[AxisWindow, AxisWindow]:
         return (
-            AxisWindow(offset.y + (y0 - clip.origin.y), ny, 1, 1, 1, src_h),
-            AxisWindow(offset.x + (x0 - clip.origin.x), nx, 1, 1, 1, src_w),
+            AxisWindow(span.offset.y + span.skip_y, span.count_y, 1, 1, 1, span.source_height),
+            AxisWindow(span.offset.x + span.skip_x, span.count_x, 1, 1, 1, span.source_width),
         )
 
     def _maps(self, window: Window, memo: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ from mpsnn.core.binary import Backward, GradientKernel
 from mpsnn.core.cnn_kernel import CNNKernel, Forward
 from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.device import Device
-from mpsnn.core.geometry import AxisWindow, EdgeMode, Offset, Region, Window
+from mpsnn.core.geometry import AxisWindow, DestinationSpan, EdgeMode, Offset, Window
 from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.ops.upsampling import AxisSampling, UpsampleGeometry, upsample_backward, upsample_forward
 
@@ -90,19 +90,12 @@ class _Upsampling(CNNKernel):
         )  # fmt: skip
         return UpsampleGeometry(ay, ax, self._bilinear, self._align, standard)
 
-    def _axis_windows(
-        self,
-        offset: Offset,
-        clip: Region,
-        y0: int,
-        ny: int,
-        x0: int,
-        nx: int,
-        src_h: int,
-        src_w: int,
-    ) -> tuple[AxisWindow, AxisWindow]:
+    def _axis_windows(self, span: DestinationSpan) -> tuple[AxisWindow, AxisWindow]:
         # An enlarging kernel has no window: the axes carry the offset and the counts.
-        return AxisWindow(offset.y, ny, 1, 1, 1, src_h), AxisWindow(offset.x, nx, 1, 1, 1, src_w)
+        return (
+            AxisWindow(span.offset.y, span.count_y, 1, 1, 1, span.source_height),
+            AxisWindow(span.offset.x, span.count_x, 1, 1, 1, span.source_width),
+        )
 
     def _make_forward(self, window: Window, states: list[Any], memo: dict[str, Any]) -> Forward:
         geom = self._geometry(window, memo)

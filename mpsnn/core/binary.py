@@ -31,12 +31,11 @@ from mpsnn.core.geometry import (
     DefaultPadding,
     EdgeMode,
     Offset,
-    Region,
     Window,
 )
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
-from mpsnn.core.kernel import Kernel, resolve_span
+from mpsnn.core.kernel import DestinationProperties, Kernel, resolve_span
 from mpsnn.core.state import ForwardRecord, GradientState, State, StateBatch
 from mpsnn.errors import UnsupportedError
 
@@ -68,7 +67,7 @@ def _geometry_property(name: str, kind: str, minimum: int | None = None) -> prop
     return property(get, set_, doc=f"MPS ``{name}`` (see the class docstring).")
 
 
-class BinaryKernel(Kernel):
+class BinaryKernel(DestinationProperties, Kernel):
     """A kernel with a primary and a secondary source (MPS ``MPSCNNBinaryKernel``).
 
     Each source has its own ``*_offset``, ``*_edge_mode``, ``*_source_feature_channel_offset``
@@ -135,48 +134,6 @@ class BinaryKernel(Kernel):
         self._allocator: Any = Image.default_allocator()
 
     # -- shared and read-only properties -----------------------------------------------------
-
-    @property
-    def clip_rect(self) -> Region:
-        return self._clip
-
-    @clip_rect.setter
-    def clip_rect(self, value: Region) -> None:
-        self._clip = check_type(type(self).__name__, "clip_rect", value, Region)
-
-    @property
-    def destination_feature_channel_offset(self) -> int:
-        return self._dco
-
-    @destination_feature_channel_offset.setter
-    def destination_feature_channel_offset(self, value: int) -> None:
-        self._dco = check_int(type(self).__name__, "destination_feature_channel_offset", value, 0)
-
-    @property
-    def padding(self) -> Any:
-        return self._padding
-
-    @padding.setter
-    def padding(self, value: Any) -> None:
-        if not hasattr(value, "padding_method"):
-            raise TypeError(
-                f"[{type(self).__name__}] padding must have a padding_method, "
-                f"got {type(value).__name__}"
-            )
-        self._padding = value
-
-    @property
-    def destination_image_allocator(self) -> Any:
-        return self._allocator
-
-    @destination_image_allocator.setter
-    def destination_image_allocator(self, value: Any) -> None:
-        if not callable(getattr(value, "image", None)):
-            raise TypeError(
-                f"[{type(self).__name__}] destination_image_allocator must have an image() method, "
-                f"got {type(value).__name__}"
-            )
-        self._allocator = value
 
     @property
     def primary_kernel_width(self) -> int:

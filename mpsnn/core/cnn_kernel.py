@@ -1,4 +1,4 @@
-"""Kernel bases: `Kernel` and the unary `CNNKernel` (SPEC §5).
+"""The unary kernel base `CNNKernel` (SPEC §5).
 
 An encode goes through the same steps for every family:
 
@@ -31,11 +31,10 @@ from mpsnn.core.geometry import (
     RECT_NO_CLIP,
     AxisWindow,
     DefaultPadding,
+    DestinationSpan,
     EdgeMode,
     Offset,
-    Padding,
     PaddingMethod,
-    Region,
     Window,
     forward_size,
     padding_offset,
@@ -44,7 +43,7 @@ from mpsnn.core.geometry import (
 )
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
-from mpsnn.core.kernel import Kernel, resolve_images, resolve_span
+from mpsnn.core.kernel import DestinationProperties, Kernel, resolve_images, resolve_span
 from mpsnn.core.state import ForwardRecord, GradientState, State, StateBatch
 
 __all__ = ["DEFAULT_PADDING_METHOD", "CNNKernel", "Forward"]
@@ -57,7 +56,7 @@ DEFAULT_PADDING_METHOD = (
 Forward = Callable[[torch.Tensor], torch.Tensor]
 
 
-class CNNKernel(Kernel):
+class CNNKernel(DestinationProperties, Kernel):
     """A kernel with one source image (MPS ``MPSCNNKernel``).
 
     Properties (MPS defaults): ``offset`` (0, 0, 0), ``clip_rect`` (`RECT_NO_CLIP`),
@@ -116,23 +115,6 @@ class CNNKernel(Kernel):
     @offset.setter
     def offset(self, value: Offset) -> None:
         self._offset = check_type(type(self).__name__, "offset", value, Offset)
-
-    @property
-    def clip_rect(self) -> Region:
-        """Destination region to write (intersected with the destination)."""
-        return self._clip
-
-    @clip_rect.setter
-    def clip_rect(self, value: Region) -> None:
-        self._clip = check_type(type(self).__name__, "clip_rect", value, Region)
-
-    @property
-    def destination_feature_channel_offset(self) -> int:
-        return self._dco
-
-    @destination_feature_channel_offset.setter
-    def destination_feature_channel_offset(self, value: int) -> None:
-        self._dco = check_int(type(self).__name__, "destination_feature_channel_offset", value, 0)
 
     @property
     def source_feature_channel_offset(self) -> int:
@@ -195,33 +177,6 @@ class CNNKernel(Kernel):
         return self._gradient_state_class is not None
 
     @property
-    def padding(self) -> Padding:
-        return self._padding
-
-    @padding.setter
-    def padding(self, value: Padding) -> None:
-        if not hasattr(value, "padding_method"):
-            raise TypeError(
-                f"[{type(self).__name__}] padding must have a padding_method (see DefaultPadding), "
-                f"got {type(value).__name__}"
-            )
-        _ = PaddingMethod(value.padding_method).size_style  # validates the size field
-        self._padding = value
-
-    @property
-    def destination_image_allocator(self) -> Any:
-        return self._allocator
-
-    @destination_image_allocator.setter
-    def destination_image_allocator(self, value: Any) -> None:
-        if not callable(getattr(value, "image", None)):
-            raise TypeError(
-                f"[{type(self).__name__}] destination_image_allocator must have an "
-                f"image(command_buffer, descriptor, kernel) method, got {type(value).__name__}"
-            )
-        self._allocator = value
-
-    @property
     def is_result_state_reused_across_batch(self) -> bool:
         """True when ``result_state_batch`` repeats one shared state (accumulating kernels)."""
         return self._reused_across_batch
@@ -237,25 +192,16 @@ class CNNKernel(Kernel):
         """Channels written for ``source_channels`` read; raise ValueError if not acceptable."""
         return source_channels
 
-    def _axis_windows(
-        self,
-        offset: Offset,
-        clip: Region,
-        y0: int,
-        ny: int,
-        x0: int,
-        nx: int,
-        src_h: int,
-        src_w: int,
-    ) -> tuple[AxisWindow, AxisWindow]:
+    def _axis_windows(self, span: DestinationSpan) -> tuple[AxisWindow, AxisWindow]:
         """The standard window model (SPEC §4); enlarging or fixed-window kernels override."""
         ey = self._dy * (self._kh - 1) + 1
         ex = self._dx * (self._kw - 1) + 1
-        cy = offset.y + self._sy * (y0 - clip.origin.y)
-        cx = offset.x + self._sx * (x0 - clip.origin.x)
+        # The offset is the centre of the first output at the clip rect's origin.
+        y0 = span.offset.y + self._sy * span.skip_y - ey // 2
+        x0 = span.offset.x + self._sx * span.skip_x - ex // 2
         return (
-            AxisWindow(cy - ey // 2, ny, self._kh, self._sy, self._dy, src_h),
-            AxisWindow(cx - ex // 2, nx, self._kw, self._sx, self._dx, src_w),
+            AxisWindow(y0, span.count_y, self._kh, self._sy, self._dy, span.source_height),
+            AxisWindow(x0, span.count_x, self._kw, self._sx, self._dx, span.source_width),
         )
 
     def _check_window(self, window: Window, src: Image) -> None:
@@ -563,7 +509,8 @@ class CNNKernel(Kernel):
         clip = self._clip
         y0, ny = resolve_span(who, "y", clip.origin.y, clip.size.height, dh)
         x0, nx = resolve_span(who, "x", clip.origin.x, clip.size.width, dw)
-        ay, ax = self._axis_windows(offset, clip, y0, ny, x0, nx, sh, sw)
+        span = DestinationSpan(offset, y0 - clip.origin.y, ny, x0 - clip.origin.x, nx, sh, sw)
+        ay, ax = self._axis_windows(span)
         return Window(ay, ax, z_src, z_dst, images, self._sco, n_read, self._dco, n_write, y0, x0)
 
 

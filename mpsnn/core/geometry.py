@@ -399,6 +399,24 @@ class AxisWindow(NamedTuple):
         return self.start >= 0 and self.stop <= self.size
 
 
+class DestinationSpan(NamedTuple):
+    """What a kernel's window hook needs to know about one encode's destination rectangle.
+
+    ``offset`` is the kernel's (resolved) offset; rows ``skip_y ..`` and columns ``skip_x ..``
+    past the clip rect's origin are the first written (non-zero when the clip rect starts
+    above or left of the destination); ``count_y`` by ``count_x`` pixels are written from a
+    source ``source_height`` by ``source_width``.
+    """
+
+    offset: Offset
+    skip_y: int
+    count_y: int
+    skip_x: int
+    count_x: int
+    source_height: int
+    source_width: int
+
+
 class Window(NamedTuple):
     """Everything an encode resolved about where it reads and writes.
 

@@ -10,9 +10,9 @@ import enum
 from collections.abc import Sequence
 from typing import Any
 
-from mpsnn.core._checks import check_int
+from mpsnn.core._checks import check_int, check_type
 from mpsnn.core.device import CommandBuffer, Device
-from mpsnn.core.geometry import Region
+from mpsnn.core.geometry import PaddingMethod, Region
 from mpsnn.core.image import Image, TemporaryImage
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.state import StateBatch
@@ -132,6 +132,65 @@ class Kernel:
         for s in unique:
             self._check_state(cb, s, name, kind)
         return list(states)
+
+
+class DestinationProperties:
+    """The destination-side properties that unary and binary kernels share (MPS declares them
+    on both ``MPSCNNKernel`` and ``MPSCNNBinaryKernel``): the clip rect, the destination channel
+    offset, the padding policy and the destination allocator. Subclasses set ``_clip``,
+    ``_dco``, ``_padding`` and ``_allocator`` in ``__init__``."""
+
+    _clip: Region
+    _dco: int
+    _padding: Any
+    _allocator: Any
+
+    @property
+    def clip_rect(self) -> Region:
+        """Destination region to write (intersected with the destination)."""
+        return self._clip
+
+    @clip_rect.setter
+    def clip_rect(self, value: Region) -> None:
+        self._clip = check_type(type(self).__name__, "clip_rect", value, Region)
+
+    @property
+    def destination_feature_channel_offset(self) -> int:
+        """First destination channel written (concatenation without a copy)."""
+        return self._dco
+
+    @destination_feature_channel_offset.setter
+    def destination_feature_channel_offset(self, value: int) -> None:
+        self._dco = check_int(type(self).__name__, "destination_feature_channel_offset", value, 0)
+
+    @property
+    def padding(self) -> Any:
+        """The padding policy: sizes returned destinations and sets the offset."""
+        return self._padding
+
+    @padding.setter
+    def padding(self, value: Any) -> None:
+        if not hasattr(value, "padding_method"):
+            raise TypeError(
+                f"[{type(self).__name__}] padding must have a padding_method (see DefaultPadding), "
+                f"got {type(value).__name__}"
+            )
+        _ = PaddingMethod(value.padding_method).size_style  # validates the size field
+        self._padding = value
+
+    @property
+    def destination_image_allocator(self) -> Any:
+        """Makes the destinations of returning encodes (``image(cb, descriptor, kernel)``)."""
+        return self._allocator
+
+    @destination_image_allocator.setter
+    def destination_image_allocator(self, value: Any) -> None:
+        if not callable(getattr(value, "image", None)):
+            raise TypeError(
+                f"[{type(self).__name__}] destination_image_allocator must have an "
+                f"image(command_buffer, descriptor, kernel) method, got {type(value).__name__}"
+            )
+        self._allocator = value
 
 
 def resolve_images(

@@ -189,3 +189,26 @@ def test_padding_validation_messages() -> None:
         m.DefaultPadding(P.SIZE_RESERVED)
     with pytest.raises(TypeError, match=r"\[Convolution\] padding must have a padding_method"):
         _conv((1, 1), (1, 1), (1, 1)).padding = "same"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda d: m.Neuron(d, m.NeuronDescriptor(m.NeuronType.RELU)), m.Add],
+    ids=["unary", "binary"],
+)
+def test_destination_properties_are_validated_alike(make) -> None:
+    """Unary and binary kernels share the destination-side properties and their checks."""
+    kernel = make(m.Device("cpu"))
+    name = type(kernel).__name__
+    with pytest.raises(TypeError, match=rf"\[{name}\] clip_rect must be a Region, got tuple"):
+        kernel.clip_rect = (0, 0, 1, 1)
+    with pytest.raises(ValueError, match=rf"\[{name}\] destination_feature_channel_offset must"):
+        kernel.destination_feature_channel_offset = -4
+    with pytest.raises(TypeError, match=rf"\[{name}\] padding must have a padding_method"):
+        kernel.padding = "same"
+    with pytest.raises(TypeError, match=rf"\[{name}\] destination_image_allocator must have an"):
+        kernel.destination_image_allocator = object()
+    kernel.clip_rect = m.Region.make(1, 2, 3, 4)
+    kernel.destination_feature_channel_offset = 8
+    assert kernel.clip_rect == m.Region.make(1, 2, 3, 4)
+    assert kernel.destination_feature_channel_offset == 8

@@ -32,9 +32,9 @@ from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.geometry import (
     AxisWindow,
+    DestinationSpan,
     Offset,
     PaddingMethod,
-    Region,
     Window,
     padding_offset,
     remainder_first,
@@ -348,18 +348,11 @@ class FullyConnected(_ConvolutionBase):
         images = max(1, src.number_of_images - self._offset.z)
         return ImageDescriptor(src.feature_channel_format, 1, 1, channels, images), offset
 
-    def _axis_windows(
-        self,
-        offset: Offset,
-        clip: Region,
-        y0: int,
-        ny: int,
-        x0: int,
-        nx: int,
-        src_h: int,
-        src_w: int,
-    ) -> tuple[AxisWindow, AxisWindow]:
-        return AxisWindow(0, 1, self._kh, 1, 1, src_h), AxisWindow(0, 1, self._kw, 1, 1, src_w)
+    def _axis_windows(self, span: DestinationSpan) -> tuple[AxisWindow, AxisWindow]:
+        return (
+            AxisWindow(0, 1, self._kh, 1, 1, span.source_height),
+            AxisWindow(0, 1, self._kw, 1, 1, span.source_width),
+        )
 
     def _check_window(self, window: Window, src: Image) -> None:
         h, w = src.height, src.width
@@ -477,24 +470,17 @@ class ConvolutionTranspose(_ConvolutionBase):
         )
         return desc, Offset(0, 0, self._offset.z)
 
-    def _axis_windows(
-        self,
-        offset: Offset,
-        clip: Region,
-        y0: int,
-        ny: int,
-        x0: int,
-        nx: int,
-        src_h: int,
-        src_w: int,
-    ) -> tuple[AxisWindow, AxisWindow]:
+    def _axis_windows(self, span: DestinationSpan) -> tuple[AxisWindow, AxisWindow]:
         ey = self._dy * (self._kh - 1) + 1
         ex = self._dx * (self._kw - 1) + 1
-        cy = offset.y * self._sy + self._kernel_offset_y + (y0 - clip.origin.y)
-        cx = offset.x * self._sx + self._kernel_offset_x + (x0 - clip.origin.x)
+        # The window runs over the zero-upsampled source: stride 1, size (n - 1) * s + 1.
+        cy = span.offset.y * self._sy + self._kernel_offset_y + span.skip_y
+        cx = span.offset.x * self._sx + self._kernel_offset_x + span.skip_x
+        hy = (span.source_height - 1) * self._sy + 1
+        hx = (span.source_width - 1) * self._sx + 1
         return (
-            AxisWindow(cy - ey // 2, ny, self._kh, 1, self._dy, (src_h - 1) * self._sy + 1),
-            AxisWindow(cx - ex // 2, nx, self._kw, 1, self._dx, (src_w - 1) * self._sx + 1),
+            AxisWindow(cy - ey // 2, span.count_y, self._kh, 1, self._dy, hy),
+            AxisWindow(cx - ex // 2, span.count_x, self._kw, 1, self._dx, hx),
         )
 
     def _make_forward(self, window: Window, states: list[Any], memo: dict[str, Any]) -> Forward:
