@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,7 +37,8 @@ from mpsnn.core.geometry import (
 from mpsnn.core.image import Image
 from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.errors import UnsupportedError
-from mpsnn.ops.shape import pad_matrix, reshape_hwc
+from mpsnn.ops._dtypes import acc_dtype, device_constant
+from mpsnn.ops.shape import pad_matrix_on, reshape_hwc
 
 __all__ = ["Pad", "PadGradient", "Reshape", "ReshapeGradient", "Slice", "SliceGradient"]
 
@@ -208,6 +210,7 @@ class Pad(CNNKernel):
             if not math.isfinite(fill_value):
                 raise ValueError(f"[Pad] fill_value must be finite, got {fill_value}")
             self._fill: Any = float(fill_value)
+            self._fill_key: tuple[Any, ...] | None = None
         else:
             t = torch.as_tensor(fill_value, dtype=torch.float64)
             if t.dim() != 1:
@@ -216,6 +219,7 @@ class Pad(CNNKernel):
                     f"got shape {tuple(t.shape)}"
                 )
             self._fill = t
+            self._fill_key = ("pad-fill", *t.tolist())  # names its device copies
 
     @property
     def padding_size_before(self) -> ImageCoordinate:
@@ -258,35 +262,23 @@ class Pad(CNNKernel):
             AxisWindow(span.offset.x + span.skip_x, span.count_x, 1, 1, 1, span.source_width),
         )
 
-    def _maps(self, window: Window, memo: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        maps = memo.get("pad")
-        if maps is None:
-            y, x = window.y, window.x
-            maps = memo["pad"] = (
-                pad_matrix(y.start, y.count, y.size, self._edge_mode),
-                pad_matrix(x.start, x.count, x.size, self._edge_mode),
-            )
-        return maps
-
     def _make_forward(self, window: Window, states: list[Any], memo: dict[str, Any]) -> Forward:
-        my, mx = self._maps(window, memo)
+        maps = _pad_maps(window, self._edge_mode)
         cb = self._before.channel
-        fill = self._fill
+        fill, fill_key = self._fill, self._fill_key
         outside_reads = self._edge_mode is EdgeMode.CONSTANT  # ZERO reads 0 outside
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-            ty, tx = my.to(x.device, wide), mx.to(x.device, wide)
+            wide = acc_dtype(x.dtype)
+            ty, tx = maps(wide, x.device)
             body = ty @ (x.to(wide) @ tx.T)
             inside = (ty.sum(1).view(-1, 1) * tx.sum(1).view(1, -1)).to(body.dtype)  # 1 where read
             n = x.shape[0]
             out_c = window.dst_channels
             out = torch.empty((n, out_c, body.shape[2], body.shape[3]), dtype=wide, device=x.device)
-            f = (
-                fill.to(x.device, wide).view(1, -1, 1, 1)
-                if isinstance(fill, torch.Tensor)
-                else fill
-            )
+            f = fill
+            if isinstance(fill, torch.Tensor):
+                f = device_constant(fill_key, wide, x.device, lambda: fill).view(1, -1, 1, 1)
             out[:] = f
             mid = slice(cb, cb + x.shape[1])
             fmid = f[:, mid] if isinstance(f, torch.Tensor) else f
@@ -296,7 +288,22 @@ class Pad(CNNKernel):
         return forward
 
     def _record_extra(self, window: Window, memo: dict[str, Any]) -> Any:
-        return self._maps(window, memo)
+        return _pad_maps(window, self._edge_mode)
+
+
+def _pad_maps(
+    window: Window, mode: EdgeMode
+) -> Callable[[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]]:
+    """The forward's two per-axis maps, in a dtype on a device (built once, then shared)."""
+    y, x = window.y, window.x
+
+    def maps(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            pad_matrix_on(y.start, y.count, y.size, mode, dtype, device),
+            pad_matrix_on(x.start, x.count, x.size, mode, dtype, device),
+        )
+
+    return maps
 
 
 class PadGradient(GradientKernel):
@@ -306,19 +313,16 @@ class PadGradient(GradientKernel):
 
     _state_class = GradientState
 
-    def __init__(self, device: Device) -> None:
-        super().__init__(device)
-
     def _check_forward(self, record: ForwardRecord) -> None:
         _check_forward_type("PadGradient", record, Pad)
 
     def _make_backward(self, record: ForwardRecord, window: Window, states: list[Any]) -> Backward:
-        my, mx = record.extra
+        maps = record.extra
         c0, n = record.kernel._before.channel, window.src_channels
 
         def backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-            wide = torch.float64 if g.dtype == torch.float64 else torch.float32
-            ty, tx = my.to(g.device, wide), mx.to(g.device, wide)
+            wide = acc_dtype(g.dtype)
+            ty, tx = maps(wide, g.device)
             return (ty.T @ (g[:, c0 : c0 + n].to(wide) @ tx)).to(g.dtype)
 
         return backward

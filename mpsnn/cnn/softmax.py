@@ -23,12 +23,9 @@ from mpsnn.cnn._pointwise import Pointwise, PointwiseBackward, PointwiseGradient
 from mpsnn.core.device import Device
 from mpsnn.core.geometry import Window
 from mpsnn.core.state import ForwardRecord, GradientState
+from mpsnn.ops._dtypes import widen
 
 __all__ = ["LogSoftMax", "LogSoftMaxGradient", "SoftMax", "SoftMaxGradient"]
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
 class SoftMax(PointwiseKernel):
@@ -40,7 +37,7 @@ class SoftMax(PointwiseKernel):
         super().__init__(device)
 
     def _pointwise(self, window: Window, states: list[Any]) -> Pointwise:
-        return lambda x: torch.softmax(_wide(x), 1).to(x.dtype)
+        return lambda x: torch.softmax(widen(x), 1).to(x.dtype)
 
 
 class LogSoftMax(PointwiseKernel):
@@ -52,7 +49,7 @@ class LogSoftMax(PointwiseKernel):
         super().__init__(device)
 
     def _pointwise(self, window: Window, states: list[Any]) -> Pointwise:
-        return lambda x: torch.log_softmax(_wide(x), 1).to(x.dtype)
+        return lambda x: torch.log_softmax(widen(x), 1).to(x.dtype)
 
 
 class _SoftMaxGradientBase(PointwiseGradient):
@@ -77,7 +74,7 @@ class SoftMaxGradient(_SoftMaxGradientBase):
 
     def _pointwise_backward(self, record: ForwardRecord, states: list[Any]) -> PointwiseBackward:
         def backward(g: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-            gw, sw = _wide(g), _wide(s)
+            gw, sw = widen(g), widen(s)
             return (sw * (gw - (gw * sw).sum(1, keepdim=True))).to(g.dtype)
 
         return backward
@@ -90,7 +87,7 @@ class LogSoftMaxGradient(_SoftMaxGradientBase):
 
     def _pointwise_backward(self, record: ForwardRecord, states: list[Any]) -> PointwiseBackward:
         def backward(g: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-            gw = _wide(g)
-            return (gw - torch.exp(_wide(logp)) * gw.sum(1, keepdim=True)).to(g.dtype)
+            gw = widen(g)
+            return (gw - torch.exp(widen(logp)) * gw.sum(1, keepdim=True)).to(g.dtype)
 
         return backward

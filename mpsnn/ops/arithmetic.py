@@ -79,8 +79,8 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
-    return (flat.view(-1, 8).to(torch.uint8) * weights).sum(1, dtype=torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)  # made on the device
+    return (flat.view(-1, 8).to(torch.uint8) << shifts).sum(1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -20,6 +20,8 @@ from typing import NamedTuple
 
 import torch
 
+from mpsnn.ops._dtypes import acc_dtype
+
 __all__ = [
     "DropoutGeometry",
     "dropout_apply",
@@ -96,7 +98,7 @@ def dropout_apply_portable(
 ) -> torch.Tensor:
     """``t * keep * scale`` (forward, or the gradient with ``t = g``), on any device."""
     keep = keep_mask(key, first_image, tuple(t.shape), geom, t.device)
-    wide = torch.float64 if t.dtype == torch.float64 else torch.float32
+    wide = acc_dtype(t.dtype)
     factor = keep.to(wide) * geom.scale
     return (t.to(wide) * factor).to(t.dtype)
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from mpsnn.core.geometry import AxisWindow, EdgeMode
 from mpsnn.ops import triton as fast_paths
+from mpsnn.ops._dtypes import device_constant, widen
 from mpsnn.ops.window import ExtractPlan, apply_extract, apply_extract_adjoint, plan_extract
 
 __all__ = [
@@ -47,7 +48,8 @@ class PoolGeometry(NamedTuple):
     """Windows, edge mode and how the source is prepared, made once per configuration.
 
     ``valid_y``/``valid_x``: the per-axis interval ``[lo, hi)`` whose taps count in an average's
-    divisor (None: every tap counts).
+    divisor (None: every tap counts). ``counts``: for each output row and column, how many taps
+    lie inside it (None when every tap counts: the divisor is the window area).
     """
 
     y: AxisWindow
@@ -56,6 +58,7 @@ class PoolGeometry(NamedTuple):
     plan: ExtractPlan
     valid_y: tuple[int, int] | None
     valid_x: tuple[int, int] | None
+    counts: tuple[tuple[int, ...], tuple[int, ...]] | None
 
 
 def pool_geometry(
@@ -69,15 +72,23 @@ def pool_geometry(
 ) -> PoolGeometry:
     """``read_edge``: how out-of-image taps are read (average pooling always reads zeros)."""
     plan = plan_extract(y, x, edge if read_edge is None else read_edge, allow_pad=False)
-    return PoolGeometry(y, x, edge, plan, valid_y, valid_x)
+    counts = None
+    if valid_y is not None or valid_x is not None:
+        counts = (_axis_counts(y, valid_y), _axis_counts(x, valid_x))
+    return PoolGeometry(y, x, edge, plan, valid_y, valid_x, counts)
+
+
+def _axis_counts(a: AxisWindow, valid: tuple[int, int] | None) -> tuple[int, ...]:
+    """Per output, the number of its taps inside ``valid`` (one axis of the divisor)."""
+    if valid is None:
+        return (a.kernel,) * a.count
+    lo, hi = valid
+    starts = (a.start + a.stride * i for i in range(a.count))
+    return tuple(sum(lo <= s + a.dilation * j < hi for j in range(a.kernel)) for s in starts)
 
 
 def _kernel(g: PoolGeometry) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
     return (g.y.kernel, g.x.kernel), (g.y.stride, g.x.stride), (g.y.dilation, g.x.dilation)
-
-
-def _compute(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
 # -- max ------------------------------------------------------------------------------------
@@ -112,22 +123,21 @@ def max_pool_backward_portable(
 # -- average --------------------------------------------------------------------------------
 
 
-def _axis_counts(a: AxisWindow, valid: tuple[int, int] | None, like: torch.Tensor) -> torch.Tensor:
-    """Per-output number of taps inside ``valid`` (the divisor's factor for one axis)."""
-    if valid is None:
-        return torch.full((a.count,), float(a.kernel), dtype=like.dtype, device=like.device)
-    lo, hi = valid
-    taps = [
-        a.start + a.stride * i + a.dilation * j for i in range(a.count) for j in range(a.kernel)
-    ]
-    inside = torch.tensor([lo <= t < hi for t in taps], device=like.device).view(a.count, a.kernel)
-    return inside.sum(1).to(like.dtype)
+def _divisor(counts: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
+    cy = torch.tensor(counts[0], dtype=torch.float64)
+    cx = torch.tensor(counts[1], dtype=torch.float64)
+    return (cy.view(-1, 1) * cx.view(1, -1)).view(1, 1, len(counts[0]), len(counts[1]))
 
 
-def _divisor(geom: PoolGeometry, like: torch.Tensor) -> torch.Tensor:
-    cy = _axis_counts(geom.y, geom.valid_y, like)
-    cx = _axis_counts(geom.x, geom.valid_x, like)
-    return (cy.view(-1, 1) * cx.view(1, -1)).view(1, 1, geom.y.count, geom.x.count)
+def _divide(total: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
+    """``total / N`` per output, and 0 where ``N = 0`` (a window wholly outside the count)."""
+    if geom.counts is None:
+        return total / (geom.y.kernel * geom.x.kernel)
+    counts = geom.counts
+    div = device_constant(
+        ("pool-divisor", counts), total.dtype, total.device, lambda: _divisor(counts)
+    )
+    return torch.where(div > 0, total / div.clamp(min=1), 0.0)
 
 
 def _sum_pool(t: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
@@ -141,18 +151,15 @@ def _sum_pool_backward(g: torch.Tensor, t: torch.Tensor, geom: PoolGeometry) -> 
 
 
 def average_pool_forward(x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
-    t = _compute(apply_extract(x, geom.plan))
-    div = _divisor(geom, t)
-    out = torch.where(div > 0, _sum_pool(t, geom) / div.clamp(min=1), 0.0)
-    return out.to(x.dtype)
+    t = widen(apply_extract(x, geom.plan))
+    return _divide(_sum_pool(t, geom), geom).to(x.dtype)
 
 
 def average_pool_backward(g: torch.Tensor, x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
     """``dx_t = sum_{o: t in T(o)} g_o / N(o)`` over image pixels (the sum's exact adjoint)."""
-    gc = _compute(g)
-    div = _divisor(geom, gc)
-    gd = torch.where(div > 0, gc / div.clamp(min=1), 0.0)
-    shape = apply_extract(x, geom.plan).shape  # only the size is needed
+    gd = _divide(widen(g), geom)
+    # The sum's backward needs only the prepared source's size, which the plan knows.
+    shape = (x.shape[0], x.shape[1], geom.plan.y.length, geom.plan.x.length)
     t = torch.empty(shape, dtype=gd.dtype, device=gd.device)
     return apply_extract_adjoint(_sum_pool_backward(gd, t, geom).to(g.dtype), geom.plan)
 
@@ -161,14 +168,14 @@ def average_pool_backward(g: torch.Tensor, x: torch.Tensor, geom: PoolGeometry) 
 
 
 def l2_pool_forward(x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
-    t = _compute(apply_extract(x, geom.plan))
+    t = widen(apply_extract(x, geom.plan))
     return torch.sqrt(_sum_pool(t * t, geom)).to(x.dtype)
 
 
 def l2_pool_backward(g: torch.Tensor, x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
     """``dx_t = sum_o g_o x_t / y_o``, with ``y_o = 0`` contributing nothing (no NaN)."""
-    t = _compute(apply_extract(x, geom.plan))
+    t = widen(apply_extract(x, geom.plan))
     y = torch.sqrt(_sum_pool(t * t, geom))
-    gy = torch.where(y > 0, _compute(g) / torch.where(y > 0, y, 1.0), 0.0)
+    gy = torch.where(y > 0, widen(g) / torch.where(y > 0, y, 1.0), 0.0)
     dt = _sum_pool_backward(gy, t, geom) * t
     return apply_extract_adjoint(dt.to(g.dtype), geom.plan)

@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 
 from mpsnn.core.geometry import EdgeMode
+from mpsnn.ops._dtypes import device_constant
 
-__all__ = ["pad_matrix", "reshape_hwc"]
+__all__ = ["pad_matrix", "pad_matrix_on", "reshape_hwc"]
 
 
 def _reflect(i: int, size: int, with_edge: bool) -> int:
@@ -43,6 +44,14 @@ def pad_matrix(start: int, count: int, size: int, mode: EdgeMode) -> torch.Tenso
         elif mode in (EdgeMode.MIRROR, EdgeMode.MIRROR_WITH_EDGE):
             m[u, _reflect(i, size, mode is EdgeMode.MIRROR_WITH_EDGE)] = 1.0
     return m
+
+
+def pad_matrix_on(
+    start: int, count: int, size: int, mode: EdgeMode, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """`pad_matrix` in ``dtype`` on ``device``, built once per geometry (shared: read only)."""
+    key = ("pad", start, count, size, mode)
+    return device_constant(key, dtype, device, lambda: pad_matrix(start, count, size, mode))
 
 
 def reshape_hwc(x: torch.Tensor, c: int, h: int, w: int) -> torch.Tensor:

@@ -22,6 +22,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from mpsnn.ops._dtypes import acc_dtype, device_constant
+
 __all__ = [
     "AxisSampling",
     "UpsampleGeometry",
@@ -79,10 +81,14 @@ def axis_matrix(a: AxisSampling, bilinear: bool, align_corners: bool) -> torch.T
 
 
 def _matrices(geom: UpsampleGeometry, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-    my = axis_matrix(geom.y, geom.bilinear, geom.align_corners).to(like.device, dtype)
-    mx = axis_matrix(geom.x, geom.bilinear, geom.align_corners).to(like.device, dtype)
-    return my, mx
+    dtype, device = acc_dtype(like.dtype), like.device
+    bilinear, align = geom.bilinear, geom.align_corners
+
+    def matrix(a: AxisSampling) -> torch.Tensor:
+        key = ("upsample", a, bilinear, align)
+        return device_constant(key, dtype, device, lambda: axis_matrix(a, bilinear, align))
+
+    return matrix(geom.y), matrix(geom.x)
 
 
 def upsample_forward(x: torch.Tensor, geom: UpsampleGeometry) -> torch.Tensor:
@@ -102,7 +108,6 @@ def upsample_backward(g: torch.Tensor, geom: UpsampleGeometry) -> torch.Tensor:
         n, c = g.shape[:2]
         sy, sx = geom.y.scale, geom.x.scale
         blocks = g.reshape(n, c, geom.y.size, sy, geom.x.size, sx)
-        wide = torch.float64 if g.dtype == torch.float64 else torch.float32
-        return blocks.sum((3, 5), dtype=wide).to(g.dtype)
+        return blocks.sum((3, 5), dtype=acc_dtype(g.dtype)).to(g.dtype)
     my, mx = _matrices(geom, g)
     return (my.T @ (g.to(my.dtype) @ mx)).to(g.dtype)

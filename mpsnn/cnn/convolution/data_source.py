@@ -16,6 +16,7 @@ from mpsnn.cnn.convolution.descriptor import ConvolutionDescriptor
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.state import State
 from mpsnn.errors import UnsupportedError
+from mpsnn.ops._dtypes import widen
 
 __all__ = [
     "ConvolutionDataSource",
@@ -37,7 +38,7 @@ def _as_float_tensor(who: str, name: str, value: Any) -> torch.Tensor:
             ) from exc
     if not t.is_floating_point():
         raise TypeError(f"[{who}] {name} must hold floating-point values, got {t.dtype}")
-    return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+    return widen(t)
 
 
 def check_weights(

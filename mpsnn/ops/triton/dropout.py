@@ -9,6 +9,7 @@ element needs an integer division unless the mask is broadcast along y or x.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -76,7 +77,7 @@ def dropout_apply_triton(
     thr32 = geom.threshold - (1 << 32) if geom.threshold >= (1 << 31) else geom.threshold
     _dropout[(n * c, triton.cdiv(h * w, block))](
         t, out, key32, first_image, c, h, w, thr32,
-        float(torch.tensor(geom.scale, dtype=torch.float32)),
+        float(np.float32(geom.scale)),  # the float32 the portable path multiplies by
         SC=sc, SY=sy, SX=sx, BLOCK=block,
     )  # fmt: skip
     return out
