@@ -115,6 +115,7 @@ class Arithmetic(BinaryKernel):
     """Base of the arithmetic kernels (MPS ``MPSCNNArithmetic``); see the module docstring."""
 
     _op = ADD
+    _reused_across_batch = True  # one state (the clamp mask, the geometry) for the batch
     primary_scale = _Value()
     secondary_scale = _Value()
     bias = _Value()
@@ -150,10 +151,6 @@ class Arithmetic(BinaryKernel):
 
     @property
     def is_state_modified(self) -> bool:
-        return True
-
-    @property
-    def is_result_state_reused_across_batch(self) -> bool:
         return True
 
     # -- states ---------------------------------------------------------------------------
@@ -241,12 +238,8 @@ class Arithmetic(BinaryKernel):
                 "destination_states",
                 ArithmeticGradientState,
                 len(primary_images),
+                shared=True,
             )
-            if len({id(st) for st in states}) != 1:
-                raise ValueError(
-                    f"[{type(self).__name__}] destination_states must repeat one state "
-                    f"(see result_state_batch), got {len({id(st) for st in states})} states"
-                )
         out = self._encode(cb, p, s, d, states[:1], batch=True)
         return destination_images if destination_images is not None else ImageBatch(out)
 

@@ -134,13 +134,13 @@ class ArithmeticGradient(GradientKernel):
         g = self._check_batch(cb, source_gradients, "source_gradients")
         x = self._check_batch(cb, source_images, "source_images")
         states = self._check_state_batch(
-            cb, gradient_states, "gradient_states", ArithmeticGradientState, len(source_gradients)
+            cb,
+            gradient_states,
+            "gradient_states",
+            ArithmeticGradientState,
+            len(source_gradients),
+            shared=True,
         )
-        if len({id(s) for s in states}) != 1:
-            raise ValueError(
-                f"[{type(self).__name__}] gradient_states must repeat one state "
-                "(see result_state_batch)"
-            )
         d = (
             None
             if destination_gradients is None

@@ -86,9 +86,20 @@ def _check_keep(who: str, keep: Any) -> float:
 
 
 class _DropoutParameters:
-    _keep: float
-    _seed: int
-    _strides: tuple[int, int, int]
+    """The parameters a dropout and its gradient share (and must agree on)."""
+
+    def __init__(
+        self,
+        device: Device,
+        keep_probability: float,
+        seed: int = 0,
+        mask_stride_in_pixels: Size | None = None,
+    ) -> None:
+        super().__init__(device)  # type: ignore[call-arg]  # the kernel class after this mixin
+        who = type(self).__name__
+        self._keep = _check_keep(who, keep_probability)
+        self._seed = check_int(who, "seed", seed, 0)
+        self._strides = _check_strides(who, mask_stride_in_pixels or Size(1, 1, 1))
 
     @property
     def keep_probability(self) -> float:
@@ -106,11 +117,6 @@ class _DropoutParameters:
     def _geometry_for_mask(self) -> DropoutGeometry:
         return dropout_geometry(self._keep, self._strides)
 
-    def _init_parameters(self, who: str, keep: Any, seed: Any, strides: Any) -> None:
-        self._keep = _check_keep(who, keep)
-        self._seed = check_int(who, "seed", seed, 0)
-        self._strides = _check_strides(who, strides)
-
 
 class Dropout(_DropoutParameters, PointwiseKernel):
     """Inverted dropout (MPS ``MPSCNNDropout``).
@@ -123,19 +129,7 @@ class Dropout(_DropoutParameters, PointwiseKernel):
     """
 
     _gradient_state_class = DropoutGradientState
-
-    def __init__(
-        self,
-        device: Device,
-        keep_probability: float,
-        seed: int = 0,
-        mask_stride_in_pixels: Size | None = None,
-    ) -> None:
-        super().__init__(device)
-        self._init_parameters(
-            "Dropout", keep_probability, seed, mask_stride_in_pixels or Size(1, 1, 1)
-        )
-        self._encodes = 0
+    _encodes = 0  # encodes so far: each draws new masks
 
     def _pointwise(self, window: Window, states: list[Any]) -> Pointwise:
         key = stream_key(self._seed, self._encodes)
@@ -157,18 +151,6 @@ class DropoutGradient(_DropoutParameters, PointwiseGradient):
     """
 
     _state_class = DropoutGradientState
-
-    def __init__(
-        self,
-        device: Device,
-        keep_probability: float,
-        seed: int = 0,
-        mask_stride_in_pixels: Size | None = None,
-    ) -> None:
-        super().__init__(device)
-        self._init_parameters(
-            "DropoutGradient", keep_probability, seed, mask_stride_in_pixels or Size(1, 1, 1)
-        )
 
     def _check_forward(self, record: ForwardRecord) -> None:
         fwd = record.kernel

@@ -193,12 +193,13 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
             g = self._check_batch(cb, source_gradients, "source_gradients")
             x = self._check_batch(cb, source_images, "source_images")
             self._check_state_batch(
-                cb, gradient_states, "gradient_states", GradientState, len(source_gradients)
+                cb,
+                gradient_states,
+                "gradient_states",
+                GradientState,
+                len(source_gradients),
+                shared=True,  # a convolution's state serves its whole batch
             )
-            if len({id(st) for st in gradient_states}) != 1:
-                raise ValueError(
-                    "[NeuronGradient] gradient_states of a convolution must repeat one state"
-                )
             d = None if destination_gradients is None else destination_gradients.image
             out = self._encode_fused(cb, g, x, state, d)
             return destination_gradients if destination_gradients is not None else ImageBatch(out)

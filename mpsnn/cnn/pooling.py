@@ -83,9 +83,11 @@ class _Pooling(CNNKernel):
     def _geometry(self, window: Window, memo: dict[str, Any]) -> PoolGeometry:
         geom = memo.get("pool")
         if geom is None:
-            geom = pool_geometry(window.y, window.x, self._edge_mode)
-            memo["pool"] = geom
+            geom = memo["pool"] = self._pool_geometry(window)
         return geom
+
+    def _pool_geometry(self, window: Window) -> PoolGeometry:
+        return pool_geometry(window.y, window.x, self._edge_mode)
 
     def _make_forward(self, window: Window, states: list[Any], memo: dict[str, Any]) -> Forward:
         geom, op = self._geometry(window, memo), self._forward_op
@@ -107,9 +109,8 @@ class PoolingMax(_Pooling):
     """
 
 
-class DilatedPoolingMax(_Pooling):
-    """Maximum over a dilated window (MPS ``MPSCNNDilatedPoolingMax``): taps
-    ``c - E // 2 + d * j``; kernel 2 with dilation 3 reads ``c - 2`` and ``c + 1``."""
+class _DilatedArguments:
+    """The MPS argument order of the dilated kernels: dilation rates before strides."""
 
     def __init__(
         self,
@@ -121,10 +122,15 @@ class DilatedPoolingMax(_Pooling):
         stride_in_pixels_x: int = 1,
         stride_in_pixels_y: int = 1,
     ) -> None:
-        super().__init__(
+        super().__init__(  # type: ignore[call-arg]  # the pooling class after this mixin
             device, kernel_width, kernel_height, stride_in_pixels_x, stride_in_pixels_y,
             dilation_rate_x=dilation_rate_x, dilation_rate_y=dilation_rate_y,
         )  # fmt: skip
+
+
+class DilatedPoolingMax(_DilatedArguments, _Pooling):
+    """Maximum over a dilated window (MPS ``MPSCNNDilatedPoolingMax``): taps
+    ``c - E // 2 + d * j``; kernel 2 with dilation 3 reads ``c - 2`` and ``c + 1``."""
 
 
 class PoolingL2Norm(_Pooling):
@@ -176,20 +182,12 @@ class PoolingAverage(_ZeroPad, _Pooling):
             _policy_region(size_x, window.x, method, x_first),
         )
 
-    def _geometry(self, window: Window, memo: dict[str, Any]) -> PoolGeometry:
-        geom = memo.get("pool")
-        if geom is None:
-            vy, vx = self._valid(window, window.y.size, window.x.size)
-            # Reads outside the image are zeros: CLAMP shrinks the window, it does not replicate.
-            geom = pool_geometry(
-                window.y, window.x, self._edge_mode, vy, vx, read_edge=EdgeMode.ZERO
-            )
-            memo["pool"] = geom
-        return geom
+    _forward_op = staticmethod(average_pool_forward)
 
-    def _make_forward(self, window: Window, states: list[Any], memo: dict[str, Any]) -> Forward:
-        geom = self._geometry(window, memo)
-        return lambda x: average_pool_forward(x, geom)
+    def _pool_geometry(self, window: Window) -> PoolGeometry:
+        vy, vx = self._valid(window, window.y.size, window.x.size)
+        # Reads outside the image are zeros: CLAMP shrinks the window, it does not replicate.
+        return pool_geometry(window.y, window.x, self._edge_mode, vy, vx, read_edge=EdgeMode.ZERO)
 
 
 def _policy_region(size: int, a: Any, method: PaddingMethod, first: bool) -> tuple[int, int]:
@@ -301,25 +299,10 @@ class PoolingMaxGradient(PoolingGradient):
     is a ZERO-edge padding value. On CUDA, disjoint windows use a one-pass Triton kernel."""
 
 
-class DilatedPoolingMaxGradient(PoolingGradient):
+class DilatedPoolingMaxGradient(_DilatedArguments, PoolingGradient):
     """Gradient of `DilatedPoolingMax` (MPS ``MPSCNNDilatedPoolingMaxGradient``)."""
 
     _forward_class = DilatedPoolingMax
-
-    def __init__(
-        self,
-        device: Device,
-        kernel_width: int,
-        kernel_height: int,
-        dilation_rate_x: int = 1,
-        dilation_rate_y: int = 1,
-        stride_in_pixels_x: int = 1,
-        stride_in_pixels_y: int = 1,
-    ) -> None:
-        super().__init__(
-            device, kernel_width, kernel_height, stride_in_pixels_x, stride_in_pixels_y,
-            dilation_rate_x=dilation_rate_x, dilation_rate_y=dilation_rate_y,
-        )  # fmt: skip
 
 
 class PoolingL2NormGradient(PoolingGradient):

@@ -35,7 +35,7 @@ from mpsnn.core.geometry import (
 )
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
-from mpsnn.core.kernel import DestinationProperties, Kernel, resolve_span
+from mpsnn.core.kernel import Kernel, SharedProperties, resolve_span
 from mpsnn.core.state import ForwardRecord, GradientState, State, StateBatch
 from mpsnn.errors import UnsupportedError
 
@@ -67,7 +67,7 @@ def _geometry_property(name: str, kind: str, minimum: int | None = None) -> prop
     return property(get, set_, doc=f"MPS ``{name}`` (see the class docstring).")
 
 
-class BinaryKernel(DestinationProperties, Kernel):
+class BinaryKernel(SharedProperties, Kernel):
     """A kernel with a primary and a secondary source (MPS ``MPSCNNBinaryKernel``).
 
     Each source has its own ``*_offset``, ``*_edge_mode``, ``*_source_feature_channel_offset``
@@ -177,14 +177,6 @@ class BinaryKernel(DestinationProperties, Kernel):
 
     @property
     def is_state_modified(self) -> bool:
-        return False
-
-    @property
-    def is_result_state_reused_across_batch(self) -> bool:
-        return False
-
-    @property
-    def append_batch_barrier(self) -> bool:
         return False
 
     # -- forward binary encode (families implement the math) -----------------------------

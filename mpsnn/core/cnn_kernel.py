@@ -43,7 +43,7 @@ from mpsnn.core.geometry import (
 )
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
-from mpsnn.core.kernel import DestinationProperties, Kernel, resolve_images, resolve_span
+from mpsnn.core.kernel import Kernel, SharedProperties, resolve_images, resolve_span
 from mpsnn.core.state import ForwardRecord, GradientState, State, StateBatch
 
 __all__ = ["DEFAULT_PADDING_METHOD", "CNNKernel", "Forward"]
@@ -56,7 +56,7 @@ DEFAULT_PADDING_METHOD = (
 Forward = Callable[[torch.Tensor], torch.Tensor]
 
 
-class CNNKernel(DestinationProperties, Kernel):
+class CNNKernel(SharedProperties, Kernel):
     """A kernel with one source image (MPS ``MPSCNNKernel``).
 
     Properties (MPS defaults): ``offset`` (0, 0, 0), ``clip_rect`` (`RECT_NO_CLIP`),
@@ -71,8 +71,6 @@ class CNNKernel(DestinationProperties, Kernel):
     _edge_modes: tuple[EdgeMode, ...] = (EdgeMode.ZERO, EdgeMode.CLAMP)
     _gradient_state_class: type[GradientState] | None = None
     _is_backwards = False
-    _reused_across_batch = False
-    _batch_barrier = False
     _cache_plans = True  # False for kernels whose policy has side effects beyond `offset`
     _policy_states: Any = None  # source states the padding policy consults (transpose pairing)
 
@@ -175,16 +173,6 @@ class CNNKernel(DestinationProperties, Kernel):
     def is_state_modified(self) -> bool:
         """Whether encode writes the state it is given."""
         return self._gradient_state_class is not None
-
-    @property
-    def is_result_state_reused_across_batch(self) -> bool:
-        """True when ``result_state_batch`` repeats one shared state (accumulating kernels)."""
-        return self._reused_across_batch
-
-    @property
-    def append_batch_barrier(self) -> bool:
-        """True when consumers must wait for the whole batch (statistics kernels)."""
-        return self._batch_barrier
 
     # -- family hooks ---------------------------------------------------------------------
 

@@ -96,10 +96,10 @@ class _SizeFields(NamedTuple):
     depth: int
 
 
-def _extent(name: str, value: Any) -> int:
-    v = _int("Size", name, value)
+def _extent(owner: str, name: str, value: Any) -> int:
+    v = _int(owner, name, value)
     if v < 0:
-        raise ValueError(f"[Size] {name} must be >= 0, got {v}")
+        raise ValueError(f"[{owner}] {name} must be >= 0, got {v}")
     return v
 
 
@@ -110,7 +110,10 @@ class Size(_SizeFields):
 
     def __new__(cls, width: int = 1, height: int = 1, depth: int = 1) -> Size:
         return super().__new__(
-            cls, _extent("width", width), _extent("height", height), _extent("depth", depth)
+            cls,
+            _extent("Size", "width", width),
+            _extent("Size", "height", height),
+            _extent("Size", "depth", depth),
         )
 
 
@@ -152,13 +155,10 @@ class ImageCoordinate(_CoordinateFields):
     __slots__ = ()
 
     def __new__(cls, x: int = 0, y: int = 0, channel: int = 0) -> ImageCoordinate:
-        values = []
-        for name, v in (("x", x), ("y", y), ("channel", channel)):
-            v = _int("ImageCoordinate", name, v)
-            if v < 0:
-                raise ValueError(f"[ImageCoordinate] {name} must be >= 0, got {v}")
-            values.append(v)
-        return super().__new__(cls, *values)
+        who = "ImageCoordinate"
+        return super().__new__(
+            cls, _extent(who, "x", x), _extent(who, "y", y), _extent(who, "channel", channel)
+        )
 
 
 RECT_NO_CLIP = Region(Origin(0, 0, 0), Size(_HUGE, _HUGE, _HUGE))

@@ -117,8 +117,17 @@ class Kernel:
         return self._check_image(cb, batch._image, name)
 
     def _check_state_batch(
-        self, cb: CommandBuffer, states: Any, name: str, kind: type, count: int
+        self,
+        cb: CommandBuffer,
+        states: Any,
+        name: str,
+        kind: type,
+        count: int,
+        *,
+        shared: bool = False,
     ) -> list[Any]:
+        """Check a batch of states (one per image) and return it as a list; ``shared``: the
+        kernel keeps one state for the whole batch, so the batch must repeat one state."""
         if not isinstance(states, Sequence) or isinstance(states, str | bytes):
             raise TypeError(
                 f"[{type(self).__name__}] {name} must be a StateBatch, got {type(states).__name__}"
@@ -129,21 +138,39 @@ class Kernel:
                 f"got {len(states)}"
             )
         unique = StateBatch(states).unique()
+        if shared and len(unique) != 1:
+            raise ValueError(
+                f"[{type(self).__name__}] {name} must repeat one state (see result_state_batch), "
+                f"got {len(unique)} distinct states"
+            )
         for s in unique:
             self._check_state(cb, s, name, kind)
         return list(states)
 
 
-class DestinationProperties:
-    """The destination-side properties that unary and binary kernels share (MPS declares them
-    on both ``MPSCNNKernel`` and ``MPSCNNBinaryKernel``): the clip rect, the destination channel
-    offset, the padding policy and the destination allocator. Subclasses set ``_clip``,
-    ``_dco``, ``_padding`` and ``_allocator`` in ``__init__``."""
+class SharedProperties:
+    """The properties that unary and binary kernels share (MPS declares them on both
+    ``MPSCNNKernel`` and ``MPSCNNBinaryKernel``): the clip rect, the destination channel offset,
+    the padding policy, the destination allocator and the batch hooks. Subclasses set ``_clip``,
+    ``_dco``, ``_padding`` and ``_allocator`` in ``__init__``; families that keep one state for
+    a batch, or need the whole batch done before consumers, set the class flags."""
 
     _clip: Region
     _dco: int
     _padding: Any
     _allocator: Any
+    _reused_across_batch = False
+    _batch_barrier = False
+
+    @property
+    def is_result_state_reused_across_batch(self) -> bool:
+        """True when ``result_state_batch`` repeats one shared state (accumulating kernels)."""
+        return self._reused_across_batch
+
+    @property
+    def append_batch_barrier(self) -> bool:
+        """True when consumers must wait for the whole batch (statistics kernels)."""
+        return self._batch_barrier
 
     @property
     def clip_rect(self) -> Region:

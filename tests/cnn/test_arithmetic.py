@@ -201,3 +201,33 @@ def test_arithmetic_errors() -> None:
     ):
         m.MultiplyGradient(dev, False).encode(cb, z, b, st)
     assert len(cb) == 1
+
+
+def test_batch_states_must_repeat_one_state() -> None:
+    """Arithmetic keeps one state for a batch: a batch of distinct states is refused, before
+    anything is recorded, by the forward and by both gradients."""
+    dev = m.Device("cpu")
+    gen = torch.Generator().manual_seed(5)
+    xb = m.ImageBatch.from_tensor(torch.randn(3, 2, 4, 4, generator=gen, dtype=torch.float64))
+    yb = m.ImageBatch.from_tensor(torch.randn(3, 2, 4, 4, generator=gen, dtype=torch.float64))
+    cb = dev.new_command_queue().command_buffer()
+    add = m.Add(dev)
+    distinct = m.StateBatch(add.result_state(xb[0], yb[0]) for _ in range(3))
+    with pytest.raises(
+        ValueError,
+        match=r"\[Add\] destination_states must repeat one state \(see result_state_batch\), "
+        r"got 3 distinct states",
+    ):
+        add.encode_batch(cb, xb, yb, destination_states=distinct)
+    assert add.is_result_state_reused_across_batch and not add.append_batch_barrier
+    shared = add.result_state_batch(xb, yb)
+    assert len({id(s) for s in shared}) == 1
+    z = add.encode_batch(cb, xb, yb, destination_states=shared)
+    mixed = m.StateBatch([shared[0], shared[0], distinct[0]])
+    with pytest.raises(
+        ValueError,
+        match=r"\[AddGradient\] gradient_states must repeat one state \(see result_state_batch\), "
+        r"got 2 distinct states",
+    ):
+        m.AddGradient(dev, True).encode_batch(cb, z, yb, mixed)
+    assert len(cb) == 1  # only the valid forward was recorded

@@ -268,3 +268,26 @@ def test_neuron_errors() -> None:
         ValueError, match=r"\[NeuronGradient\] neuron_descriptor must equal the forward neuron's"
     ):
         m.NeuronGradient(dev, m.NeuronDescriptor(T.RELU, a=0.1)).encode(cb, y, x, state)
+
+
+def test_fused_neuron_gradient_batch_needs_the_convolutions_one_state() -> None:
+    dev = m.Device("cpu")
+    gen = torch.Generator().manual_seed(8)
+    neuron = m.NeuronDescriptor(T.RELU)
+    desc = m.ConvolutionDescriptor(3, 3, 2, 4, fused_neuron_descriptor=neuron)
+    w = torch.randn(desc.weights_shape, generator=gen, dtype=torch.float64)
+    conv = m.Convolution(dev, m.TensorConvolutionDataSource(desc, w))
+    xb = m.ImageBatch.from_tensor(torch.randn(2, 2, 5, 5, generator=gen, dtype=torch.float64))
+    cb = dev.new_command_queue().command_buffer()
+    states = conv.result_state_batch(xb)
+    yb = conv.encode_batch(cb, xb, destination_states=states)
+    other = conv.result_state_batch(xb)
+    conv.encode_batch(cb, xb, destination_states=other)
+    g = m.ImageBatch.from_tensor(torch.randn(yb.shape, generator=gen, dtype=torch.float64))
+    with pytest.raises(
+        ValueError,
+        match=r"\[NeuronGradient\] gradient_states must repeat one state "
+        r"\(see result_state_batch\), got 2 distinct states",
+    ):
+        m.NeuronGradient(dev, neuron).encode_batch(cb, g, yb, m.StateBatch([states[0], other[0]]))
+    assert len(cb) == 2  # the two forwards, nothing from the refused gradient

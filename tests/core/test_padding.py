@@ -212,3 +212,16 @@ def test_destination_properties_are_validated_alike(make) -> None:
     kernel.destination_feature_channel_offset = 8
     assert kernel.clip_rect == m.Region.make(1, 2, 3, 4)
     assert kernel.destination_feature_channel_offset == 8
+
+
+def test_geometry_value_types_validate_their_fields() -> None:
+    with pytest.raises(TypeError, match=r"\[Offset\] y must be an int, got float"):
+        m.Offset(0, 1.5)
+    with pytest.raises(ValueError, match=r"\[Size\] height must be >= 0, got -1"):
+        m.Size(2, -1)
+    with pytest.raises(ValueError, match=r"\[ImageCoordinate\] channel must be >= 0, got -3"):
+        m.ImageCoordinate(1, 1, -3)
+    with pytest.raises(TypeError, match=r"\[Region\] size must be a Size, got tuple"):
+        m.Region(m.Origin(), (1, 1, 1))
+    assert m.Offset(-2, 3) == m.Offset(-2, 3, 0) and m.Offset(-2, 3).x == -2  # signed is fine
+    assert m.ImageCoordinate(1, 2, 3).channel == 3
