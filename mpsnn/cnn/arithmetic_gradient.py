@@ -67,6 +67,7 @@ class ArithmeticGradient(GradientKernel):
 
     _state_class = ArithmeticGradientState
     _forward_class: type = Arithmetic
+    _forward_exact = False
 
     def __init__(self, device: Device, is_secondary_source_filter: bool) -> None:
         super().__init__(device)
@@ -160,11 +161,7 @@ class ArithmeticGradient(GradientKernel):
     ) -> Image:
         who = type(self).__name__
         record: ArithmeticRecord = state._require_forward(who)
-        if not isinstance(record.kernel, self._forward_class):
-            raise ValueError(
-                f"[{who}] gradient_state must come from a {self._forward_class.__name__} "
-                f"encode, got one from {type(record.kernel).__name__}"
-            )
+        self._check_forward_kernel(record)  # type: ignore[arg-type]  # same `kernel` field
         this = 1 if self._secondary_filter else 0
         needs_other = record.op in (MULTIPLY, DIVIDE)
         pz, sz, dz, count = record.images

@@ -151,15 +151,12 @@ class DropoutGradient(_DropoutParameters, PointwiseGradient):
     """
 
     _state_class = DropoutGradientState
+    _forward_class = Dropout
+    _forward_exact = False
 
     def _check_forward(self, record: ForwardRecord) -> None:
         fwd = record.kernel
         who = "DropoutGradient"
-        if not isinstance(fwd, Dropout):
-            raise ValueError(
-                f"[{who}] gradient_state must come from a Dropout encode, "
-                f"got one from {type(fwd).__name__}"
-            )
         for name in ("keep_probability", "seed", "mask_stride_in_pixels"):
             if getattr(fwd, name) != getattr(self, name):
                 raise ValueError(

@@ -142,6 +142,8 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
     """
 
     _state_class = GradientState
+    _forward_class = Neuron
+    _forward_exact = False
 
     def __init__(self, device: Device, neuron_descriptor: NeuronDescriptor) -> None:
         super().__init__(device)
@@ -149,11 +151,6 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
 
     def _check_forward(self, record: ForwardRecord) -> None:
         fwd = record.kernel
-        if not isinstance(fwd, Neuron):
-            raise ValueError(
-                f"[NeuronGradient] gradient_state must come from a Neuron encode, got one from "
-                f"{type(fwd).__name__}"
-            )
         if fwd._descriptor != self._descriptor:
             raise ValueError(
                 "[NeuronGradient] neuron_descriptor must equal the forward neuron's "

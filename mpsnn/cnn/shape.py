@@ -49,31 +49,15 @@ class Slice(PointwiseKernel):
 
     _gradient_state_class = GradientState
 
-    def __init__(self, device: Device) -> None:
-        super().__init__(device)
-
     def _pointwise(self, window: Window, states: list[Any]) -> Pointwise:
         return lambda x: x.clone()  # a fresh block: it may become the destination's storage
-
-
-def _check_forward_type(who: str, record: ForwardRecord, cls: type) -> None:
-    if type(record.kernel) is not cls:
-        raise ValueError(
-            f"[{who}] gradient_state must come from a {cls.__name__} encode, "
-            f"got one from {type(record.kernel).__name__}"
-        )
 
 
 class SliceGradient(PointwiseGradient):
     """Gradient of `Slice` (an mpsnn extension): the copied region's gradient, zeros elsewhere."""
 
     _state_class = GradientState
-
-    def __init__(self, device: Device) -> None:
-        super().__init__(device)
-
-    def _check_forward(self, record: ForwardRecord) -> None:
-        _check_forward_type("SliceGradient", record, Slice)
+    _forward_class = Slice
 
     def _pointwise_backward(self, record: ForwardRecord, states: list[Any]) -> PointwiseBackward:
         return lambda g, x: g.clone()
@@ -161,12 +145,7 @@ class ReshapeGradient(GradientKernel):
     """Gradient of `Reshape` (MPS ``MPSNNReshapeGradient``): the inverse reshape."""
 
     _state_class = GradientState
-
-    def __init__(self, device: Device) -> None:
-        super().__init__(device)
-
-    def _check_forward(self, record: ForwardRecord) -> None:
-        _check_forward_type("ReshapeGradient", record, Reshape)
+    _forward_class = Reshape
 
     def _make_backward(self, record: ForwardRecord, window: Window, states: list[Any]) -> Backward:
         c = window.src_channels
@@ -312,9 +291,7 @@ class PadGradient(GradientKernel):
     ``[d0+d1+d2, d3, d4+d5+d6+d7]``); padded channels and fill values pass nothing back."""
 
     _state_class = GradientState
-
-    def _check_forward(self, record: ForwardRecord) -> None:
-        _check_forward_type("PadGradient", record, Pad)
+    _forward_class = Pad
 
     def _make_backward(self, record: ForwardRecord, window: Window, states: list[Any]) -> Backward:
         maps = record.extra

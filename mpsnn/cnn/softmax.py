@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from mpsnn.cnn._pointwise import Pointwise, PointwiseBackward, PointwiseGradient, PointwiseKernel
-from mpsnn.core.device import Device
 from mpsnn.core.geometry import Window
 from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.ops._dtypes import widen
@@ -33,9 +32,6 @@ class SoftMax(PointwiseKernel):
 
     _gradient_state_class = GradientState
 
-    def __init__(self, device: Device) -> None:
-        super().__init__(device)
-
     def _pointwise(self, window: Window, states: list[Any]) -> Pointwise:
         return lambda x: torch.softmax(widen(x), 1).to(x.dtype)
 
@@ -45,9 +41,6 @@ class LogSoftMax(PointwiseKernel):
 
     _gradient_state_class = GradientState
 
-    def __init__(self, device: Device) -> None:
-        super().__init__(device)
-
     def _pointwise(self, window: Window, states: list[Any]) -> Pointwise:
         return lambda x: torch.log_softmax(widen(x), 1).to(x.dtype)
 
@@ -56,17 +49,6 @@ class _SoftMaxGradientBase(PointwiseGradient):
     _state_class = GradientState
     _secondary_is_result = True
     _forward_class: type = SoftMax
-
-    def __init__(self, device: Device) -> None:
-        super().__init__(device)
-
-    def _check_forward(self, record: ForwardRecord) -> None:
-        got = type(record.kernel).__name__
-        if type(record.kernel) is not self._forward_class:
-            raise ValueError(
-                f"[{type(self).__name__}] gradient_state must come from a "
-                f"{self._forward_class.__name__} encode, got one from {got}"
-            )
 
 
 class SoftMaxGradient(_SoftMaxGradientBase):

@@ -153,11 +153,6 @@ class UpsamplingGradient(GradientKernel):
 
     def _check_forward(self, record: ForwardRecord) -> None:
         who, fwd = type(self).__name__, record.kernel
-        if type(fwd) is not self._forward_class:
-            raise ValueError(
-                f"[{who}] gradient_state must come from a {self._forward_class.__name__} encode, "
-                f"got one from {type(fwd).__name__}"
-            )
         if fwd._scale != self._scale:
             raise ValueError(
                 f"[{who}] the scale factors must equal the forward's {fwd._scale}, "

@@ -216,15 +216,19 @@ class BinaryKernel(SharedProperties, Kernel):
 class GradientKernel(BinaryKernel):
     """Base of every gradient kernel (MPS ``MPSCNNGradientKernel``).
 
-    Subclasses set ``_state_class`` (what ``gradient_state`` must be), ``_secondary_is_result``
-    (True when the secondary image is the forward *result*), and implement
-    ``_check_forward(record)`` (parameters must match the forward kernel's) and
+    Subclasses set ``_state_class`` (what ``gradient_state`` must be), ``_forward_class`` (the
+    forward kernel class the state must come from; ``_forward_exact = False`` accepts its
+    subclasses too), ``_secondary_is_result`` (True when the secondary image is the forward
+    *result*), and implement ``_check_forward(record)`` (parameters must match the forward
+    kernel's) and
     ``_make_backward(record, window, states)``: a function from the incoming-gradient block
     (the region the forward wrote) and the secondary block to the gradient of the channels the
     forward read, ``(images, src_channels, H, W)``, or None when no data gradient is wanted.
     """
 
     _state_class: type[GradientState] = GradientState
+    _forward_class: type | None = None
+    _forward_exact = True
     _secondary_is_result = False
 
     def __init__(self, device: Device, **kwargs: Any) -> None:
@@ -237,8 +241,20 @@ class GradientKernel(BinaryKernel):
 
     # -- family hooks ---------------------------------------------------------------------
 
+    def _check_forward_kernel(self, record: ForwardRecord) -> None:
+        """Raise ValueError when the state was not filled by a ``_forward_class`` encode."""
+        want, fwd = self._forward_class, record.kernel
+        if want is None:
+            return
+        if type(fwd) is not want and (self._forward_exact or not isinstance(fwd, want)):
+            raise ValueError(
+                f"[{type(self).__name__}] gradient_state must come from a {want.__name__} encode, "
+                f"got one from {type(fwd).__name__}"
+            )
+
     def _check_forward(self, record: ForwardRecord) -> None:
-        """Raise ValueError when this kernel's parameters do not match the forward kernel's."""
+        """Raise ValueError when this kernel's parameters do not match the forward kernel's
+        (the forward kernel's class is already checked)."""
 
     def _make_backward(self, record: ForwardRecord, window: Window, states: list[Any]) -> Backward:
         raise NotImplementedError
@@ -399,6 +415,7 @@ class GradientKernel(BinaryKernel):
                     f"[{who}] every gradient state of a batch must come from one forward geometry, "
                     f"got {record.window} and {other.window}"
                 )
+        self._check_forward_kernel(record)
         self._check_forward(record)
         if self._explicit:
             self._check_explicit(self._derived(record))

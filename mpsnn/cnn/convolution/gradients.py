@@ -148,11 +148,6 @@ class ConvolutionGradient(GradientKernel):
     def _check_forward(self, record: ForwardRecord) -> None:
         who = type(self).__name__
         fwd = record.kernel
-        if type(fwd) is not self._forward_class:
-            raise ValueError(
-                f"[{who}] gradient_state must come from a {self._forward_class.__name__} encode, "
-                f"got one from {type(fwd).__name__}"
-            )
         if fwd._descriptor != self._descriptor:
             raise ValueError(
                 f"[{who}] the gradient's data source must describe the forward kernel "
