@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from mpsnn.cnn.arithmetic import (
+    FLT_MAX,
     Add,
     Arithmetic,
     ArithmeticGradientState,
@@ -98,11 +99,11 @@ class ArithmeticGradient(GradientKernel):
 
     @property
     def minimum_value(self) -> float:
-        return self._reported(3, -3.4028234663852886e38)
+        return self._reported(3, -FLT_MAX)
 
     @property
     def maximum_value(self) -> float:
-        return self._reported(4, 3.4028234663852886e38)
+        return self._reported(4, FLT_MAX)
 
     def encode(  # type: ignore[override]
         self,
@@ -198,20 +199,15 @@ class ArithmeticGradient(GradientKernel):
             g = grad._data()[dz : dz + count, c0 : c0 + nc, y0 : y0 + ny, x0 : x0 + nx]
             if state._mask is not None:
                 g = g * unpack_bits(state._mask, state._mask_shape).to(g.dtype)
+            if needs_other:  # the other input, as the forward read it
+                v = read_source(other._data()[z_other : z_other + count], other_read)
             if op == MULTIPLY:
-                d = g * (
-                    read_source(other._data()[z_other : z_other + count], other_read) * (ps * ss)
-                )
-            elif op == DIVIDE:
-                if this == 0:
-                    d = g * (
-                        ps
-                        / (read_source(other._data()[z_other : z_other + count], other_read) * ss)
-                    )
-                else:
-                    xv = read_source(other._data()[z_other : z_other + count], other_read)
-                    yv = state._divisor
-                    d = -g * (ps * xv / (ss * yv * yv))
+                d = g * (v * (ps * ss))
+            elif op == DIVIDE and this == 0:  # d/dx of ps x / (ss y): ps / (ss y)
+                d = g * (ps / (v * ss))
+            elif op == DIVIDE:  # d/dy: -ps x / (ss y^2), y as the forward read it (its state)
+                yv = state._divisor
+                d = -g * (ps * v / (ss * yv * yv))
             else:
                 d = g * (ss if this else ps) * (-1.0 if (op == SUBTRACT and this) else 1.0)
             d = torch.broadcast_to(d, (count, nc, ny, nx))

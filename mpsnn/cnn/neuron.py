@@ -197,7 +197,9 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
                 len(source_gradients),
                 shared=True,  # a convolution's state serves its whole batch
             )
-            d = None if destination_gradients is None else destination_gradients.image
+            d = None
+            if destination_gradients is not None:
+                d = self._check_batch(cb, destination_gradients, "destination_gradients")
             out = self._encode_fused(cb, g, x, state, d)
             return destination_gradients if destination_gradients is not None else ImageBatch(out)
         return super().encode_batch(
@@ -248,7 +250,7 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
         w = record.window
         n = shape[0]
         desc_out = ImageDescriptor._make(grad._fmt, shape[3], shape[2], shape[1], n)
-        out = dst or self._allocator.image(cb, desc_out, self)
+        out = dst if dst is not None else self._allocator.image(cb, desc_out, self)
         desc = self._descriptor
 
         region = (

@@ -108,7 +108,8 @@ class NeuronDescriptor:
                     f"[NeuronDescriptor] PRELU data must be a 1-D float array of slopes, got shape "
                     f"{tuple(t.shape)} and dtype {t.dtype}"
                 )
-            self._data: torch.Tensor | None = t.detach().to(torch.float32).clone()
+            # A host copy, as MPS descriptors keep: comparing descriptors never syncs a GPU.
+            self._data: torch.Tensor | None = t.detach().to("cpu", torch.float32).clone()
         elif data is not None:
             raise ValueError(
                 f"[NeuronDescriptor] data is for PRELU only, got data for {neuron_type.name}"
@@ -146,7 +147,7 @@ class NeuronDescriptor:
 
     @property
     def data(self) -> torch.Tensor | None:
-        """PRELU slopes (float32, one per channel), else None."""
+        """PRELU slopes (float32 on the CPU, one per channel), else None."""
         return self._data
 
     def _key(self) -> tuple[Any, ...]:

@@ -36,6 +36,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from mpsnn.ops._dtypes import device_constant
+
 __all__ = ["neuron_derivative", "neuron_forward"]
 
 # Type codes match `mpsnn.cnn.neuron.NeuronType` (MPS MPSCNNNeuronType values).
@@ -47,8 +49,12 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
 def _channel_view(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Per-channel values shaped to broadcast over (N, C, H, W)."""
-    return data.to(device=x.device, dtype=x.dtype).view(1, -1, 1, 1)
+    """Per-channel values shaped to broadcast over (N, C, H, W). Host slopes are copied to the
+    device once per value (keyed by the values: the host copy may be edited in place)."""
+    host = data
+    if host.device != x.device:
+        data = device_constant(("neuron-data", *host.tolist()), x.dtype, x.device, lambda: host)
+    return data.to(dtype=x.dtype).view(1, -1, 1, 1)
 
 
 def _log_base(c: float) -> float:

@@ -290,4 +290,8 @@ def test_fused_neuron_gradient_batch_needs_the_convolutions_one_state() -> None:
         r"\(see result_state_batch\), got 2 distinct states",
     ):
         m.NeuronGradient(dev, neuron).encode_batch(cb, g, yb, m.StateBatch([states[0], other[0]]))
-    assert len(cb) == 2  # the two forwards, nothing from the refused gradient
+    with pytest.raises(
+        TypeError, match=r"\[NeuronGradient\] destination_gradients must be an ImageBatch"
+    ):
+        m.NeuronGradient(dev, neuron).encode_batch(cb, g, yb, states, g.image)
+    assert len(cb) == 2  # the two forwards, nothing from the refused gradients
