@@ -29,7 +29,28 @@ __all__ = [
 ]
 
 
-class _Upsampling(CNNKernel):
+class _ScaleFactors:
+    """The integer scale factors an upsampling and its gradient share (and must agree on)."""
+
+    _scale: tuple[int, int]
+
+    def _set_scale(self, x: int, y: int) -> None:
+        who = type(self).__name__
+        self._scale = (
+            check_positive(who, "integer_scale_factor_x", x),
+            check_positive(who, "integer_scale_factor_y", y),
+        )
+
+    @property
+    def scale_factor_x(self) -> float:
+        return float(self._scale[0])
+
+    @property
+    def scale_factor_y(self) -> float:
+        return float(self._scale[1])
+
+
+class _Upsampling(_ScaleFactors, CNNKernel):
     _gradient_state_class = GradientState
     _is_backwards = True
     _bilinear = False
@@ -41,21 +62,10 @@ class _Upsampling(CNNKernel):
         integer_scale_factor_y: int,
         align_corners: bool = False,
     ) -> None:
-        who = type(self).__name__
-        sx = check_positive(who, "integer_scale_factor_x", integer_scale_factor_x)
-        sy = check_positive(who, "integer_scale_factor_y", integer_scale_factor_y)
+        self._set_scale(integer_scale_factor_x, integer_scale_factor_y)
         super().__init__(device)
-        self._scale = (sx, sy)
-        self._align = bool(check_type(who, "align_corners", align_corners, bool))
+        self._align = check_type(type(self).__name__, "align_corners", align_corners, bool)
         self._edge_mode = EdgeMode.CLAMP
-
-    @property
-    def scale_factor_x(self) -> float:
-        return float(self._scale[0])
-
-    @property
-    def scale_factor_y(self) -> float:
-        return float(self._scale[1])
 
     @property
     def align_corners(self) -> bool:
@@ -126,7 +136,7 @@ class UpsamplingBilinear(_Upsampling):
     _bilinear = True
 
 
-class UpsamplingGradient(GradientKernel):
+class UpsamplingGradient(_ScaleFactors, GradientKernel):
     """Base of the upsampling gradients (MPS ``MPSCNNUpsamplingGradient``): the transpose of the
     forward's sampling map. ``align_corners`` comes from the forward (through the state)."""
 
@@ -136,20 +146,8 @@ class UpsamplingGradient(GradientKernel):
     def __init__(
         self, device: Device, integer_scale_factor_x: int, integer_scale_factor_y: int
     ) -> None:
-        who = type(self).__name__
-        self._scale = (
-            check_positive(who, "integer_scale_factor_x", integer_scale_factor_x),
-            check_positive(who, "integer_scale_factor_y", integer_scale_factor_y),
-        )
+        self._set_scale(integer_scale_factor_x, integer_scale_factor_y)
         super().__init__(device)
-
-    @property
-    def scale_factor_x(self) -> float:
-        return float(self._scale[0])
-
-    @property
-    def scale_factor_y(self) -> float:
-        return float(self._scale[1])
 
     def _check_forward(self, record: ForwardRecord) -> None:
         who, fwd = type(self).__name__, record.kernel

@@ -54,6 +54,11 @@ class AxisPlan(NamedTuple):
     pad: int
     length: int
 
+    @property
+    def is_view(self) -> bool:
+        """Every tap lies inside the source: the axis is a view, no copy, no padding."""
+        return self.mode == _VIEW
+
 
 class ExtractPlan(NamedTuple):
     y: AxisPlan

@@ -133,9 +133,13 @@ def test_clamp_masks_the_gradient_and_batches_share_one_state() -> None:
     x = torch.tensor([[[[-2.0, 0.0, 0.5, 3.0]]]]).repeat(3, 1, 1, 1)
     y = torch.zeros_like(x)
     kernel = _kernel(dev, "add", ps=1.0, ss=1.0, bias=0.0, clamp=(-1.0, 1.0))
-    z, (dx, _) = _run(dev, kernel, x, y, torch.ones_like(x), "add", batch=True)
+    g = torch.tensor([0.5, -1.5, 2.0, 3.0]).view(1, 1, 1, 4) * torch.arange(1.0, 4.0).view(
+        3, 1, 1, 1
+    )
+    z, (dx, _) = _run(dev, kernel, x, y, g, "add", batch=True)
     assert z[0].flatten().tolist() == [-1.0, 0.0, 0.5, 1.0]
-    assert dx[2].flatten().tolist() == [0.0, 1.0, 1.0, 0.0]  # clamped elements pass nothing
+    assert dx[2].flatten().tolist() == [0.0, -4.5, 6.0, 0.0]  # clamped elements pass nothing
+    assert dx[0].flatten().tolist() == [0.0, -1.5, 2.0, 0.0]  # each image its own gradient
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)

@@ -270,24 +270,29 @@ def test_l2_pooling_of_zeros_has_zero_gradient() -> None:
     cb = dev.new_command_queue().command_buffer()
     st = pool.result_state(src)
     y = pool.encode(cb, src, destination_state=st)
-    dx = grad.encode(cb, m.Image.from_tensor(torch.ones(y.shape)), src, st)
+    g = torch.tensor([[[[1.5, -2.0], [0.5, 2.5]]]])
+    dx = grad.encode(cb, m.Image.from_tensor(g), src, st)
     run(cb)
+    assert y.tensor.flatten().tolist() == [0.0, 0.0, 0.0, 5.0]
     assert torch.isfinite(dx.tensor).all()
-    assert dx.tensor[0, 0, :2].abs().max() == 0 and dx.tensor[0, 0, 2, 2] == pytest.approx(0.6)
+    assert dx.tensor[0, 0, :2].abs().max() == 0  # the all-zero windows pass nothing, not NaN
+    assert dx.tensor[0, 0, 2, 2] == pytest.approx(2.5 * 3 / 5)  # g x / y
+    assert dx.tensor[0, 0, 3, 3] == pytest.approx(2.5 * 4 / 5)
 
 
 def test_source_size_limits_the_contributing_gradient() -> None:
     dev = m.Device("cpu")
     pool, grad = m.PoolingAverage(dev, 2, 2, 2, 2), m.PoolingAverageGradient(dev, 2, 2, 2, 2)
     src = m.Image.from_tensor(torch.randn(1, 1, 4, 4, dtype=torch.float64))
-    g = m.Image.from_tensor(torch.ones(1, 1, 2, 2, dtype=torch.float64))
+    g = m.Image.from_tensor(torch.tensor([[[[0.5, -1.0], [2.0, 3.0]]]], dtype=torch.float64))
     grad.source_size = m.Size(1, 2, 1)
     cb = dev.new_command_queue().command_buffer()
     st = pool.result_state(src)
     pool.encode(cb, src, destination_state=st)
     dx = grad.encode(cb, g, src, st)
     run(cb)
-    assert dx.tensor[0, 0, :, :2].eq(0.25).all() and dx.tensor[0, 0, :, 2:].abs().max() == 0
+    assert dx.tensor[0, 0, :2, :2].eq(0.5 / 4).all() and dx.tensor[0, 0, 2:, :2].eq(2.0 / 4).all()
+    assert dx.tensor[0, 0, :, 2:].abs().max() == 0  # output column 1 lies outside source_size
 
 
 def test_pooling_errors() -> None:

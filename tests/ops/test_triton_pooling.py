@@ -9,9 +9,8 @@ import torch
 from mpsnn.core.geometry import AxisWindow, EdgeMode
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops.pooling import max_pool_backward_portable, pool_geometry
+from mpsnn.ops.triton import pooling as triton_pooling  # the dev setup installs Triton
 from tests.helpers import TRITON_DEVICES
-
-triton_pooling = pytest.importorskip("mpsnn.ops.triton.pooling")
 
 SHAPES = [
     # (N, C, H, W, k, y0, x0, OH, OW)

@@ -52,7 +52,7 @@ def max_pool_backward_eligible(g: torch.Tensor, x: torch.Tensor, geom: Any) -> b
 def pool_tiles(geom: Any) -> bool:
     """Windows of ``geom`` are disjoint and inside the image (the Triton kernel's case)."""
     for a, p in ((geom.y, geom.plan.y), (geom.x, geom.plan.x)):
-        if a.stride != a.kernel or a.dilation != 1 or p.mode != 0:  # 0: a view of the source
+        if a.stride != a.kernel or a.dilation != 1 or not p.is_view:
             return False
     return True
 
