@@ -38,6 +38,12 @@ def copy_bandwidth(device: str) -> float:
     return 2 * a.numel() * 4 / t
 
 
+def _row(case: str, impl: str, t: float, nbytes: int, bw: float, **extra: float) -> dict:
+    """One timed row: milliseconds, bytes moved, GB/s and the fraction of the copy floor."""
+    return dict(case=case, impl=impl, ms=t * 1e3, bytes=nbytes, gbps=nbytes / t / 1e9,
+                floor_fraction=nbytes / bw / t, **extra)  # fmt: skip
+
+
 def bench_maxpool(
     device: str, batch: int, dtype: torch.dtype, iters: int, trials: int, bw: float
 ) -> list[dict]:
@@ -75,32 +81,13 @@ def bench_maxpool(
     nx, ng = x.numel(), g.numel()
     torch_bytes = ng * s + ng * 8 + nx * s  # g, int64 indices, dx
     mps_bytes = nx * s + ng * s + nx * s  # x (argmax recomputed), g, dx
-    name = str(dtype).split(".")[1]
-    rows = []
-    for who, t, b in (
-        ("torch", tt, torch_bytes),
-        ("mpsnn", tm, mps_bytes),
-        ("mpsnn op only", to, mps_bytes),
-    ):
-        rows.append(
-            dict(
-                case=f"max-pool gradient {name}",
-                impl=who,
-                ms=t * 1e3,
-                bytes=b,
-                gbps=b / t / 1e9,
-                floor_fraction=(b / bw) / t,
-            )
-        )
-    rows.append(
-        dict(
-            case=f"max-pool gradient {name}",
-            impl="speed-up (torch / mpsnn)",
-            ratio=tt / tm,
-            ratio_op=tt / to,
-        )
-    )
-    return rows
+    case = f"max-pool gradient {str(dtype).split('.')[1]}"
+    return [
+        _row(case, "torch", tt, torch_bytes, bw),
+        _row(case, "mpsnn", tm, mps_bytes, bw),
+        _row(case, "mpsnn op only", to, mps_bytes, bw),
+        dict(case=case, impl="speed-up (torch / mpsnn)", ratio=tt / tm, ratio_op=tt / to),
+    ]
 
 
 def bench_dropout(
@@ -135,18 +122,12 @@ def bench_dropout(
     s, n = x.element_size(), x.numel()
     torch_bytes = 2 * n * s + n + 2 * n * s + n  # fwd: x, y, mask; bwd: g, mask, dx
     mps_bytes = 4 * n * s  # fwd: x, y; bwd: g, dx
-    name = str(dtype).split(".")[1]
-    case = f"dropout fwd+grad {name}"
-
-    def row(impl: str, t: float, b: int, state: int) -> dict:
-        return dict(case=case, impl=impl, ms=t * 1e3, bytes=b, gbps=b / t / 1e9,
-                    floor_fraction=b / bw / t, state_bytes=state)  # fmt: skip
-
+    case = f"dropout fwd+grad {str(dtype).split('.')[1]}"
     ratio = dict(case=case, impl="ratio (torch / mpsnn)", ratio=tt / tm,
                  state_ratio=mask_bytes[-1] / states[-1])  # fmt: skip
     return [
-        row("torch", tt, torch_bytes, mask_bytes[-1]),
-        row("mpsnn", tm, mps_bytes, states[-1]),
+        _row(case, "torch", tt, torch_bytes, bw, state_bytes=mask_bytes[-1]),
+        _row(case, "mpsnn", tm, mps_bytes, bw, state_bytes=states[-1]),
         ratio,
     ]
 

@@ -88,6 +88,8 @@ def main() -> None:
     relu_grad = m.NeuronGradient(dev, RELU)
     logsoftmax, logsoftmax_grad = m.LogSoftMax(dev), m.LogSoftMaxGradient(dev)
     layers = (conv1, conv2, fc)
+    # The first layer's input is data: its gradient kernel computes dL/dW and dL/db only.
+    conv1.gradient.gradient_option = m.ConvolutionGradientOption.GRADIENT_WITH_WEIGHTS_AND_BIAS
     queue = dev.new_command_queue()
 
     def forward(cb: m.CommandBuffer, x: m.ImageBatch, train: bool) -> tuple[m.ImageBatch, list]:
@@ -118,11 +120,6 @@ def main() -> None:
         for layer, inp, st, act, pst in reversed(saved):
             g = pool_grad.encode_batch(cb, g, act, pst)
             g = relu_grad.encode_batch(cb, g, act, st)  # the fused ReLU, then the convolution
-            layer.gradient.gradient_option = (
-                m.ConvolutionGradientOption.GRADIENT_WITH_WEIGHTS_AND_BIAS
-                if layer is conv1
-                else m.ConvolutionGradientOption.ALL
-            )
             g = layer.gradient.encode_batch(cb, g, inp, st)
         states = [fst[0], saved[1][2][0], saved[0][2][0]]
 
