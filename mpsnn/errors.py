@@ -1,13 +1,13 @@
 """Exceptions raised by mpsnn.
 
-Every message reads ``[ClassName] what must hold, got what`` (SPEC §12). Bad values and shapes
-raise `ValueError`, wrong types `TypeError`; these two are the built-in classes so that callers can
+Every message reads ``[ClassName] what must hold, got what``. Bad values and shapes raise
+`ValueError`, wrong types `TypeError`; these two are the built-in classes so that callers can
 catch them the usual way. The classes below cover what the built-ins do not say.
 """
 
 from __future__ import annotations
 
-__all__ = ["MpsnnError", "StaleResourceError", "UnsupportedError"]
+__all__ = ["CommandBufferError", "MpsnnError", "StaleResourceError", "UnsupportedError"]
 
 
 class MpsnnError(Exception):
@@ -25,3 +25,11 @@ class StaleResourceError(MpsnnError, RuntimeError):
 
 class UnsupportedError(MpsnnError, NotImplementedError):
     """A valid configuration that mpsnn does not implement (the message says why)."""
+
+
+class CommandBufferError(MpsnnError, RuntimeError):
+    """A result of a command buffer whose work failed was read.
+
+    The message names the image and the command that failed; the original exception is the
+    ``__cause__``.
+    """

@@ -11,8 +11,9 @@ destination from the sources read with stride 1 (which must agree), 1 along all-
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,6 +21,7 @@ from mpsnn.core._checks import check_int
 from mpsnn.core.binary import BinaryKernel
 from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import AxisWindow
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
@@ -49,8 +51,9 @@ __all__ = [
 FLT_MAX = 3.4028234663852886e38
 
 
-class ArithmeticRecord(NamedTuple):
-    """What an arithmetic encode did, for its gradients."""
+@dataclass(frozen=True, slots=True, eq=False)
+class ArithmeticRecord:
+    """What an arithmetic encode did, for its gradients (the state's typed record)."""
 
     kernel: Any
     op: int
@@ -306,6 +309,7 @@ class Arithmetic(BinaryKernel):
                 )
             dz = self._clip.origin.z
             count = min(self._clip.size.depth, p.number_of_images - pz, s.number_of_images - sz)
+        dst_write = dst
         if dst is None:
             h = _agree(
                 who,
@@ -322,9 +326,7 @@ class Arithmetic(BinaryKernel):
             desc = ImageDescriptor(p.feature_channel_format, w, h, channels, max(count, 1))
             dshape = desc.shape
         else:
-            self._check_image(cb, dst, "destination_image")
-            if dst._root() is p._root() or dst._root() is s._root():
-                raise ValueError(f"[{who}] the destination must not alias a source")
+            self._check_destination(cb, dst, "destination_image", p, s)
             desc, dshape = None, dst._shape
             if self._dco + channels > dshape[1]:
                 raise ValueError(
@@ -362,15 +364,10 @@ class Arithmetic(BinaryKernel):
             (p._shape, s._shape, dshape), (pz, sz, dz, count),
             (self._dco, channels, y0, ny, x0, nx), batch,
         )  # fmt: skip
-        # -- validation is over --
-        out = dst if dst is not None else self._allocator.image(cb, desc, self)
-        cb.record(who, _command(record, p, s, out, states[0] if states else None))
-        out._note_writer(cb)
-        for st in states:
-            st._forward = record
-        p._root()._consume_read(cb, who)
-        s._root()._consume_read(cb, who)
-        return out
+        run = _command(record, p, s, states[0] if states else None)
+        out = dst_write if dst_write is not None else desc
+        enc = Encoding(run, (out,), (p, s), [(st, record) for st in states], None, batch)
+        return self._apply(cb, enc)[0]  # type: ignore[return-value]
 
 
 def _agree(who: str, what: str, a: int | None, b: int | None) -> int:
@@ -397,24 +394,24 @@ def apply_op(
     return z + bias
 
 
-def _command(record: ArithmeticRecord, p: Image, s: Image, out: Image, state: Any) -> Any:
+def _command(record: ArithmeticRecord, p: Image, s: Image, state: Any) -> Callable[[Image], None]:
     pz, sz, dz, count = record.images
     c0, nc, y0, ny, x0, nx = record.out
     lo, hi = record.clamp
     clamps = lo > -FLT_MAX or hi < FLT_MAX
 
-    def run() -> None:
+    def run(out: Image) -> None:
         x = read_source(p._data()[pz : pz + count], record.reads[0])
         y = read_source(s._data()[sz : sz + count], record.reads[1])
         z = apply_op(record.op, x, y, record.scales)
         if state is not None:
             state._mask = pack_bits((z > lo) & (z < hi)) if clamps else None
             state._mask_shape = tuple(z.shape)
-            state._divisor = y if record.op == DIVIDE else None
+            state._divisor = y.clone() if record.op == DIVIDE else None  # never an input alias
         if clamps:
             z = z.clamp(lo, hi)
         z = torch.broadcast_to(z, (count, nc, ny, nx)).to(out._dtype)
-        out._write_block(z.contiguous(), dz, c0, y0, x0)
+        out._write_block(z.contiguous(), dz, c0, y0, x0, p._data())
 
     return run
 

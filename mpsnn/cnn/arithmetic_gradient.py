@@ -9,8 +9,7 @@ are in `mpsnn.ops.arithmetic`; the clamp mask of the forward zeroes the gradient
 * Add / Subtract: the forward input this kernel differentiates (its shape is checked);
 * Multiply / Divide: the *other* forward input (``y`` for the primary filter, ``x`` for the
   secondary one), whose values the derivative needs. DivideGradient's secondary filter also
-  needs the divisor ``y``: the state keeps a reference to the block the forward read (no copy),
-  so the divisor image must not be overwritten before the gradient runs.
+  needs the divisor ``y``: the state keeps a copy of the block the forward read.
 
 Gradient geometry (offsets, strides, clamp range, scales) comes from the state; the scale and
 clamp properties report the forward's values.
@@ -18,7 +17,6 @@ clamp properties report the forward's values.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,7 +24,6 @@ import torch
 from mpsnn.cnn.arithmetic import (
     FLT_MAX,
     Add,
-    Arithmetic,
     ArithmeticGradientState,
     ArithmeticRecord,
     Divide,
@@ -37,8 +34,10 @@ from mpsnn.core._checks import check_type
 from mpsnn.core.binary import GradientKernel
 from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.encode import Encoding
 from mpsnn.core.image import Image
-from mpsnn.core.image_batch import ImageBatch
+from mpsnn.core.registry import gradient_of
+from mpsnn.core.state import _unique
 from mpsnn.ops._dtypes import acc_dtype
 from mpsnn.ops.arithmetic import (
     DIVIDE,
@@ -67,8 +66,7 @@ class ArithmeticGradient(GradientKernel):
     """
 
     _state_class = ArithmeticGradientState
-    _forward_class: type = Arithmetic
-    _forward_exact = False
+    _shared_state_batch = True
 
     def __init__(self, device: Device, is_secondary_source_filter: bool) -> None:
         super().__init__(device)
@@ -105,64 +103,24 @@ class ArithmeticGradient(GradientKernel):
     def maximum_value(self) -> float:
         return self._reported(4, FLT_MAX)
 
-    def encode(  # type: ignore[override]
-        self,
-        command_buffer: CommandBuffer,
-        source_gradient: Image,
-        source_image: Image,
-        gradient_state: ArithmeticGradientState,
-        destination_gradient: Image | None = None,
-    ) -> Image:
-        """dL/d(this kernel's forward input); see the module docstring for ``source_image``."""
-        cb = command_buffer
-        self._check_command_buffer(cb)
-        self._check_image(cb, source_gradient, "source_gradient")
-        self._check_image(cb, source_image, "source_image")
-        state = self._check_state(cb, gradient_state, "gradient_state", ArithmeticGradientState)
-        return self._encode_arith(
-            cb, source_gradient, source_image, state, destination_gradient, batch=False
-        )
-
-    def encode_batch(  # type: ignore[override]
-        self,
-        command_buffer: CommandBuffer,
-        source_gradients: ImageBatch,
-        source_images: ImageBatch,
-        gradient_states: Sequence[ArithmeticGradientState],
-        destination_gradients: ImageBatch | None = None,
-    ) -> ImageBatch:
-        cb = command_buffer
-        self._check_command_buffer(cb)
-        g = self._check_batch(cb, source_gradients, "source_gradients")
-        x = self._check_batch(cb, source_images, "source_images")
-        states = self._check_state_batch(
-            cb,
-            gradient_states,
-            "gradient_states",
-            ArithmeticGradientState,
-            len(source_gradients),
-            shared=True,
-        )
-        d = (
-            None
-            if destination_gradients is None
-            else self._check_batch(cb, destination_gradients, "destination_gradients")
-        )
-        out = self._encode_arith(cb, g, x, states[0], d, batch=True)
-        return destination_gradients if destination_gradients is not None else ImageBatch(out)
-
-    def _encode_arith(
+    def _plan_gradient(
         self,
         cb: CommandBuffer,
         grad: Image,
         other: Image,
-        state: Any,
+        record: Any,
+        states: list[Any],
         dst: Image | None,
         batch: bool,
-    ) -> Image:
+    ) -> Encoding:
         who = type(self).__name__
-        record: ArithmeticRecord = state._require_forward(who)
-        self._check_forward_kernel(record)  # type: ignore[arg-type]  # same `kernel` field
+        unique = _unique(states)
+        if len(unique) != 1:
+            raise ValueError(
+                f"[{who}] gradient_states must repeat one state (see result_state_batch), "
+                f"got {len(unique)} distinct states"
+            )
+        state = unique[0]
         this = 1 if self._secondary_filter else 0
         needs_other = record.op in (MULTIPLY, DIVIDE)
         pz, sz, dz, count = record.images
@@ -176,50 +134,41 @@ class ArithmeticGradient(GradientKernel):
         sec = (1 - this) if needs_other else this
         _check(who, "source_image", other, record.shapes[sec], f"{names[sec]} source")
         n, c, h, w = record.shapes[this]
-        z_this = (pz, sz)[this]
-        if dst is None:
-            desc = ImageDescriptor._make(grad._fmt, w, h, c, n)
-        else:
-            self._check_image(cb, dst, "destination_gradient")
-            if dst._shape != (n, c, h, w):
-                raise ValueError(
-                    f"[{who}] destination_gradient must have the {names[this]} source's shape "
-                    f"{(n, c, h, w)}, got {dst._shape}"
-                )
-        # -- validation is over --
-        self._last = record
-        out = dst if dst is not None else self._allocator.image(cb, desc, self)
-        z_other = (pz, sz)[sec]
+        if dst is not None and dst._shape != (n, c, h, w):
+            raise ValueError(
+                f"[{who}] destination_gradient must have the {names[this]} source's shape "
+                f"{(n, c, h, w)}, got {dst._shape}"
+            )
+        out = dst if dst is not None else ImageDescriptor._make(grad._fmt, w, h, c, n)
+        z_this, z_other = (pz, sz)[this], (pz, sz)[sec]
         c0, nc, y0, ny, x0, nx = record.out
         ps, ss, _ = record.scales
         op = record.op
         this_read, other_read = record.reads[this], record.reads[1 - this]
 
-        def run() -> None:
+        def run(out: Image) -> None:
             g = grad._data()[dz : dz + count, c0 : c0 + nc, y0 : y0 + ny, x0 : x0 + nx]
             if state._mask is not None:
                 g = g * unpack_bits(state._mask, state._mask_shape).to(g.dtype)
             if needs_other:  # the other input, as the forward read it
                 v = read_source(other._data()[z_other : z_other + count], other_read)
+                if v.dtype != g.dtype:  # mixed formats: compute in the wider one
+                    wide = torch.promote_types(g.dtype, v.dtype)
+                    g, v = g.to(wide), v.to(wide)
             if op == MULTIPLY:
                 d = g * (v * (ps * ss))
             elif op == DIVIDE and this == 0:  # d/dx of ps x / (ss y): ps / (ss y)
                 d = g * (ps / (v * ss))
             elif op == DIVIDE:  # d/dy: -ps x / (ss y^2), y as the forward read it (its state)
-                yv = state._divisor
+                yv = state._divisor.to(g.dtype)
                 d = -g * (ps * v / (ss * yv * yv))
             else:
                 d = g * (ss if this else ps) * (-1.0 if (op == SUBTRACT and this) else 1.0)
             d = torch.broadcast_to(d, (count, nc, ny, nx))
             dsrc = read_source_adjoint(d, this_read, c, acc_dtype(d.dtype)).to(out._dtype)
-            out._write_block(dsrc, z_this, 0, 0, 0)
+            out._write_block(dsrc, z_this, 0, 0, 0, grad._data())
 
-        cb.record(who, run)
-        out._note_writer(cb)
-        grad._root()._consume_read(cb, who)
-        other._root()._consume_read(cb, who)
-        state._consume_read(cb, who)
-        return out
+        return Encoding(run, (out,), (grad, other, state), (), {"_last": record}, batch)
 
 
 def _check(who: str, name: str, image: Image, want: tuple[int, ...], what: str) -> None:
@@ -229,28 +178,24 @@ def _check(who: str, name: str, image: Image, want: tuple[int, ...], what: str) 
         )
 
 
+@gradient_of(Add)
 class AddGradient(ArithmeticGradient):
     """Gradient of `Add`: ``g ps`` (primary), ``g ss`` (secondary), summed over broadcasts."""
 
-    _forward_class = Add
 
-
+@gradient_of(Subtract)
 class SubtractGradient(ArithmeticGradient):
     """Gradient of `Subtract`: ``g ps`` (primary), ``-g ss`` (secondary)."""
 
-    _forward_class = Subtract
 
-
+@gradient_of(Multiply)
 class MultiplyGradient(ArithmeticGradient):
     """Gradient of `Multiply`: ``g ps ss y`` (primary), ``g ps ss x`` (secondary);
     ``source_image`` is the other input."""
 
-    _forward_class = Multiply
 
-
+@gradient_of(Divide)
 class DivideGradient(ArithmeticGradient):
     """Gradient of `Divide` (an mpsnn extension, MPS has no divide gradient):
     ``g ps / (ss y)`` (primary; ``source_image`` = y) and ``-g ps x / (ss y^2)`` (secondary;
     ``source_image`` = x, and the divisor comes from the state)."""
-
-    _forward_class = Divide

@@ -7,29 +7,56 @@ of a batch has its own mask; each encode of a kernel draws new masks, and a kern
 the same seed replays the same sequence. ``mask_stride_in_pixels`` broadcasts the mask along x,
 y or the feature channels (``depth``) where its component is 0.
 
+The encode number lives on the device (a counter the forward advances as it runs) and so does
+each encode's key: replaying a captured training step draws new masks every time.
+
 MPS's generator is internal; the bits cannot match Apple's, only their distribution.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from mpsnn.cnn._pointwise import Pointwise, PointwiseBackward, PointwiseGradient, PointwiseKernel
+from mpsnn.cnn._pointwise import (
+    Pointwise,
+    PointwiseBackward,
+    PointwiseGradient,
+    PointwiseKernel,
+    PointwiseRecord,
+)
 from mpsnn.core._checks import check_int, check_type
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.cnn_kernel import Records
+from mpsnn.core.device import Device
 from mpsnn.core.geometry import Size, Window
+from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.ops.dropout import (
     DropoutGeometry,
     dropout_apply,
     dropout_geometry,
     keep_mask,
-    stream_key,
+    stream_key_tensor,
 )
 
-__all__ = ["Dropout", "DropoutGradient", "DropoutGradientState"]
+__all__ = ["Dropout", "DropoutGradient", "DropoutGradientState", "DropoutRecord"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DropoutRecord(PointwiseRecord):
+    """What a dropout encode hands its gradient: the parameters, the mask geometry, the
+    encode's key (a one-element int64 device tensor the forward fills as it runs), and which
+    images of the forward batch the state covers."""
+
+    keep_probability: float
+    seed: int
+    strides: tuple[int, int, int]
+    geometry: DropoutGeometry
+    key: torch.Tensor
+    first_image: int
+    images: int
 
 
 class DropoutGradientState(GradientState):
@@ -39,18 +66,6 @@ class DropoutGradientState(GradientState):
     Written by: the `Dropout` encode that receives it. Read by: `DropoutGradient`.
     """
 
-    def __init__(
-        self,
-        device: Device,
-        *,
-        command_buffer: CommandBuffer | None = None,
-        label: str | None = None,
-    ) -> None:
-        super().__init__(device, command_buffer=command_buffer, label=label)
-        self._key: int | None = None  # set by the forward encode
-        self._first_image = 0  # the image of the forward batch this state starts at
-        self._images = 0  # how many images it covers
-
     def resource_size(self) -> int:
         """Bytes kept for the mask: 16 (a key and an image index), whatever the image size."""
         return 16
@@ -58,13 +73,14 @@ class DropoutGradientState(GradientState):
     @property
     def mask_data(self) -> torch.Tensor:
         """The keep mask of the images this state covers, regenerated (booleans shaped
-        ``(images, C, H, W)`` with broadcast axes of extent 1), as MPS ``maskData``."""
+        ``(images, C, H, W)`` with broadcast axes of extent 1), as MPS ``maskData``. Valid once
+        the forward ran."""
         self._check_live(None)
         record = self._require_forward("DropoutGradientState")
+        p: DropoutRecord = record.params
         w = record.window
-        shape = (self._images, w.dst_channels, w.y.count, w.x.count)
-        geom = record.kernel._geometry_for_mask()
-        return keep_mask(self._key, self._first_image, shape, geom, self._device.torch_device)
+        shape = (p.images, w.dst_channels, w.y.count, w.x.count)
+        return keep_mask(p.key, p.first_image, shape, p.geometry, self._device.torch_device)
 
 
 def _check_strides(who: str, value: Any) -> tuple[int, int, int]:
@@ -129,20 +145,61 @@ class Dropout(_DropoutParameters, PointwiseKernel):
     """
 
     _gradient_state_class = DropoutGradientState
-    _encodes = 0  # encodes so far: each draws new masks
 
-    def _pointwise(self, window: Window, states: list[Any]) -> Pointwise:
-        key = stream_key(self._seed, self._encodes)
-        self._encodes += 1  # the last step of a valid encode: each encode draws new masks
-        geom = self._geometry_for_mask()
-        shared = len({id(s) for s in states}) == 1
-        for i, state in enumerate(states):  # one state for every image, or one per image
-            state._key = key
-            state._first_image = 0 if shared else i
-            state._images = window.images if shared else 1
-        return lambda x: dropout_apply(x, key, 0, geom)
+    def __init__(
+        self,
+        device: Device,
+        keep_probability: float,
+        seed: int = 0,
+        mask_stride_in_pixels: Size | None = None,
+    ) -> None:
+        super().__init__(device, keep_probability, seed, mask_stride_in_pixels)
+        # Encodes so far, on the device: each run advances it (and draws new masks).
+        self._counter = torch.zeros(1, dtype=torch.int64, device=device.torch_device)
+
+    def _state_records(self, record: ForwardRecord, states: list[Any]) -> Records:
+        """One record per state: the encode's key, and the images each state covers."""
+        key = torch.zeros(1, dtype=torch.int64, device=self._device.torch_device)
+        base: DropoutRecord = record.params
+        shared = len(states) == 1
+        n = record.window.images
+        out = []
+        for i, state in enumerate(states):
+            params = DropoutRecord(
+                base.plan, self._keep, self._seed, self._strides, base.geometry, key,
+                0 if shared else i, n if shared else 1,
+            )  # fmt: skip
+            out.append((state, _with_params(record, params)))
+        return out
+
+    def _record_params(self, window: Window, memo: dict[str, Any]) -> DropoutRecord:
+        return DropoutRecord(
+            self._extract_plan(window, memo), self._keep, self._seed, self._strides,
+            self._geometry_for_mask(), torch.empty(0), 0, window.images,
+        )  # fmt: skip
+
+    def _pointwise(self, window: Window, records: Records) -> Pointwise:
+        geom, seed, counter = self._geometry_for_mask(), self._seed, self._counter
+        keys = [rec.params.key for _, rec in records[:1]]  # one key per encode
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            key = stream_key_tensor(seed, counter)
+            for k in keys:
+                k.copy_(key)
+            counter.add_(1)  # on the device: a captured step advances it at every replay
+            return dropout_apply(x, key, 0, geom)
+
+        return forward
 
 
+def _with_params(record: ForwardRecord, params: Any) -> ForwardRecord:
+    return ForwardRecord(
+        record.kernel, record.window, record.edge_mode, record.offset, record.clip_rect,
+        record.source_shape, record.destination_shape, params, record.batch,
+    )  # fmt: skip
+
+
+@gradient_of(Dropout)
 class DropoutGradient(_DropoutParameters, PointwiseGradient):
     """``dx = g * keep / p`` with the forward's mask (MPS ``MPSCNNDropoutGradient``).
 
@@ -151,34 +208,40 @@ class DropoutGradient(_DropoutParameters, PointwiseGradient):
     """
 
     _state_class = DropoutGradientState
-    _forward_class = Dropout
-    _forward_exact = False
 
     def _check_forward(self, record: ForwardRecord) -> None:
-        fwd = record.kernel
+        p: DropoutRecord = record.params
         who = "DropoutGradient"
-        for name in ("keep_probability", "seed", "mask_stride_in_pixels"):
-            if getattr(fwd, name) != getattr(self, name):
+        for name, have, mine in (
+            ("keep_probability", p.keep_probability, self._keep),
+            ("seed", p.seed, self._seed),
+            ("mask_stride_in_pixels", p.strides, self._strides),
+        ):
+            if have != mine:
+                show = self.mask_stride_in_pixels if name == "mask_stride_in_pixels" else mine
+                theirs = (
+                    Size(have[2], have[1], have[0]) if name == "mask_stride_in_pixels" else have
+                )
                 raise ValueError(
-                    f"[{who}] {name} must equal the forward dropout's ({getattr(fwd, name)!r}), "
-                    f"got {getattr(self, name)!r}"
+                    f"[{who}] {name} must equal the forward dropout's ({theirs!r}), got {show!r}"
                 )
 
     def _pointwise_backward(self, record: ForwardRecord, states: list[Any]) -> PointwiseBackward:
-        who = "DropoutGradient"
-        keys = {s._key for s in states}
+        who = "DropoutGradient"  # the states' own records: each knows its images
+        params = [s._forward.params for s in states]
+        keys = {id(p.key) for p in params}
         if len(keys) != 1:
             raise ValueError(
                 f"[{who}] gradient_states must all come from one Dropout encode, got states "
                 f"of {len(keys)} encodes"
             )
-        first = [s._first_image for s in states]
+        first = [p.first_image for p in params]
         same = len({id(s) for s in states}) == 1
         if not same and first != list(range(len(states))):
             raise ValueError(
                 f"[{who}] gradient_states must be in the order of their forward batch, got the "
                 f"images {first}"
             )
-        key, start = keys.pop(), first[0]
+        key, start = params[0].key, first[0]
         geom = self._geometry_for_mask()
         return lambda g, x: dropout_apply(g, key, start, geom)

@@ -14,47 +14,37 @@ activation), shaped like the convolution's destination, for `ConvolutionGradient
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from mpsnn.cnn._pointwise import Pointwise, PointwiseBackward, PointwiseGradient, PointwiseKernel
-from mpsnn.cnn.neuron_descriptor import NeuronDescriptor, NeuronType
+from mpsnn.cnn._pointwise import (
+    Pointwise,
+    PointwiseBackward,
+    PointwiseGradient,
+    PointwiseKernel,
+    PointwiseRecord,
+)
+from mpsnn.cnn.neuron_descriptor import FusedNeuron, NeuronDescriptor, NeuronType
+from mpsnn.core.cnn_kernel import Records
 from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import Window
 from mpsnn.core.image import Image
-from mpsnn.core.image_batch import ImageBatch
+from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord, GradientState
-from mpsnn.ops.neuron import neuron_derivative, neuron_forward
+from mpsnn.ops.neuron import activation, activation_backward
 
-__all__ = ["Neuron", "NeuronGradient", "apply_neuron", "neuron_slope"]
-
-# Types whose formula loses precision in float16/bfloat16 arithmetic: computed in float32.
-_TRANSCENDENTAL = {
-    NeuronType.SIGMOID, NeuronType.TANH, NeuronType.SOFT_PLUS, NeuronType.SOFT_SIGN,
-    NeuronType.ELU, NeuronType.POWER, NeuronType.EXPONENTIAL, NeuronType.LOGARITHM,
-    NeuronType.GELU,
-}  # fmt: skip
+__all__ = ["Neuron", "NeuronGradient", "NeuronRecord"]
 
 
-def _upcast(desc: NeuronDescriptor, x: torch.Tensor) -> torch.Tensor:
-    if desc.neuron_type in _TRANSCENDENTAL and x.dtype in (torch.float16, torch.bfloat16):
-        return x.float()
-    return x
+@dataclass(frozen=True, slots=True, eq=False)
+class NeuronRecord(PointwiseRecord):
+    """What a neuron encode hands its gradient: how it read the source, and the neuron."""
 
-
-def apply_neuron(desc: NeuronDescriptor, x: torch.Tensor) -> torch.Tensor:
-    """``f(x)`` in ``x``'s dtype (transcendental types computed in float32)."""
-    y = neuron_forward(int(desc.neuron_type), _upcast(desc, x), desc.a, desc.b, desc.c, desc.data)
-    return y.to(x.dtype)
-
-
-def neuron_slope(desc: NeuronDescriptor, x: torch.Tensor) -> torch.Tensor:
-    """``f'(x)`` in ``x``'s dtype (transcendental types computed in float32)."""
-    kind, xc = int(desc.neuron_type), _upcast(desc, x)
-    return neuron_derivative(kind, xc, desc.a, desc.b, desc.c, desc.data).to(x.dtype)
+    descriptor: NeuronDescriptor
 
 
 def _check_descriptor(who: str, desc: Any) -> NeuronDescriptor:
@@ -114,9 +104,12 @@ class Neuron(_NeuronProperties, PointwiseKernel):
         _check_prelu("Neuron", self._descriptor, source_channels)
         return source_channels
 
-    def _pointwise(self, window: Window, states: list[Any]) -> Pointwise:
-        desc = self._descriptor
-        return lambda x: apply_neuron(desc, x)
+    def _record_params(self, window: Window, memo: dict[str, Any]) -> NeuronRecord:
+        return NeuronRecord(self._extract_plan(window, memo), self._descriptor)
+
+    def _pointwise(self, window: Window, records: Records) -> Pointwise:
+        params = self._descriptor.params
+        return lambda x: activation(params, x)
 
 
 def _check_prelu(who: str, desc: NeuronDescriptor, channels: int) -> None:
@@ -127,6 +120,7 @@ def _check_prelu(who: str, desc: NeuronDescriptor, channels: int) -> None:
         )
 
 
+@gradient_of(Neuron)
 class NeuronGradient(_NeuronProperties, PointwiseGradient):
     """``dx = g * f'(x)`` (MPS ``MPSCNNNeuronGradient``); ``x`` is the forward source.
 
@@ -134,102 +128,77 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
         device: the kernel's device.
         neuron_descriptor: must equal the forward neuron's.
 
-    With the `ConvolutionGradientState` of a convolution that fused this neuron, ``encode``
-    differentiates the fused neuron: ``source_gradient`` and ``source_image`` are shaped like the
-    convolution's destination (``source_image`` is its result, checked for shape only), and the
-    result dL/d(pre-activation) has that shape too, ready for `ConvolutionGradient`. The state's
-    read count drops here and again in the convolution gradient.
+    Given the state of a kernel that fused a neuron (a convolution with a
+    ``fused_neuron_descriptor``: its record carries a `FusedNeuron` and the state keeps the
+    neuron's input), the encode differentiates that fused neuron: ``source_gradient`` and
+    ``source_image`` are shaped like the convolution's destination (``source_image`` is its
+    result, checked for shape only), and the result dL/d(pre-activation) has that shape too,
+    ready for `ConvolutionGradient`. The state's read count drops here and again in the
+    convolution gradient, as MPS prescribes for the two steps.
     """
 
     _state_class = GradientState
-    _forward_class = Neuron
-    _forward_exact = False
 
     def __init__(self, device: Device, neuron_descriptor: NeuronDescriptor) -> None:
         super().__init__(device)
         self._descriptor = _check_descriptor("NeuronGradient", neuron_descriptor)
 
+    def _check_forward_kernel(self, record: ForwardRecord) -> None:
+        if _fused(record) is None:
+            super()._check_forward_kernel(record)
+
     def _check_forward(self, record: ForwardRecord) -> None:
-        fwd = record.kernel
-        if fwd._descriptor != self._descriptor:
+        fused = _fused(record)
+        if fused is not None:
+            want, what = fused.descriptor, "the convolution's fused neuron"
+        elif isinstance(record.params, NeuronRecord):
+            want, what = record.params.descriptor, "the forward neuron's"
+        else:
             raise ValueError(
-                "[NeuronGradient] neuron_descriptor must equal the forward neuron's "
-                f"({fwd._descriptor!r}), got {self._descriptor!r}"
+                "[NeuronGradient] a convolution gradient state needs a convolution with a "
+                "fused neuron, got one without"
+            )
+        if want != self._descriptor:
+            raise ValueError(
+                f"[NeuronGradient] neuron_descriptor must equal {what} ({want!r}), "
+                f"got {self._descriptor!r}"
             )
 
     def _pointwise_backward(self, record: ForwardRecord, states: list[Any]) -> PointwiseBackward:
-        desc = self._descriptor
-        return lambda g, x: g * neuron_slope(desc, x)
+        params = self._descriptor.params
+        return lambda g, x: activation_backward(params, g, x)
 
-    def encode(  # type: ignore[override]
-        self,
-        command_buffer: CommandBuffer,
-        source_gradient: Image,
-        source_image: Image,
-        gradient_state: GradientState,
-        destination_gradient: Image | None = None,
-    ) -> Image | None:
-        """Like `GradientKernel.encode`; see the class for the fused-convolution form."""
-        args = (command_buffer, source_gradient, source_image, gradient_state, destination_gradient)
-        if getattr(gradient_state, "_fused_neuron_state", False):
-            return self._encode_fused(*args)
-        return super().encode(*args)
-
-    def encode_batch(  # type: ignore[override]
-        self,
-        command_buffer: CommandBuffer,
-        source_gradients: ImageBatch,
-        source_images: ImageBatch,
-        gradient_states: Sequence[GradientState],
-        destination_gradients: ImageBatch | None = None,
-    ) -> ImageBatch | None:
-        """Like `GradientKernel.encode_batch`; see the class for the fused-convolution form."""
-        state = gradient_states[0] if len(gradient_states) else None
-        if getattr(state, "_fused_neuron_state", False):
-            cb = command_buffer
-            g = self._check_batch(cb, source_gradients, "source_gradients")
-            x = self._check_batch(cb, source_images, "source_images")
-            self._check_state_batch(
-                cb,
-                gradient_states,
-                "gradient_states",
-                GradientState,
-                len(source_gradients),
-                shared=True,  # a convolution's state serves its whole batch
-            )
-            d = None
-            if destination_gradients is not None:
-                d = self._check_batch(cb, destination_gradients, "destination_gradients")
-            out = self._encode_fused(cb, g, x, state, d)
-            return destination_gradients if destination_gradients is not None else ImageBatch(out)
-        return super().encode_batch(
-            command_buffer, source_gradients, source_images, gradient_states, destination_gradients
-        )
-
-    def _encode_fused(
+    def _plan_gradient(
         self,
         cb: CommandBuffer,
         grad: Image,
-        result: Image,
-        state: Any,
+        src: Image,
+        record: ForwardRecord,
+        states: list[Any],
         dst: Image | None,
-    ) -> Image:
+        batch: bool,
+    ) -> Encoding:
+        fused = _fused(record)
+        if fused is None:
+            return super()._plan_gradient(cb, grad, src, record, states, dst, batch)
+        return self._plan_fused(grad, src, record, fused, states, dst)
+
+    def _plan_fused(
+        self,
+        grad: Image,
+        result: Image,
+        record: ForwardRecord,
+        fused: FusedNeuron,
+        states: list[Any],
+        dst: Image | None,
+    ) -> Encoding:
+        """dL/d(pre-activation) of a kernel's fused neuron, shaped like that kernel's result;
+        zero outside the region the forward wrote."""
         who = "NeuronGradient"
-        self._check_command_buffer(cb)
-        self._check_image(cb, grad, "source_gradient")
-        self._check_image(cb, result, "source_image")
-        self._check_state(cb, state, "gradient_state", GradientState)
-        record = state._require_forward(who)
-        fused = record.kernel.fused_neuron_descriptor
-        if fused is None or fused.neuron_type is NeuronType.NONE:
+        if len({id(s) for s in states}) != 1:
             raise ValueError(
-                f"[{who}] a convolution gradient state needs a convolution with a fused neuron, "
-                "got one without"
-            )
-        if fused != self._descriptor:
-            raise ValueError(
-                f"[{who}] neuron_descriptor must equal the convolution's fused neuron "
-                f"({fused!r}), got {self._descriptor!r}"
+                f"[{who}] gradient_states must repeat one state (see result_state_batch), "
+                f"got {len({id(s) for s in states})} distinct states"
             )
         shape = record.destination_shape
         for image, name in ((grad, "source_gradient"), (result, "source_image")):
@@ -239,20 +208,16 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
                     f"{shape[3]}x{shape[2]}x{shape[1]}, got "
                     f"{image.width}x{image.height}x{image.feature_channels}"
                 )
-        if dst is not None:
-            self._check_image(cb, dst, "destination_gradient")
-            if dst._shape[1:] != shape[1:]:
-                raise ValueError(
-                    f"[{who}] destination_gradient must have the convolution destination's shape, "
-                    f"got {dst.width}x{dst.height}x{dst.feature_channels}"
-                )
-        # -- validation is over --
+        if dst is not None and dst._shape[1:] != shape[1:]:
+            raise ValueError(
+                f"[{who}] destination_gradient must have the convolution destination's shape, "
+                f"got {dst.width}x{dst.height}x{dst.feature_channels}"
+            )
         w = record.window
-        n = shape[0]
-        desc_out = ImageDescriptor._make(grad._fmt, shape[3], shape[2], shape[1], n)
-        out = dst if dst is not None else self._allocator.image(cb, desc_out, self)
-        desc = self._descriptor
-
+        out = dst if dst is not None else ImageDescriptor._make(
+            grad._fmt, shape[3], shape[2], shape[1], grad.number_of_images
+        )  # fmt: skip
+        state = states[0]
         region = (
             slice(w.dst_image, w.dst_image + w.images),
             slice(w.dst_channel, w.dst_channel + w.dst_channels),
@@ -260,17 +225,17 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
             slice(w.dst_x, w.dst_x + w.x.count),
         )
 
-        def run() -> None:
-            dz = grad._data()[region] * neuron_slope(desc, state._preactivation)
-            if dz.shape != out._shape:  # outside what the convolution wrote: no gradient
+        def run(out: Image) -> None:
+            dz = fused.backward(grad._data()[region], state._preactivation)
+            if dz.shape != out._shape:  # outside what the forward wrote: no gradient
                 full = dz.new_zeros(out._shape)
                 full[region] = dz
                 dz = full
-            out._write_block(dz, 0, 0, 0, 0)
+            out._write_block(dz, 0, 0, 0, 0, grad._data())
 
-        cb.record(who, run)
-        out._note_writer(cb)
-        grad._root()._consume_read(cb, who)
-        result._root()._consume_read(cb, who)
-        state._consume_read(cb, who)
-        return out
+        return Encoding(run, (out,), (grad, result, state))
+
+
+def _fused(record: ForwardRecord) -> FusedNeuron | None:
+    """The fused neuron of the kernel that wrote ``record`` (None for none)."""
+    return getattr(record.params, "neuron", None)

@@ -1,7 +1,8 @@
-"""`NeuronType` and `NeuronDescriptor` (MPS ``MPSCNNNeuronType``, ``MPSNNNeuronDescriptor``).
+"""`NeuronType`, `NeuronDescriptor` (MPS ``MPSCNNNeuronType``, ``MPSNNNeuronDescriptor``) and
+`FusedNeuron`, the one mechanism by which other kernels apply a neuron to their result.
 
-Kept apart from the neuron kernels so that the convolution (fused neuron) can use them without
-importing the neuron family.
+Kept apart from the neuron kernels so that the convolution and batch normalization can fuse a
+neuron without importing the neuron family.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["NeuronDescriptor", "NeuronType"]
+from mpsnn.ops.neuron import NeuronParams, activation, activation_backward
+
+__all__ = ["FusedNeuron", "NeuronDescriptor", "NeuronType"]
 
 
 class NeuronType(enum.IntEnum):
@@ -150,6 +153,11 @@ class NeuronDescriptor:
         """PRELU slopes (float32 on the CPU, one per channel), else None."""
         return self._data
 
+    @property
+    def params(self) -> NeuronParams:
+        """The neuron as `mpsnn.ops.neuron` takes it."""
+        return NeuronParams(int(self._type), self._a, self._b, self._c, self._data)
+
     def _key(self) -> tuple[Any, ...]:
         data = None if self._data is None else tuple(self._data.tolist())
         return (int(self._type), self._a, self._b, self._c, data)
@@ -163,3 +171,53 @@ class NeuronDescriptor:
     def __repr__(self) -> str:
         extra = "" if self._data is None else f", data=<{self._data.numel()} slopes>"
         return f"NeuronDescriptor({self._type.name}, a={self._a}, b={self._b}, c={self._c}{extra})"
+
+
+class FusedNeuron:
+    """A neuron applied to another kernel's result (a convolution after its bias, batch
+    normalization after gamma and beta), and its gradient, with the math of
+    `mpsnn.ops.neuron`: ``y = f(z)`` forward, ``dz = dy * f'(z)`` backward, where ``z`` is the
+    pre-activation (kept by the convolution's state, recomputed by batch normalization).
+
+    `of` validates a descriptor for fusion: NONE means no neuron, and PRELU is refused (MPS
+    fuses only neurons whose parameters are shared by all channels).
+    """
+
+    __slots__ = ("descriptor", "params")
+
+    def __init__(self, descriptor: NeuronDescriptor) -> None:
+        self.descriptor = descriptor
+        self.params = descriptor.params
+
+    @classmethod
+    def of(cls, who: str, descriptor: Any) -> FusedNeuron | None:
+        """The fused neuron of ``descriptor`` (None for None or NONE)."""
+        if descriptor is None:
+            return None
+        if not isinstance(descriptor, NeuronDescriptor):
+            raise TypeError(
+                f"[{who}] fused_neuron_descriptor must be a NeuronDescriptor or None, "
+                f"got {type(descriptor).__name__}"
+            )
+        if descriptor.neuron_type is NeuronType.PRELU:
+            raise ValueError(
+                f"[{who}] a fused neuron must have parameters shared by all channels, got PRELU"
+            )
+        return None if descriptor.neuron_type is NeuronType.NONE else cls(descriptor)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        """``f(z)`` in ``z``'s dtype."""
+        return activation(self.params, z)
+
+    def backward(self, g: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """``g * f'(z)`` in ``g``'s dtype."""
+        return activation_backward(self.params, g, z)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FusedNeuron) and other.descriptor == self.descriptor
+
+    def __hash__(self) -> int:
+        return hash(self.descriptor)
+
+    def __repr__(self) -> str:
+        return f"FusedNeuron({self.descriptor!r})"

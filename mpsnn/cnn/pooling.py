@@ -10,14 +10,15 @@ dilation and zero pad; ``source_size`` limits which part of the incoming gradien
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mpsnn.core._checks import check_int, check_positive, check_type
 from mpsnn.core.binary import Backward, GradientKernel
-from mpsnn.core.cnn_kernel import CNNKernel, Forward
-from mpsnn.core.device import Device
+from mpsnn.core.cnn_kernel import CNNKernel, Forward, Records
+from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.geometry import (
     _HUGE,
     EdgeMode,
@@ -28,6 +29,7 @@ from mpsnn.core.geometry import (
     padding_offset,
     remainder_first,
 )
+from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.ops.pooling import (
     PoolGeometry,
@@ -50,7 +52,23 @@ __all__ = [
     "PoolingL2NormGradient",
     "PoolingMax",
     "PoolingMaxGradient",
+    "PoolingRecord",
 ]
+
+_PARAMS = (
+    "kernel_width", "kernel_height", "stride_in_pixels_x", "stride_in_pixels_y",
+    "dilation_rate_x", "dilation_rate_y",
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PoolingRecord:
+    """What a pooling encode hands its gradient: the kernel's window parameters (in the
+    order of ``_PARAMS``), its zero pad (average pooling) and the resolved geometry."""
+
+    window: tuple[int, int, int, int, int, int]
+    zero_pad: tuple[int, int]
+    geometry: PoolGeometry
 
 
 class _Pooling(CNNKernel):
@@ -89,12 +107,14 @@ class _Pooling(CNNKernel):
     def _pool_geometry(self, window: Window) -> PoolGeometry:
         return pool_geometry(window.y, window.x, self._edge_mode)
 
-    def _make_forward(self, window: Window, states: list[Any], memo: dict[str, Any]) -> Forward:
+    def _make_forward(self, window: Window, records: Records, memo: dict[str, Any]) -> Forward:
         geom, op = self._geometry(window, memo), self._forward_op
         return lambda x: op(x, geom)
 
-    def _record_extra(self, window: Window, memo: dict[str, Any]) -> Any:
-        return self._geometry(window, memo)
+    def _record_params(self, window: Window, memo: dict[str, Any]) -> PoolingRecord:
+        params = (self._kw, self._kh, self._sx, self._sy, self._dx, self._dy)
+        zero_pad = (getattr(self, "_zpx", 0), getattr(self, "_zpy", 0))
+        return PoolingRecord(params, zero_pad, self._geometry(window, memo))
 
 
 class PoolingMax(_Pooling):
@@ -200,12 +220,6 @@ def _policy_region(size: int, a: Any, method: PaddingMethod, first: bool) -> tup
     return -before, size + after
 
 
-_PARAMS = (
-    "kernel_width", "kernel_height", "stride_in_pixels_x", "stride_in_pixels_y",
-    "dilation_rate_x", "dilation_rate_y",
-)  # fmt: skip
-
-
 class PoolingGradient(GradientKernel):
     """Base of the pooling gradients (MPS ``MPSCNNPoolingGradient``).
 
@@ -219,7 +233,6 @@ class PoolingGradient(GradientKernel):
     """
 
     _state_class = GradientState
-    _forward_class: type = PoolingMax
     _backward_op = staticmethod(max_pool_backward)
 
     def __init__(
@@ -258,22 +271,23 @@ class PoolingGradient(GradientKernel):
 
     def _check_forward(self, record: ForwardRecord) -> None:
         who = type(self).__name__
-        fwd = record.kernel
-        for name, value in self._params.items():
-            if getattr(fwd, name) != value:
+        p: PoolingRecord = record.params
+        for (name, value), theirs in zip(self._params.items(), p.window, strict=True):
+            if theirs != value:
                 raise ValueError(
-                    f"[{who}] {name} must equal the forward pooling's ({getattr(fwd, name)}), "
-                    f"got {value}"
+                    f"[{who}] {name} must equal the forward pooling's ({theirs}), got {value}"
                 )
-        for name in ("zero_pad_size_x", "zero_pad_size_y"):
-            if hasattr(fwd, name) and getattr(fwd, name) != getattr(self, name, 0):
+        for name, theirs in zip(("zero_pad_size_x", "zero_pad_size_y"), p.zero_pad, strict=True):
+            if theirs != getattr(self, name, 0):
                 raise ValueError(
-                    f"[{who}] {name} must equal the forward pooling's ({getattr(fwd, name)}), "
+                    f"[{who}] {name} must equal the forward pooling's ({theirs}), "
                     f"got {getattr(self, name, 0)}"
                 )
 
-    def _make_backward(self, record: ForwardRecord, window: Window, states: list[Any]) -> Backward:
-        geom: PoolGeometry = record.extra
+    def _make_backward(
+        self, cb: CommandBuffer, record: ForwardRecord, window: Window, states: list[Any]
+    ) -> Backward:
+        geom: PoolGeometry = record.params.geometry
         op = self._backward_op
         sw, sh = self._source_size.width, self._source_size.height
         if sw >= window.x.count and sh >= window.y.count:
@@ -288,27 +302,27 @@ class PoolingGradient(GradientKernel):
         return limited
 
 
+@gradient_of(PoolingMax)
 class PoolingMaxGradient(PoolingGradient):
     """Gradient of `PoolingMax` (MPS ``MPSCNNPoolingMaxGradient``): each output's gradient goes
     to the first maximum of its window, recomputed from the source; none goes to a maximum that
     is a ZERO-edge padding value. On CUDA, disjoint windows use a one-pass Triton kernel."""
 
 
+@gradient_of(DilatedPoolingMax)
 class DilatedPoolingMaxGradient(_DilatedArguments, PoolingGradient):
     """Gradient of `DilatedPoolingMax` (MPS ``MPSCNNDilatedPoolingMaxGradient``)."""
 
-    _forward_class = DilatedPoolingMax
 
-
+@gradient_of(PoolingL2Norm)
 class PoolingL2NormGradient(PoolingGradient):
     """Gradient of `PoolingL2Norm`: ``g x / y``, and 0 for an all-zero window."""
 
-    _forward_class = PoolingL2Norm
     _backward_op = staticmethod(l2_pool_backward)
 
 
+@gradient_of(PoolingAverage)
 class PoolingAverageGradient(_ZeroPad, PoolingGradient):
     """Gradient of `PoolingAverage`: ``g / N`` spread over the image pixels of each window."""
 
-    _forward_class = PoolingAverage
     _backward_op = staticmethod(average_pool_backward)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,9 +24,9 @@ import torch
 from mpsnn.cnn._pointwise import Pointwise, PointwiseBackward, PointwiseGradient, PointwiseKernel
 from mpsnn.core._checks import check_positive, check_type
 from mpsnn.core.binary import Backward, GradientKernel
-from mpsnn.core.cnn_kernel import CNNKernel, Forward
+from mpsnn.core.cnn_kernel import CNNKernel, Forward, Records
 from mpsnn.core.descriptor import ImageDescriptor
-from mpsnn.core.device import Device
+from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.geometry import (
     AxisWindow,
     DestinationSpan,
@@ -35,6 +36,7 @@ from mpsnn.core.geometry import (
     Window,
 )
 from mpsnn.core.image import Image
+from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.errors import UnsupportedError
 from mpsnn.ops._dtypes import acc_dtype, device_constant
@@ -43,21 +45,30 @@ from mpsnn.ops.shape import pad_matrix_on, reshape_hwc
 __all__ = ["Pad", "PadGradient", "Reshape", "ReshapeGradient", "Slice", "SliceGradient"]
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class PadRecord:
+    """What a pad encode hands its gradient: where the source channels start in the result,
+    and the per-axis maps of the forward."""
+
+    channel_before: int
+    maps: Any
+
+
 class Slice(PointwiseKernel):
     """Copy a region and a channel range (MPS ``MPSNNSlice``); the returning encode keeps the
     source's size and the channels read."""
 
     _gradient_state_class = GradientState
 
-    def _pointwise(self, window: Window, states: list[Any]) -> Pointwise:
+    def _pointwise(self, window: Window, records: Records) -> Pointwise:
         return lambda x: x.clone()  # a fresh block: it may become the destination's storage
 
 
+@gradient_of(Slice)
 class SliceGradient(PointwiseGradient):
     """Gradient of `Slice` (an mpsnn extension): the copied region's gradient, zeros elsewhere."""
 
     _state_class = GradientState
-    _forward_class = Slice
 
     def _pointwise_backward(self, record: ForwardRecord, states: list[Any]) -> PointwiseBackward:
         return lambda g, x: g.clone()
@@ -136,18 +147,20 @@ class Reshape(CNNKernel):
                 f"{c}x{h}x{w} = {c * h * w}"
             )
 
-    def _make_forward(self, window: Window, states: list[Any], memo: dict[str, Any]) -> Forward:
+    def _make_forward(self, window: Window, records: Records, memo: dict[str, Any]) -> Forward:
         c, h, w = self._result
         return lambda x: reshape_hwc(x, c, h, w).contiguous()
 
 
+@gradient_of(Reshape)
 class ReshapeGradient(GradientKernel):
     """Gradient of `Reshape` (MPS ``MPSNNReshapeGradient``): the inverse reshape."""
 
     _state_class = GradientState
-    _forward_class = Reshape
 
-    def _make_backward(self, record: ForwardRecord, window: Window, states: list[Any]) -> Backward:
+    def _make_backward(
+        self, cb: CommandBuffer, record: ForwardRecord, window: Window, states: list[Any]
+    ) -> Backward:
         c = window.src_channels
         _, _, h, w = record.source_shape
         return lambda g, x: reshape_hwc(g, c, h, w).contiguous()
@@ -241,7 +254,7 @@ class Pad(CNNKernel):
             AxisWindow(span.offset.x + span.skip_x, span.count_x, 1, 1, 1, span.source_width),
         )
 
-    def _make_forward(self, window: Window, states: list[Any], memo: dict[str, Any]) -> Forward:
+    def _make_forward(self, window: Window, records: Records, memo: dict[str, Any]) -> Forward:
         maps = _pad_maps(window, self._edge_mode)
         cb = self._before.channel
         fill, fill_key = self._fill, self._fill_key
@@ -266,8 +279,8 @@ class Pad(CNNKernel):
 
         return forward
 
-    def _record_extra(self, window: Window, memo: dict[str, Any]) -> Any:
-        return _pad_maps(window, self._edge_mode)
+    def _record_params(self, window: Window, memo: dict[str, Any]) -> PadRecord:
+        return PadRecord(self._before.channel, _pad_maps(window, self._edge_mode))
 
 
 def _pad_maps(
@@ -285,17 +298,19 @@ def _pad_maps(
     return maps
 
 
+@gradient_of(Pad)
 class PadGradient(GradientKernel):
     """Gradient of `Pad` (MPS ``MPSNNPadGradient``): every source pixel sums the gradients of
     the positions copied from it (CLAMP with 2 before and 3 after on 3 pixels gives
     ``[d0+d1+d2, d3, d4+d5+d6+d7]``); padded channels and fill values pass nothing back."""
 
     _state_class = GradientState
-    _forward_class = Pad
 
-    def _make_backward(self, record: ForwardRecord, window: Window, states: list[Any]) -> Backward:
-        maps = record.extra
-        c0, n = record.kernel._before.channel, window.src_channels
+    def _make_backward(
+        self, cb: CommandBuffer, record: ForwardRecord, window: Window, states: list[Any]
+    ) -> Backward:
+        maps = record.params.maps
+        c0, n = record.params.channel_before, window.src_channels
 
         def backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             wide = acc_dtype(g.dtype)

@@ -20,7 +20,9 @@ from typing import Any
 import torch
 
 from mpsnn.cnn._pointwise import Pointwise, PointwiseBackward, PointwiseGradient, PointwiseKernel
+from mpsnn.core.cnn_kernel import Records
 from mpsnn.core.geometry import Window
+from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.ops._dtypes import widen
 
@@ -32,7 +34,7 @@ class SoftMax(PointwiseKernel):
 
     _gradient_state_class = GradientState
 
-    def _pointwise(self, window: Window, states: list[Any]) -> Pointwise:
+    def _pointwise(self, window: Window, records: Records) -> Pointwise:
         return lambda x: torch.softmax(widen(x), 1).to(x.dtype)
 
 
@@ -41,16 +43,16 @@ class LogSoftMax(PointwiseKernel):
 
     _gradient_state_class = GradientState
 
-    def _pointwise(self, window: Window, states: list[Any]) -> Pointwise:
+    def _pointwise(self, window: Window, records: Records) -> Pointwise:
         return lambda x: torch.log_softmax(widen(x), 1).to(x.dtype)
 
 
 class _SoftMaxGradientBase(PointwiseGradient):
     _state_class = GradientState
     _secondary_is_result = True
-    _forward_class: type = SoftMax
 
 
+@gradient_of(SoftMax)
 class SoftMaxGradient(_SoftMaxGradientBase):
     """``dx = s (g - sum g s)``; ``source_image`` is the forward **result** ``s``."""
 
@@ -62,10 +64,9 @@ class SoftMaxGradient(_SoftMaxGradientBase):
         return backward
 
 
+@gradient_of(LogSoftMax)
 class LogSoftMaxGradient(_SoftMaxGradientBase):
     """``dx = g - exp(l) sum g``; ``source_image`` is the forward **result** ``l``."""
-
-    _forward_class = LogSoftMax
 
     def _pointwise_backward(self, record: ForwardRecord, states: list[Any]) -> PointwiseBackward:
         def backward(g: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:

@@ -9,14 +9,16 @@ edge behaviour undocumented; ZERO is available). Channels are unchanged.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from mpsnn.core._checks import check_positive, check_type
 from mpsnn.core.binary import Backward, GradientKernel
-from mpsnn.core.cnn_kernel import CNNKernel, Forward
+from mpsnn.core.cnn_kernel import CNNKernel, Forward, Records
 from mpsnn.core.descriptor import ImageDescriptor
-from mpsnn.core.device import Device
+from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.geometry import AxisWindow, DestinationSpan, EdgeMode, Offset, Window
+from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.ops.upsampling import AxisSampling, UpsampleGeometry, upsample_backward, upsample_forward
 
@@ -26,7 +28,17 @@ __all__ = [
     "UpsamplingGradient",
     "UpsamplingNearest",
     "UpsamplingNearestGradient",
+    "UpsamplingRecord",
 ]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class UpsamplingRecord:
+    """What an upsampling encode hands its gradient: the scale factors (x, y) and the
+    sampling geometry (which carries ``align_corners``)."""
+
+    scale: tuple[int, int]
+    geometry: UpsampleGeometry
 
 
 class _ScaleFactors:
@@ -107,12 +119,12 @@ class _Upsampling(_ScaleFactors, CNNKernel):
             AxisWindow(span.offset.x, span.count_x, 1, 1, 1, span.source_width),
         )
 
-    def _make_forward(self, window: Window, states: list[Any], memo: dict[str, Any]) -> Forward:
+    def _make_forward(self, window: Window, records: Records, memo: dict[str, Any]) -> Forward:
         geom = self._geometry(window, memo)
         return lambda x: upsample_forward(x, geom)
 
-    def _record_extra(self, window: Window, memo: dict[str, Any]) -> Any:
-        return self._geometry(window, memo)
+    def _record_params(self, window: Window, memo: dict[str, Any]) -> UpsamplingRecord:
+        return UpsamplingRecord(self._scale, self._geometry(window, memo))
 
 
 class UpsamplingNearest(_Upsampling):
@@ -141,7 +153,6 @@ class UpsamplingGradient(_ScaleFactors, GradientKernel):
     forward's sampling map. ``align_corners`` comes from the forward (through the state)."""
 
     _state_class = GradientState
-    _forward_class: type = UpsamplingNearest
 
     def __init__(
         self, device: Device, integer_scale_factor_x: int, integer_scale_factor_y: int
@@ -150,23 +161,24 @@ class UpsamplingGradient(_ScaleFactors, GradientKernel):
         super().__init__(device)
 
     def _check_forward(self, record: ForwardRecord) -> None:
-        who, fwd = type(self).__name__, record.kernel
-        if fwd._scale != self._scale:
+        who, theirs = type(self).__name__, record.params.scale
+        if theirs != self._scale:
             raise ValueError(
-                f"[{who}] the scale factors must equal the forward's {fwd._scale}, "
-                f"got {self._scale}"
+                f"[{who}] the scale factors must equal the forward's {theirs}, got {self._scale}"
             )
 
-    def _make_backward(self, record: ForwardRecord, window: Window, states: list[Any]) -> Backward:
-        geom: UpsampleGeometry = record.extra
+    def _make_backward(
+        self, cb: CommandBuffer, record: ForwardRecord, window: Window, states: list[Any]
+    ) -> Backward:
+        geom: UpsampleGeometry = record.params.geometry
         return lambda g, x: upsample_backward(g, geom)
 
 
+@gradient_of(UpsamplingNearest)
 class UpsamplingNearestGradient(UpsamplingGradient):
     """Gradient of `UpsamplingNearest`: each source pixel sums its block's gradient."""
 
 
+@gradient_of(UpsamplingBilinear)
 class UpsamplingBilinearGradient(UpsamplingGradient):
     """Gradient of `UpsamplingBilinear`: each output's gradient spread on its taps."""
-
-    _forward_class = UpsamplingBilinear

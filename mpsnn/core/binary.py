@@ -25,6 +25,7 @@ from mpsnn.core._checks import check_enum, check_int, check_type
 from mpsnn.core.cnn_kernel import DEFAULT_PADDING_METHOD
 from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import (
     _HUGE,
     RECT_NO_CLIP,
@@ -36,7 +37,7 @@ from mpsnn.core.geometry import (
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.kernel import Kernel, SharedProperties, resolve_span
-from mpsnn.core.state import ForwardRecord, GradientState, State, StateBatch
+from mpsnn.core.state import ForwardRecord, GradientState, State, _unique
 from mpsnn.errors import UnsupportedError
 
 __all__ = ["BinaryKernel", "GradientKernel"]
@@ -216,20 +217,25 @@ class BinaryKernel(SharedProperties, Kernel):
 class GradientKernel(BinaryKernel):
     """Base of every gradient kernel (MPS ``MPSCNNGradientKernel``).
 
-    Subclasses set ``_state_class`` (what ``gradient_state`` must be), ``_forward_class`` (the
-    forward kernel class the state must come from; ``_forward_exact = False`` accepts its
-    subclasses too), ``_secondary_is_result`` (True when the secondary image is the forward
-    *result*), and implement ``_check_forward(record)`` (parameters must match the forward
-    kernel's) and
-    ``_make_backward(record, window, states)``: a function from the incoming-gradient block
-    (the region the forward wrote) and the secondary block to the gradient of the channels the
-    forward read, ``(images, src_channels, H, W)``, or None when no data gradient is wanted.
+    Subclasses are registered with `mpsnn.core.registry.gradient_of` (which sets the forward
+    kernel class the state must come from), set ``_state_class`` (what ``gradient_state`` must
+    be) and ``_secondary_is_result`` (True when the secondary image is the forward *result*),
+    and implement ``_check_forward(record)`` (their parameters must match the forward's typed
+    record, ``record.params``) and ``_make_backward(cb, record, window, states)``: a function from
+    the incoming-gradient block (the region the forward wrote) and the secondary block to the
+    gradient of the channels the forward read, ``(images, src_channels, H, W)``, or None when
+    no data gradient is wanted. A family whose geometry is not the window model overrides
+    ``_plan_gradient`` instead; either way the encode ends in one `Encoding`.
+
+    Images of different formats may be mixed (MPS reads every format as float): the math runs
+    in the wider of the incoming gradient's and the secondary image's dtypes, and the result
+    takes the destination's format (the incoming gradient's for returned images).
     """
 
     _state_class: type[GradientState] = GradientState
-    _forward_class: type | None = None
-    _forward_exact = True
+    _forward_class: type | None = None  # set by `mpsnn.core.registry.gradient_of`
     _secondary_is_result = False
+    _shared_state_batch = False  # True: a batch's states must repeat one state
 
     def __init__(self, device: Device, **kwargs: Any) -> None:
         super().__init__(device, **kwargs)
@@ -246,7 +252,7 @@ class GradientKernel(BinaryKernel):
         want, fwd = self._forward_class, record.kernel
         if want is None:
             return
-        if type(fwd) is not want and (self._forward_exact or not isinstance(fwd, want)):
+        if not isinstance(fwd, want):
             raise ValueError(
                 f"[{type(self).__name__}] gradient_state must come from a {want.__name__} encode, "
                 f"got one from {type(fwd).__name__}"
@@ -256,7 +262,9 @@ class GradientKernel(BinaryKernel):
         """Raise ValueError when this kernel's parameters do not match the forward kernel's
         (the forward kernel's class is already checked)."""
 
-    def _make_backward(self, record: ForwardRecord, window: Window, states: list[Any]) -> Backward:
+    def _make_backward(
+        self, cb: CommandBuffer, record: ForwardRecord, window: Window, states: list[Any]
+    ) -> Backward:
         raise NotImplementedError
 
     def _wants_data_gradient(self) -> bool:
@@ -387,6 +395,7 @@ class GradientKernel(BinaryKernel):
             "gradient_states",
             self._state_class,
             len(source_images),
+            shared=self._shared_state_batch,
         )
         dst = None
         if destination_gradients is not None:
@@ -405,8 +414,9 @@ class GradientKernel(BinaryKernel):
         dst: Image | None,
         batch: bool,
     ) -> Image | None:
+        """Validate the states against their forward, let the family plan, then apply."""
         who = type(self).__name__
-        unique = StateBatch(states).unique()
+        unique = _unique(states)
         record = unique[0]._require_forward(who)
         for st in unique[1:]:
             other = st._require_forward(who)
@@ -417,6 +427,24 @@ class GradientKernel(BinaryKernel):
                 )
         self._check_forward_kernel(record)
         self._check_forward(record)
+        if dst is not None:
+            self._check_destination(cb, dst, "destination_gradient", grad, src)
+        enc = self._plan_gradient(cb, grad, src, record, states, dst, batch)
+        return self._apply(cb, enc)[0]
+
+    def _plan_gradient(
+        self,
+        cb: CommandBuffer,
+        grad: Image,
+        src: Image,
+        record: ForwardRecord,
+        states: list[Any],
+        dst: Image | None,
+        batch: bool,
+    ) -> Encoding:
+        """The window-model gradient: the result has the forward source's shape; families
+        supply the math (`_make_backward`). Families with another geometry override this."""
+        who = type(self).__name__
         if self._explicit:
             self._check_explicit(self._derived(record))
         fw = record.window
@@ -439,13 +467,11 @@ class GradientKernel(BinaryKernel):
             "result" if self._secondary_is_result else "source",
         )
         n, c, h, w = record.source_shape
+        out: Image | ImageDescriptor | None = dst
         if dst is None:
-            want_n = images if batch else n
-            desc = ImageDescriptor._make(grad._fmt, w, h, c, want_n)
+            if self._wants_data_gradient():
+                out = ImageDescriptor._make(grad._fmt, w, h, c, images if batch else n)
         else:
-            self._check_image(cb, dst, "destination_gradient")
-            if dst._root() is grad._root() or dst._root() is src._root():
-                raise ValueError(f"[{who}] the destination gradient must not alias an input")
             dn, dc, dh, dw = dst._shape
             if (dh, dw) != (h, w) or dn < z_src + images or dc < self._dco + c:
                 raise ValueError(
@@ -455,34 +481,19 @@ class GradientKernel(BinaryKernel):
                 )
         y0, ny = resolve_span(who, "y", self._clip.origin.y, self._clip.size.height, h)
         x0, nx = resolve_span(who, "x", self._clip.origin.x, self._clip.size.width, w)
-        backward = self._make_backward(record, fw, states)
-        # -- validation is over --
-        self._last_record = record
-        out = dst
-        if out is None and self._wants_data_gradient():
-            out = self._allocator.image(cb, desc, self)
-        cb.record(
-            who,
-            _backward_command(
-                backward,
-                grad,
-                src,
-                out,
-                fw,
-                self._secondary_is_result,
-                (z_src, z_dst, images),
-                c,
-                self._dco,
-                (y0, ny, x0, nx),
-            ),
+        backward = self._make_backward(cb, record, fw, states)
+        run = _backward_command(
+            backward,
+            grad,
+            src,
+            fw,
+            self._secondary_is_result,
+            (z_src, z_dst, images),
+            c,
+            self._dco,
+            (y0, ny, x0, nx),
         )
-        if out is not None:
-            out._note_writer(cb)
-        grad._root()._consume_read(cb, who)
-        src._root()._consume_read(cb, who)
-        for st in unique:
-            st._consume_read(cb, who)
-        return out
+        return Encoding(run, (out,), (grad, src, *states), (), {"_last_record": record}, batch)
 
     def _check_shape(
         self,
@@ -507,18 +518,17 @@ def _backward_command(
     backward: Backward,
     grad: Image,
     src: Image,
-    out: Image | None,
     fw: Window,
     secondary_is_result: bool,
     images: tuple[int, int, int],
     channels: int,
     dco: int,
     span: tuple[int, int, int, int],
-) -> Callable[[], None]:
+) -> Callable[[Image | None], None]:
     z_src, z_dst, n = images
     y0, ny, x0, nx = span
 
-    def run() -> None:
+    def run(out: Image | None) -> None:
         g = grad._data()[
             z_dst : z_dst + n,
             fw.dst_channel : fw.dst_channel + fw.dst_channels,
@@ -534,6 +544,9 @@ def _backward_command(
             ]
         else:
             x = src._data()[z_src : z_src + n, fw.src_channel : fw.src_channel + fw.src_channels]
+        if g.dtype != x.dtype:  # mixed formats (MPS reads every format as float): compute wide
+            wide = torch.promote_types(g.dtype, x.dtype)
+            g, x = g.to(wide), x.to(wide)
         dx = backward(g, x)
         if dx is None or out is None:
             return
@@ -543,6 +556,6 @@ def _backward_command(
             dx = full
         if ny != dx.shape[2] or nx != dx.shape[3]:  # a clip rect on the gradient kernel
             dx = dx[:, :, y0 : y0 + ny, x0 : x0 + nx]
-        out._write_block(dx, z_src, dco, y0, x0)
+        out._write_block(dx, z_src, dco, y0, x0, grad._data())
 
     return run

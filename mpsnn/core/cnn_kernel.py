@@ -1,19 +1,21 @@
 """The unary kernel base `CNNKernel` (SPEC §5).
 
-An encode goes through the same steps for every family:
+An encode goes through the same steps for every family (`mpsnn.core.encode`):
 
 1. validate the command buffer, images and states (types, device, liveness, shapes);
-2. size the destination with the padding policy when none is given (this sets ``offset``);
-3. resolve the `Window` (images, channels, per-axis windows) and let the family check it;
-4. only then change anything: allocate the destination, record the command, record the
-   forward geometry into the state, and drop the read counts of what was read.
+2. plan, once per configuration: size the destination with the padding policy when none is
+   given (the policy's changes to ``offset`` and friends are returned, not kept), resolve the
+   `Window` (images, channels, per-axis windows) and let the family check it;
+3. build the typed `ForwardRecord` and the command closure;
+4. apply: allocate the destination, record the command, write the records into the states,
+   set the properties the policy chose, drop the read counts of what was read.
 
-A failed encode therefore leaves the command buffer, images and states as they were. Nothing
-in steps 1-3 reads device memory.
+A failed encode leaves the command buffer, images, states and kernel as they were (the kernel's
+geometry is restored if anything raised). Nothing in steps 1-3 reads device memory.
 
 Families override a few hooks: ``_destination_channels`` (and its checks), ``_axis_windows``
-for non-standard window placement, ``_make_forward`` for the math, and ``_gradient_state_class``
-for what ``result_state`` returns.
+for non-standard window placement, ``_record_params`` for the typed record their gradient reads,
+``_make_forward`` for the math, and ``_gradient_state_class`` for what ``result_state`` returns.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from mpsnn.core._checks import check_enum, check_int, check_positive, check_type
 from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import (
     _HUGE,
     RECT_NO_CLIP,
@@ -44,9 +47,9 @@ from mpsnn.core.geometry import (
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.kernel import Kernel, SharedProperties, resolve_images, resolve_span
-from mpsnn.core.state import ForwardRecord, GradientState, State, StateBatch
+from mpsnn.core.state import ForwardRecord, GradientState, State, StateBatch, _unique
 
-__all__ = ["DEFAULT_PADDING_METHOD", "CNNKernel", "Forward"]
+__all__ = ["DEFAULT_PADDING_METHOD", "CNNKernel", "Forward", "Records"]
 
 _CUSTOM = int(PaddingMethod.CUSTOM)
 DEFAULT_PADDING_METHOD = (
@@ -54,6 +57,7 @@ DEFAULT_PADDING_METHOD = (
 )
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
+Records = list[tuple[Any, ForwardRecord]]  # (state, the record written into it) per state
 
 
 class CNNKernel(SharedProperties, Kernel):
@@ -71,8 +75,6 @@ class CNNKernel(SharedProperties, Kernel):
     _edge_modes: tuple[EdgeMode, ...] = (EdgeMode.ZERO, EdgeMode.CLAMP)
     _gradient_state_class: type[GradientState] | None = None
     _is_backwards = False
-    _cache_plans = True  # False for kernels whose policy has side effects beyond `offset`
-    _policy_states: Any = None  # source states the padding policy consults (transpose pairing)
 
     def __init__(
         self,
@@ -101,7 +103,7 @@ class CNNKernel(SharedProperties, Kernel):
         self._edge_mode = EdgeMode.ZERO
         self._padding: Any = DefaultPadding(self._default_padding_method)
         self._allocator: Any = Image.default_allocator()
-        self._plans: dict[tuple[Any, ...], tuple[Any, Offset, Window, dict[str, Any]]] = {}
+        self._plans: dict[tuple[Any, ...], Any] = {}
 
     # -- properties -----------------------------------------------------------------------
 
@@ -195,17 +197,23 @@ class CNNKernel(SharedProperties, Kernel):
     def _check_window(self, window: Window, src: Image) -> None:
         """Family checks on the resolved window (raise ValueError)."""
 
-    def _make_forward(self, window: Window, states: list[Any], memo: dict[str, Any]) -> Forward:
+    def _make_forward(self, window: Window, records: Records, memo: dict[str, Any]) -> Forward:
         """The math: a function from the source block ``(images, channels, H, W)`` to the
         destination block ``(images, out_channels, y.count, x.count)``; runs at commit.
 
+        ``records``: the states this encode writes and their records (empty for inference).
         ``memo`` lives as long as the encode configuration (window, edge mode) does: families
-        keep what they derive from the window there (e.g. the extraction plan)."""
+        keep what they derive from the window there (e.g. the extraction plan). Must not
+        change the kernel: everything that depends on the encode goes into the closure."""
         raise NotImplementedError
 
-    def _record_extra(self, window: Window, memo: dict[str, Any]) -> Any:
-        """Family data stored in the gradient state's `ForwardRecord`."""
+    def _record_params(self, window: Window, memo: dict[str, Any]) -> Any:
+        """The family's typed record (a frozen dataclass) stored in the `ForwardRecord`."""
         return None
+
+    def _state_records(self, record: ForwardRecord, states: list[Any]) -> Records:
+        """The record each state receives (default: the same one for every state)."""
+        return [(st, record) for st in states]
 
     # -- padding policy -------------------------------------------------------------------
 
@@ -386,94 +394,87 @@ class CNNKernel(SharedProperties, Kernel):
         dst: Image | None,
         states: list[Any],
         batch: bool,
+        policy_states: Any = None,
     ) -> Image:
+        """Validate and plan (restoring the kernel if anything raises), then apply."""
         who = type(self).__name__
-        saved_offset = self._offset
+        saved = self._save_geometry()
         try:
-            desc, window, record, forward = self._prepare(cb, src, dst, states, batch)
-        except Exception:
-            self._offset = saved_offset  # a failed encode changes nothing
-            raise
-        # -- validation is over: from here on nothing raises --
-        if dst is None:
-            dst = self._allocate(cb, desc, batch)
-        cb.record(who, _forward_command(forward, src, dst, window))
-        dst._note_writer(cb)
-        if record is not None:
-            for st in StateBatch(states).unique():
-                st._record_forward(record, who)
-        src._root()._consume_read(cb, who)
-        return dst
-
-    def _prepare(
-        self, cb: CommandBuffer, src: Image, dst: Image | None, states: list[Any], batch: bool
-    ) -> tuple[ImageDescriptor | None, Window, ForwardRecord | None, Forward]:
-        who = type(self).__name__
-        dst_shape = None
-        if dst is not None:
-            self._check_image(cb, dst, "destination_image")
-            if dst._root() is src._root():
-                raise ValueError(
-                    f"[{who}] the destination must not alias the source, got the same image"
+            if dst is not None:
+                self._check_destination(cb, dst, "destination_image", src)
+            desc, props, window, memo = self._plan(src, dst, batch, policy_states, saved)
+            for name, value in props.items():  # tentatively: the forward reads them
+                object.__setattr__(self, name, value)
+            unique = _unique(states)
+            records: Records = []
+            if unique:
+                record = ForwardRecord(
+                    self,
+                    window,
+                    self._edge_mode,
+                    self._offset,
+                    self._clip,
+                    src._shape,
+                    desc.shape if dst is None else dst._shape,  # type: ignore[union-attr]
+                    self._record_params(window, memo),
+                    batch,
                 )
-            dst_shape = dst._shape
-        # The padding policy and the window depend only on shapes and properties: a plan made
-        # once per configuration keeps enum arithmetic and validation off the hot path.
-        method = int(self._padding.padding_method)
-        key = (
-            src._shape,
-            src._fmt,
-            dst_shape,
-            self._offset,
-            self._clip,
-            self._sco,
-            self._smax,
-            self._dco,
-            self._edge_mode,
-            method,
-            batch,
-        )
-        plan = self._plans.get(key)
-        if plan is None:
+                for st in unique:
+                    st._check_record(record, who)
+                records = self._state_records(record, unique)
+            run = _forward_command(self._make_forward(window, records, memo), src, window)
+        except BaseException:
+            self._restore_geometry(saved)
+            raise
+        enc = Encoding(run, (dst if dst is not None else desc,), (src,), records, None, batch)
+        return self._apply(cb, enc)[0]  # type: ignore[return-value]
+
+    # -- planning (pure: the kernel is restored before returning) -----------------------------
+
+    _geometry_attrs: tuple[str, ...] = ("_offset", "_edge_mode", "_clip", "_dco", "_sco", "_smax")
+
+    def _save_geometry(self) -> tuple[Any, ...]:
+        return (self._config, *(getattr(self, a) for a in self._geometry_attrs))
+
+    def _restore_geometry(self, saved: tuple[Any, ...]) -> None:
+        object.__setattr__(self, "_config", saved[0])
+        for name, value in zip(self._geometry_attrs, saved[1:], strict=True):
+            object.__setattr__(self, name, value)
+
+    def _plan(
+        self, src: Image, dst: Image | None, batch: bool, policy_states: Any, saved: tuple[Any, ...]
+    ) -> tuple[ImageDescriptor | None, dict[str, Any], Window, dict[str, Any]]:
+        """(descriptor to allocate, properties the policy sets, window, memo), cached per
+        configuration (``saved``: the kernel's geometry, `_save_geometry`). Padding policies
+        and state hooks may change kernel properties while they run; the changes are returned,
+        and the kernel is restored."""
+        dst_shape = None if dst is None else dst._shape
+        key = (src._shape, src._fmt, dst_shape, batch, saved)
+        plan = None if policy_states else self._plans.get(key)
+        if plan is not None:
+            return plan
+        try:
+            props: dict[str, Any] = {}
+            desc = None
             if dst_shape is None:
-                desc = self._resolve_policy([src], self._policy_states)
+                desc = self._resolve_policy([src], policy_states)
                 dst_shape = desc.shape
-            else:
-                desc = None
+                props = {
+                    name: getattr(self, name)
+                    for name, old in zip(self._geometry_attrs, saved[1:], strict=True)
+                    if getattr(self, name) != old
+                }
             window = self._window(src._shape, dst_shape, self._offset, batch)
             self._check_window(window, src)
-            plan = (desc, self._offset, window, {})
-            if self._cache_plans and not (method & _CUSTOM) and not self._policy_states:
-                if len(self._plans) >= 32:  # a kernel seldom sees many configurations
-                    self._plans.clear()
-                self._plans[key] = plan
-        desc, offset, window, memo = plan
-        self._offset = offset
-        record = None
-        if states:
-            record = ForwardRecord(
-                self,
-                window,
-                self._edge_mode,
-                offset,
-                self._clip,
-                src._shape,
-                window_dst_shape(desc, dst),
-                self._record_extra(window, memo),
-                batch,
-            )
-            for st in StateBatch(states).unique():
-                if st._forward is not None and not st._forward.same_geometry(record):
-                    st._record_forward(record, who)  # raises the geometry mismatch
-        return desc, window, record, self._make_forward(window, states, memo)
-
-    def _allocate(self, cb: CommandBuffer, desc: ImageDescriptor | None, batch: bool) -> Image:
-        assert desc is not None
-        alloc = self._allocator
-        if batch and hasattr(alloc, "image_batch"):
-            out = alloc.image_batch(cb, desc, self, desc.number_of_images)
-            return out._image if isinstance(out, ImageBatch) else out
-        return alloc.image(cb, desc, self)
+        finally:
+            self._restore_geometry(saved)
+        plan = (desc, props, window, {})
+        custom = int(self._padding.padding_method) & _CUSTOM
+        if not policy_states and not (dst is None and custom):
+            if len(self._plans) >= 32:  # a kernel seldom sees many configurations
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
 
     def _window(
         self, src_shape: tuple[int, ...], dst_shape: tuple[int, ...], offset: Offset, batch: bool
@@ -502,19 +503,16 @@ class CNNKernel(SharedProperties, Kernel):
         return Window(ay, ax, z_src, z_dst, images, self._sco, n_read, self._dco, n_write, y0, x0)
 
 
-def window_dst_shape(desc: ImageDescriptor | None, dst: Image | None) -> tuple[int, int, int, int]:
-    return dst._shape if dst is not None else desc.shape  # type: ignore[union-attr]
-
-
-def _forward_command(forward: Forward, src: Image, dst: Image, w: Window) -> Callable[[], None]:
+def _forward_command(forward: Forward, src: Image, w: Window) -> Callable[[Image], None]:
     z0, n, c0, nc = w.src_image, w.images, w.src_channel, w.src_channels
     dz, dc, dy, dx = w.dst_image, w.dst_channel, w.dst_y, w.dst_x
     sn, sc = src._shape[0], src._shape[1]
     whole = z0 == 0 and n == sn and c0 == 0 and nc == sc  # no slicing needed (common case)
 
-    def run() -> None:
-        x = src._data() if whole else src._data()[z0 : z0 + n, c0 : c0 + nc]
-        dst._write_block(forward(x), dz, dc, dy, dx)
+    def run(dst: Image) -> None:
+        data = src._data()
+        x = data if whole else data[z0 : z0 + n, c0 : c0 + nc]
+        dst._write_block(forward(x), dz, dc, dy, dx, data)
 
     return run
 

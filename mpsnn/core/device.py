@@ -1,12 +1,20 @@
-"""Devices, command queues and command buffers (SPEC §3).
+"""Devices, command queues and command buffers.
 
 A `CommandBuffer` records work: every ``encode`` validates its arguments from shapes and
 configuration only (no device memory is read, so nothing synchronizes) and appends a command.
-Nothing is guaranteed to have run before `CommandBuffer.commit`. On the CPU, ``commit`` runs the
-commands in order before it returns. On CUDA it launches them on the queue's stream and returns;
-a per-queue completion thread waits for the stream, marks the buffer COMPLETED and runs the
-completed handlers. `CommandBuffer.wait_until_completed` returns after the handlers ran and
-re-raises any exception the work raised.
+Nothing is guaranteed to have run before `CommandBuffer.commit`.
+
+* On the CPU, ``commit`` runs the commands in order before it returns.
+* On CUDA, ``commit`` launches them on the queue's stream, records one CUDA event and returns.
+  Completion is observed on the caller's thread: `CommandBuffer.wait_until_completed` waits for
+  the event, and `CommandBuffer.status` polls it. Only a buffer with completed handlers needs a
+  thread: its queue starts one worker (lazily) that waits for such buffers in commit order and
+  runs their handlers; the worker ends when its queue is garbage-collected.
+
+A committed CUDA buffer can instead be *captured* (`CommandBuffer.capture`): its work is
+recorded once into a CUDA graph and replayed with `CapturedCommandBuffer.replay`, each replay
+reading the current contents of the buffer's input images (refill them in place) and writing
+the same output storage.
 """
 
 from __future__ import annotations
@@ -21,7 +29,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["CommandBuffer", "CommandBufferStatus", "CommandQueue", "Device"]
+from mpsnn.errors import UnsupportedError
+
+__all__ = [
+    "CapturedCommandBuffer",
+    "CommandBuffer",
+    "CommandBufferStatus",
+    "CommandQueue",
+    "Device",
+]
 
 
 class Device:
@@ -105,6 +121,16 @@ class CommandBufferStatus(enum.IntEnum):
     ERROR = 5
 
 
+_NOT_ENQUEUED = CommandBufferStatus.NOT_ENQUEUED
+_COMMITTED = CommandBufferStatus.COMMITTED
+_COMPLETED = CommandBufferStatus.COMPLETED
+_ERROR = CommandBufferStatus.ERROR
+
+
+def _raw_stream_getter() -> Callable[[int], int] | None:
+    return getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 class CommandQueue:
     """Creates command buffers; work committed to one queue runs in commit order.
 
@@ -114,7 +140,15 @@ class CommandQueue:
     stream wait for the caller's current stream (so inputs written there are ready).
     """
 
-    __slots__ = ("_device", "_stream", "_worker", "label")
+    __slots__ = (
+        "__weakref__",
+        "_device",
+        "_index",
+        "_raw",
+        "_stream",
+        "_worker",
+        "label",
+    )
 
     def __init__(
         self, device: Device, label: str | None = None, *, stream: torch.cuda.Stream | None = None
@@ -123,18 +157,22 @@ class CommandQueue:
             raise TypeError(f"[CommandQueue] device must be a Device, got {type(device).__name__}")
         self._device = device
         self.label = label
+        self._worker: _CompletionWorker | None = None
         if device.type != "cuda":
             if stream is not None:
                 raise ValueError("[CommandQueue] a stream needs a CUDA device, got one for the CPU")
             self._stream = None
-        else:
-            if stream is not None and stream.device != device.torch_device:
-                raise ValueError(
-                    f"[CommandQueue] stream must be on {device.torch_device}, "
-                    f"got one on {stream.device}"
-                )
-            self._stream = stream or torch.cuda.current_stream(device.torch_device)
-        self._worker: _CompletionWorker | None = None
+            self._index = -1
+            self._raw = 0
+            return
+        if stream is not None and stream.device != device.torch_device:
+            raise ValueError(
+                f"[CommandQueue] stream must be on {device.torch_device}, "
+                f"got one on {stream.device}"
+            )
+        self._stream = stream or torch.cuda.current_stream(device.torch_device)
+        self._index = device.torch_device.index
+        self._raw = self._stream.cuda_stream
 
     @property
     def device(self) -> Device:
@@ -150,9 +188,27 @@ class CommandQueue:
         return CommandBuffer(self, label)
 
     def _completion_worker(self) -> _CompletionWorker:
-        if self._worker is None:
-            self._worker = _CompletionWorker()
-        return self._worker
+        worker = self._worker
+        if worker is None:
+            worker = self._worker = _CompletionWorker(self.label)
+            weakref.finalize(self, worker.stop_soon)  # the thread ends with its queue
+        return worker
+
+    def _enter_stream(self) -> torch.cuda.StreamContext | None:
+        """A context that makes this queue's stream current, or None when it already is.
+
+        Comparing raw stream handles is cheap; building `torch.cuda.current_stream()` objects
+        costs several microseconds, which matters at one commit per training step.
+        """
+        getter = _raw_stream_getter()
+        if getter is not None and getter(self._index) == self._raw:
+            return None
+        current = torch.cuda.current_stream(self._device.torch_device)
+        if current == self._stream:
+            return None
+        # Work the caller queued on its current stream (inputs) must finish first.
+        self._stream.wait_stream(current)
+        return torch.cuda.stream(self._stream)
 
 
 class _Command:
@@ -168,33 +224,39 @@ class CommandBuffer:
     """A list of encoded commands, committed once (MPS/Metal ``MTLCommandBuffer``).
 
     Attributes:
-        status: a `CommandBufferStatus`.
         error: the exception the work raised, if any (status ERROR).
+        failed_command: the name of the command that raised it.
         label: a name for debugging.
     """
 
     __slots__ = (
+        "_captured",
         "_commands",
         "_done",
         "_event",
         "_handlers",
+        "_hooks",
         "_pending_releases",
         "_queue",
+        "_status",
         "error",
+        "failed_command",
         "label",
-        "status",
     )
 
     def __init__(self, command_queue: CommandQueue, label: str | None = None) -> None:
         self._queue = command_queue
         self.label = label
-        self.status = CommandBufferStatus.NOT_ENQUEUED
+        self._status = _NOT_ENQUEUED
         self.error: BaseException | None = None
+        self.failed_command: str | None = None
         self._commands: list[_Command] = []
         self._handlers: list[Callable[[CommandBuffer], Any]] = []
+        self._hooks: list[Callable[[], Any]] = []  # internal bookkeeping once work is enqueued
         self._pending_releases: list[Any] = []  # released before the first command runs
-        self._done: threading.Event | None = None  # only for asynchronous (CUDA) completion
+        self._done: threading.Event | None = None  # only when a worker runs the handlers
         self._event: torch.cuda.Event | None = None
+        self._captured = False
 
     @property
     def command_queue(self) -> CommandQueue:
@@ -204,35 +266,57 @@ class CommandBuffer:
     def device(self) -> Device:
         return self._queue._device
 
+    @property
+    def status(self) -> CommandBufferStatus:
+        """NOT_ENQUEUED, COMMITTED, COMPLETED or ERROR (polls the device on CUDA)."""
+        if self._status is _COMMITTED and self._done is None:
+            event = self._event
+            if event is not None:
+                try:
+                    done = event.query()
+                except Exception as exc:  # a device fault shows up here
+                    self._record_error(exc, "(device)")
+                    done = True
+                if done:
+                    self._complete()
+        return self._status
+
     def __len__(self) -> int:
         """Number of encoded commands."""
         return len(self._commands)
 
     def add_completed_handler(self, handler: Callable[[CommandBuffer], Any]) -> None:
-        """Run ``handler(command_buffer)`` once the work completed (before waiters wake up)."""
+        """Run ``handler(command_buffer)`` once the work completed (before waiters wake up).
+
+        On CUDA the handlers of a buffer run on its queue's completion thread.
+        """
         if not callable(handler):
             raise TypeError(
                 f"[CommandBuffer] handler must be callable, got {type(handler).__name__}"
             )
-        if self.status is not CommandBufferStatus.NOT_ENQUEUED:
+        if self._status is not _NOT_ENQUEUED and not self._captured:
             raise ValueError(
                 "[CommandBuffer] completed handlers must be added before commit(), "
-                f"got status {self.status.name}"
+                f"got status {self._status.name}"
             )
         self._handlers.append(handler)
 
     def check_encodable(self, who: str) -> None:
         """Raise unless work can still be encoded (the buffer was not committed)."""
-        if self.status is not CommandBufferStatus.NOT_ENQUEUED:
+        if self._status is not _NOT_ENQUEUED:
             raise ValueError(
                 f"[{who}] the command buffer must not be committed yet, "
-                f"got status {self.status.name}"
+                f"got status {self._status.name}"
             )
 
     # -- recording (kernels call these after validation succeeded) --------------------------
 
     def record(self, name: str, fn: Callable[[], Any]) -> None:
-        """Append one command; ``fn`` runs at commit on the queue's device/stream."""
+        """Append one command; ``fn`` runs at commit on the queue's device and stream.
+
+        This is also the way to add work of your own (MPS: your own Metal kernel), e.g. a
+        weight update written with torch operations.
+        """
         self._commands.append(_Command(name, fn))
 
     def release_after_last(self, resource: Any) -> None:
@@ -245,55 +329,107 @@ class CommandBuffer:
         else:
             self._pending_releases.append(resource)
 
+    def _on_enqueued(self, hook: Callable[[], Any]) -> None:
+        """Internal bookkeeping to run once every command is enqueued (stream order makes
+        releasing storage safe then, before the device has run the work)."""
+        self._hooks.append(hook)
+
     # -- execution -----------------------------------------------------------------------
 
     def commit(self) -> None:
         """Run (CPU) or launch (CUDA) the encoded work. A command buffer is committed once."""
-        if self.status is not CommandBufferStatus.NOT_ENQUEUED:
+        if self._status is not _NOT_ENQUEUED:
             raise ValueError(
                 "[CommandBuffer] a command buffer is committed once, "
-                f"got commit() with status {self.status.name}"
+                f"got commit() with status {self._status.name}"
             )
-        self.status = CommandBufferStatus.COMMITTED
-        stream = self._queue._stream
+        self._status = _COMMITTED
+        q = self._queue
+        stream = q._stream
         if stream is None:
             self._run()
-            self._finish()
+            self._complete()
             return
-        self._done = threading.Event()
-        current = torch.cuda.current_stream(stream.device)
-        if current == stream:
+        ctx = q._enter_stream()
+        if ctx is None:
             self._run()
         else:
-            # Work the caller queued on its current stream (inputs) must finish first.
-            stream.wait_stream(current)
-            with torch.cuda.stream(stream):
+            with ctx:
                 self._run()
         self._event = torch.cuda.Event()
         self._event.record(stream)
-        self._queue._completion_worker().submit(self)
+        if self._handlers:
+            self._done = threading.Event()
+            q._completion_worker().submit(self)
+
+    def capture(self) -> CapturedCommandBuffer:
+        """Record the work once into a CUDA graph instead of running it (CUDA only).
+
+        Returns a `CapturedCommandBuffer`; each ``replay()`` runs the work again, reading the
+        current contents of the input images (write new data into them in place) and writing
+        the same output storage. Run the same work eagerly once before capturing, so that
+        libraries (cuDNN, cuBLAS, Triton) are initialized and one-time constants exist.
+
+        Raises:
+            UnsupportedError: on the CPU.
+            ValueError: the buffer was already committed.
+        """
+        if self._status is not _NOT_ENQUEUED:
+            raise ValueError(
+                f"[CommandBuffer] capture() needs an uncommitted buffer, got status "
+                f"{self._status.name}"
+            )
+        q = self._queue
+        if q._stream is None:
+            raise UnsupportedError(
+                "[CommandBuffer] capture() records CUDA graphs and needs a CUDA queue, got a "
+                "CPU queue; on the CPU commit the work instead"
+            )
+        graph = torch.cuda.CUDAGraph()
+        self._status = _COMMITTED
+        self._captured = True
+        device = q._device.torch_device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(q._stream)  # inputs written on the queue's stream are ready
+        try:
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+                self._run()
+        except Exception as exc:
+            if self.error is None:
+                self._record_error(exc, "(capture)")
+        q._stream.wait_stream(side)
+        if self.error is not None:
+            self._complete()
+            raise self.error
+        self._status = _COMPLETED  # replays re-commit it
+        return CapturedCommandBuffer(self, graph)
 
     def _run(self) -> None:
         for res in self._pending_releases:
             res._free_storage()
-        commands = self._commands
-        failed = False
-        for cmd in commands:
-            if not failed:
+        for cmd in self._commands:
+            if self.error is None:
                 try:
                     cmd.fn()
                 except Exception as exc:  # kept for wait_until_completed(), like Metal errors
-                    exc.add_note(f"while running command {cmd.name!r} of {self!r}")
-                    self.error = exc
-                    failed = True
+                    self._record_error(exc, cmd.name)
             if cmd.releases:
                 for res in cmd.releases:
                     res._free_storage()
+        for hook in self._hooks:
+            hook()
+        self._hooks = []
+        if not self._captured:
+            self._commands = []  # drop the closures, and with them the tensors they kept alive
 
-    def _finish(self) -> None:
-        # Called once the device work is done (CPU: right away; CUDA: from the worker thread).
-        self._commands = []  # drop the closures, and with them the tensors they kept alive
-        self.status = CommandBufferStatus.ERROR if self.error else CommandBufferStatus.COMPLETED
+    def _record_error(self, exc: BaseException, name: str) -> None:
+        exc.add_note(f"while running command {name!r} of {self!r}")
+        self.error = exc
+        self.failed_command = name
+
+    def _complete(self) -> None:
+        """The device work is done: set the status and run the completed handlers."""
+        self._status = _ERROR if self.error is not None else _COMPLETED
         for handler in self._handlers:
             try:
                 handler(self)
@@ -301,42 +437,112 @@ class CommandBuffer:
                 exc.add_note(f"raised by a completed handler of {self!r}")
                 if self.error is None:
                     self.error = exc
-                self.status = CommandBufferStatus.ERROR
-        if self._done is not None:
-            self._done.set()
+                    self.failed_command = "(completed handler)"
+                self._status = _ERROR
 
     def wait_until_completed(self) -> None:
         """Block until the work and the completed handlers are done; re-raise their error."""
-        if self.status is CommandBufferStatus.NOT_ENQUEUED:
+        status = self._status
+        if status is _NOT_ENQUEUED:
             raise ValueError(
                 "[CommandBuffer] wait_until_completed() needs a committed command buffer, "
                 "got status NOT_ENQUEUED"
             )
-        if self._done is not None:
-            self._done.wait()
+        if status is _COMMITTED:
+            if self._done is not None:
+                self._done.wait()
+            else:
+                event = self._event
+                if event is not None:
+                    try:
+                        event.synchronize()
+                    except Exception as exc:  # a device fault (illegal address, ...)
+                        if self.error is None:
+                            self._record_error(exc, "(device)")
+                self._complete()
         if self.error is not None:
             raise self.error
 
     def __repr__(self) -> str:
         label = f" {self.label!r}" if self.label else ""
-        return f"<CommandBuffer{label} {self.status.name}, {len(self._commands)} commands>"
+        return f"<CommandBuffer{label} {self._status.name}, {len(self._commands)} commands>"
+
+
+class CapturedCommandBuffer:
+    """The work of a command buffer recorded as a CUDA graph (see `CommandBuffer.capture`).
+
+    ``replay()`` launches the whole recorded work on the queue's stream with one call. Input
+    images are read where they are: refill them in place (``image.tensor.copy_(...)``) before a
+    replay. Output images keep their storage: read them after the replay completed (reading
+    them waits). Host work is not replayed: values a command computed on the host when it was
+    captured are frozen. mpsnn keeps what changes between training steps on the device
+    (dropout keys, accumulator contents, weights, optimizer steps), so replaying a training
+    step is equivalent to encoding it again.
+    """
+
+    __slots__ = ("_buffer", "_graph", "replays")
+
+    def __init__(self, buffer: CommandBuffer, graph: torch.cuda.CUDAGraph) -> None:
+        self._buffer = buffer
+        self._graph = graph
+        self.replays = 0
+
+    @property
+    def command_buffer(self) -> CommandBuffer:
+        """The captured buffer: the writer of the output images."""
+        return self._buffer
+
+    def replay(self) -> None:
+        """Run the recorded work once more (asynchronously on CUDA)."""
+        cb = self._buffer
+        if cb._status is _COMMITTED:
+            cb.wait_until_completed()  # one replay at a time: outputs are shared
+        q = cb._queue
+        cb.error = None
+        cb.failed_command = None
+        cb._status = _COMMITTED
+        ctx = q._enter_stream()
+        if ctx is None:
+            self._graph.replay()
+        else:
+            with ctx:
+                self._graph.replay()
+        cb._event = torch.cuda.Event()
+        cb._event.record(q._stream)
+        self.replays += 1
+        if cb._handlers:
+            cb._done = threading.Event()
+            q._completion_worker().submit(cb)
+        else:
+            cb._done = None
+
+    def wait_until_completed(self) -> None:
+        """Wait for the last replay; re-raise its error."""
+        if self._buffer._status is _COMMITTED:
+            self._buffer.wait_until_completed()
+
+    @property
+    def status(self) -> CommandBufferStatus:
+        return self._buffer.status
 
 
 class _CompletionWorker:
-    """One daemon thread per CUDA queue: waits for each committed buffer's event, in order.
+    """A daemon thread for one CUDA queue: waits for each submitted buffer's event, in order,
+    and runs its completed handlers. It holds no reference to its queue and stops when the
+    queue is collected (`stop_soon`) or at interpreter exit (after draining)."""
 
-    At interpreter exit the workers drain what was committed (`_drain_workers`), so no thread is
-    inside CUDA while the runtime shuts down.
-    """
-
-    def __init__(self) -> None:
+    def __init__(self, label: str | None) -> None:
         self._queue: queue.SimpleQueue[CommandBuffer | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="mpsnn-completion", daemon=True)
+        name = f"mpsnn-completion-{label}" if label else "mpsnn-completion"
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
         _WORKERS.add(self)
 
     def submit(self, cb: CommandBuffer) -> None:
         self._queue.put(cb)
+
+    def stop_soon(self) -> None:
+        self._queue.put(None)
 
     def stop(self, timeout: float) -> None:
         self._queue.put(None)
@@ -347,13 +553,18 @@ class _CompletionWorker:
             cb = self._queue.get()
             if cb is None:
                 return
+            event = cb._event
             try:
-                assert cb._event is not None  # internal invariant: set by commit()
-                cb._event.synchronize()
+                if event is not None:
+                    event.synchronize()
             except Exception as exc:  # a device fault (illegal address, ...)
                 if cb.error is None:
-                    cb.error = exc
-            cb._finish()
+                    cb._record_error(exc, "(device)")
+            cb._complete()
+            done = cb._done
+            del cb  # hold no buffer (and so no queue) between submissions
+            if done is not None:
+                done.set()
 
 
 _WORKERS: weakref.WeakSet[_CompletionWorker] = weakref.WeakSet()

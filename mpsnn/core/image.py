@@ -31,7 +31,7 @@ from mpsnn.core.descriptor import (
 )
 from mpsnn.core.device import CommandBuffer, CommandBufferStatus, Device
 from mpsnn.core.geometry import Region
-from mpsnn.errors import StaleResourceError
+from mpsnn.errors import CommandBufferError, StaleResourceError
 
 __all__ = ["Image", "ImageAllocator", "TemporaryImage"]
 
@@ -177,9 +177,16 @@ class Image:
     def tensor(self) -> torch.Tensor:
         """The backing tensor (allocated as zeros on first access if nothing wrote it yet).
 
-        The contents are those of the last completed command buffer that wrote the image.
+        The contents are those of the last completed command buffer that wrote the image; on
+        CUDA, torch work that reads the tensor on the queue's stream is ordered after it.
+
+        Raises:
+            CommandBufferError: the command buffer that writes the image failed.
         """
         self._check_live(None)
+        writer = self._root()._writer
+        if writer is not None and writer.error is not None:
+            self._raise_failed(writer)
         return self._data()
 
     def _data(self) -> torch.Tensor:
@@ -284,13 +291,41 @@ class Image:
         writer = root._writer
         if writer is None:
             return
-        if writer.status is CommandBufferStatus.NOT_ENQUEUED:
+        status = writer._status
+        if status is CommandBufferStatus.NOT_ENQUEUED:
             raise ValueError(
                 f"[{type(self).__name__}] {who} needs the command buffer that writes "
                 f"{self._describe()} to be committed, got status NOT_ENQUEUED"
             )
-        if writer.status is CommandBufferStatus.COMMITTED:
-            writer.wait_until_completed()
+        if status is CommandBufferStatus.COMMITTED:
+            try:
+                writer.wait_until_completed()
+            except Exception:
+                self._raise_failed(writer)
+        if writer.error is not None:
+            self._raise_failed(writer)
+
+    def _raise_failed(self, writer: CommandBuffer) -> None:
+        err = writer.error
+        raise CommandBufferError(
+            f"[{type(self).__name__}] {self._describe()} must come from work that ran, got a "
+            f"result of {writer!r}, whose command {writer.failed_command!r} failed: "
+            f"{type(err).__name__}: {err}"
+        ) from err
+
+    def _check_writable(self, who: str, name: str) -> None:
+        """Raise unless every element of the image has its own memory (a destination of an
+        expanded tensor would have several pixels written to one address)."""
+        t = self._root()._storage
+        if t is None:
+            return
+        if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape, strict=True)) or (
+            torch._debug_has_internal_overlap(t) == 1
+        ):
+            raise ValueError(
+                f"[{who}] {name} must have one memory location per element (not an expanded or "
+                f"overlapping tensor), got strides {tuple(t.stride())} for shape {tuple(t.shape)}"
+            )
 
     # -- internals used by kernels ------------------------------------------------------
 
@@ -311,11 +346,20 @@ class Image:
     def _note_writer(self, command_buffer: CommandBuffer) -> None:
         self._root()._writer = command_buffer
 
-    def _write_block(self, block: torch.Tensor, z: int, c: int, y: int, x: int) -> None:
+    def _write_block(
+        self,
+        block: torch.Tensor,
+        z: int,
+        c: int,
+        y: int,
+        x: int,
+        source: torch.Tensor | None = None,
+    ) -> None:
         """Write ``block`` (images, channels, rows, cols) at (z, c, y, x); runs at execution.
 
-        A freshly computed ``block`` that covers a still-unallocated image becomes its storage.
-        Blocks must never alias another image's storage.
+        A freshly computed ``block`` that covers a still-unallocated image becomes its storage
+        (no copy). A view, or the ``source`` tensor itself, is copied instead, so that a
+        destination never shares memory with an input.
         """
         root = self._root()
         z += self._index
@@ -324,6 +368,8 @@ class Image:
             and not (z or c or y or x)
             and block.shape == root._shape
             and block.dtype == root._dtype
+            and block._base is None
+            and (source is None or block.data_ptr() != source.data_ptr())
         ):
             root._storage = block
             return
@@ -366,7 +412,7 @@ class TemporaryImage(Image):
         self._read_count = 1
         self._released_by: str | None = None
         self._freed = False
-        command_buffer.add_completed_handler(_release_temporary(self))
+        command_buffer._on_enqueued(_release_temporary(self))
 
     @classmethod
     def from_descriptor(
@@ -435,12 +481,12 @@ class TemporaryImage(Image):
 
 
 def _release_temporary(image: TemporaryImage) -> Any:
-    def handler(_cb: CommandBuffer) -> None:
+    def hook() -> None:
         if image._released_by is None:
             image._released_by = "its command buffer completed"
         image._free_storage()
 
-    return handler
+    return hook
 
 
 class ImageAllocator(Protocol):

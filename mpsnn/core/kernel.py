@@ -1,7 +1,12 @@
 """The kernel base (`Kernel`, MPS ``MPSKernel``) and the checks every encode shares.
 
 Subclasses: `mpsnn.core.cnn_kernel.CNNKernel` (one source), `mpsnn.core.binary.BinaryKernel`
-(two sources) and `mpsnn.core.binary.GradientKernel`.
+(two sources) and `mpsnn.core.binary.GradientKernel`. Every encode ends in
+`mpsnn.core.encode.apply_encoding` (see that module for the validate → plan → apply steps).
+
+Kernels cache plans per configuration. Any assignment of a public attribute (a property such
+as ``edge_mode`` or ``zero_pad_size_x``) bumps the kernel's configuration number, which is
+part of every plan key, so a cached plan never outlives the configuration it was made for.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from typing import Any
 
 from mpsnn.core._checks import check_int, check_type
 from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.encode import Encoding, apply_encoding
 from mpsnn.core.geometry import PaddingMethod, Region
 from mpsnn.core.image import Image, TemporaryImage
 from mpsnn.core.image_batch import ImageBatch
@@ -35,6 +41,8 @@ class KernelOptions(enum.IntFlag):
 class Kernel:
     """Base of every kernel (MPS ``MPSKernel``): a device, a label and options."""
 
+    _config = 0  # bumped by every public assignment: part of every plan-cache key
+
     def __init__(self, device: Device) -> None:
         if not isinstance(device, Device):
             raise TypeError(
@@ -43,6 +51,15 @@ class Kernel:
         self._device = device
         self._options = KernelOptions.NONE
         self.label: str | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name[0] != "_":
+            object.__setattr__(self, "_config", self._config + 1)
+
+    def _apply(self, cb: CommandBuffer, enc: Encoding) -> list[Image | None]:
+        """Apply a validated plan: the only step of an encode that changes anything."""
+        return apply_encoding(self, cb, enc)
 
     @property
     def device(self) -> Device:
@@ -88,6 +105,21 @@ class Kernel:
                 f"[{who}] {name} is a TemporaryImage of another command buffer; a temporary "
                 "image must be used on the command buffer it was made for"
             )
+        return image
+
+    def _check_destination(self, cb: CommandBuffer, image: Any, name: str, *inputs: Image) -> Image:
+        """A destination: an image of this device that every element can be written to, and
+        that shares no storage with any input."""
+        who = type(self).__name__
+        self._check_image(cb, image, name)
+        image._check_writable(who, name)
+        root = image._root()
+        for src in inputs:
+            if src is not None and src._root() is root:
+                raise ValueError(
+                    f"[{who}] {name} must not alias an input (MPS forbids in-place encodes), "
+                    "got the same image"
+                )
         return image
 
     def _check_state(self, cb: CommandBuffer, state: Any, name: str, kind: type) -> Any:

@@ -1,26 +1,34 @@
-"""States: what a forward kernel hands its gradient kernel (SPEC §3, MPS ``MPSState``).
+"""States: what a forward kernel hands its gradient kernel (MPS ``MPSState``).
 
 A permanent state has ``read_count`` 0 and lives as long as Python references it. A temporary
 state (made with a command buffer) starts at ``read_count`` 1; each gradient encode that reads
 it drops the count, and at 0 its tensors are freed after that encode's command has run. Any
 later use raises `StaleResourceError`, naming the state and the kernel.
 
-`GradientState` records the forward kernel's geometry at encode time (`ForwardRecord`), so a
-gradient kernel never takes geometry of its own that could contradict the forward.
+`GradientState` holds the forward encode's `ForwardRecord` (geometry plus the family's typed
+parameters), so a gradient kernel never takes geometry of its own that could contradict the
+forward, and never reads the forward kernel's attributes.
+
+`AccumulatorState` is the base of every state that sums work (weight and bias gradients,
+batch-normalization statistics and their gradients): whether a write stores or adds is decided
+when the work *runs*, so any commit order, abandoned command buffers and several queues give
+the sum of the work that ran.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.device import CommandBuffer, CommandQueue, Device
 from mpsnn.core.geometry import EdgeMode, Offset, Region, Window
 from mpsnn.errors import StaleResourceError
 
 __all__ = [
+    "AccumulatorState",
     "BinaryGradientState",
     "ForwardRecord",
     "GradientState",
@@ -62,7 +70,7 @@ class State:
         self._released_by: str | None = None
         self.label = label
         if command_buffer is not None:
-            command_buffer.add_completed_handler(_release_state(self))
+            command_buffer._on_enqueued(_release_state(self))
 
     @property
     def device(self) -> Device:
@@ -143,8 +151,9 @@ class State:
 
     def _release(self, why: str) -> None:
         self._released_by = why
-        assert self._command_buffer is not None  # only temporary states are released
-        self._command_buffer.release_after_last(self)
+        cb = self._command_buffer
+        if cb is not None:
+            cb.release_after_last(self)
 
     def _free_storage(self) -> None:
         """Drop the tensors (called after the last reader ran); subclasses clear theirs."""
@@ -154,27 +163,29 @@ class State:
         return f"<{self._describe()} {kind} on {self._device.torch_device}>"
 
 
-def _release_state(state: State) -> Any:
-    def handler(_cb: CommandBuffer) -> None:
+def _release_state(state: State) -> Callable[[], None]:
+    def hook() -> None:
         if state._released_by is None:
             state._released_by = "its command buffer completed"
         state._free_storage()
 
-    return handler
+    return hook
 
 
-class ForwardRecord(NamedTuple):
-    """The forward encode's geometry, as a gradient kernel needs it.
+@dataclass(frozen=True, slots=True, eq=False)
+class ForwardRecord:
+    """What a forward encode did, as its gradient kernel needs it (written at encode time).
 
     Attributes:
-        kernel: the forward kernel.
+        kernel: the forward kernel (MPS states expose it: ``convolution``, ...). Gradient
+            kernels read ``params``, never the kernel's attributes.
         window: images, channels and the per-axis windows the forward used.
         edge_mode: the forward edge mode.
-        offset, clip_rect: the forward properties as set at encode time.
+        offset, clip_rect: the forward properties as they were at encode time.
         source_shape: ``(N, C, H, W)`` of the forward source.
         destination_shape: ``(N, C, H, W)`` of the forward destination.
-        extra: family data (weights used, fused neuron, ...).
-        batch: whether an ``encode_batch`` made it.
+        params: the family's typed record (a frozen dataclass: weights used, neuron, plans).
+        batch: made by ``encode_batch`` (the gradient may take the batch's images one by one).
     """
 
     kernel: Any
@@ -184,8 +195,12 @@ class ForwardRecord(NamedTuple):
     clip_rect: Region
     source_shape: tuple[int, int, int, int]
     destination_shape: tuple[int, int, int, int]
-    extra: Any = None
-    batch: bool = False  # made by encode_batch: gradients may take the batch's images one by one
+    params: Any = None
+    batch: bool = False
+
+    @property
+    def forward_class(self) -> type:
+        return type(self.kernel)
 
     def same_geometry(self, other: ForwardRecord) -> bool:
         """True when two encodes used the same spatial and channel geometry (images may differ)."""
@@ -240,21 +255,112 @@ class GradientState(State):
             )
         return self._forward
 
-    def _record_forward(self, record: ForwardRecord, who: str) -> None:
-        """Store the forward geometry; a state shared by several encodes must see one geometry."""
+    def _check_record(self, record: ForwardRecord, who: str) -> None:
+        """Raise if a state shared by several encodes would see two geometries."""
         if self._forward is not None and not self._forward.same_geometry(record):
             raise ValueError(
                 f"[{who}] a gradient state shared by several encodes needs the same geometry "
                 f"at each encode, got {self._forward.window} then {record.window}"
             )
-        self._forward = record
 
 
 class BinaryGradientState(GradientState):
-    """Gradient state of a two-input forward kernel (MPS ``MPSNNBinaryGradientState``).
+    """Gradient state of a two-input forward kernel (MPS ``MPSNNBinaryGradientState``)."""
 
-    Its record's ``extra`` holds the secondary source's geometry.
+
+class AccumulatorState(GradientState):
+    """A gradient state whose contents are sums of the work that ran.
+
+    Sums are float32 (float64 when the values are float64, for verification). A write
+    (`_accumulate`, called by a command as it runs) stores when nothing has been accumulated
+    since the state was made or `reset`, and otherwise adds (or merges, for statistics):
+    the decision is made at run time, never at encode time, so commit order, abandoned command
+    buffers and several queues do not matter. Writes from different queues are ordered on the
+    device (the later stream waits for the earlier one). A captured command buffer records the
+    decision it made when it was captured, which is what one training step per replay needs.
     """
+
+    def __init__(
+        self,
+        device: Device,
+        *,
+        command_buffer: CommandBuffer | None = None,
+        label: str | None = None,
+    ) -> None:
+        super().__init__(device, command_buffer=command_buffer, label=label)
+        self._sums: list[torch.Tensor] | None = None
+        self._writer_queue: CommandQueue | None = None
+
+    @property
+    def has_accumulated(self) -> bool:
+        """True once a write has run since the state was made or reset (host view)."""
+        return self._sums is not None
+
+    def reset(self) -> None:
+        """Clear the sums: the next write that runs stores instead of adding."""
+        self._check_live("reset")
+        self._sums = None
+
+    def _accumulate(
+        self,
+        cb: CommandBuffer,
+        values: Sequence[torch.Tensor],
+        merge: Callable[[list[torch.Tensor], Sequence[torch.Tensor]], None] | None = None,
+        *,
+        fresh: bool = True,
+    ) -> None:
+        """Add ``values`` to the sums (run time). ``merge(sums, values)`` updates the sums in
+        place instead of adding; ``fresh``: the values are new tensors nobody else holds, so
+        the first write may adopt them."""
+        q = cb._queue
+        prev = self._writer_queue
+        if prev is not None and prev is not q and q._stream is not None and not cb._captured:
+            q._stream.wait_stream(prev._stream)
+        self._writer_queue = q
+        sums = self._sums
+        if sums is None:
+            self._sums = [_widen(v, fresh) for v in values]
+            return
+        for i, (s, v) in enumerate(zip(sums, values, strict=True)):
+            want = _acc(v.dtype)
+            if s.dtype != want and want == torch.float64:
+                sums[i] = s.double()  # float64 verification runs accumulate in float64
+        if merge is not None:
+            merge(sums, values)
+        elif all(s.dtype == v.dtype for s, v in zip(sums, values, strict=True)):
+            torch._foreach_add_(sums, list(values))  # one launch for all on CUDA
+        else:
+            for s, v in zip(sums, values, strict=True):
+                s.add_(v)  # add_ promotes a float16/bfloat16 value itself
+
+    def _zeros(self) -> list[torch.Tensor]:
+        """The sums of no work (subclasses that can be read before a write return them)."""
+        raise NotImplementedError
+
+    def _sum(self, index: int) -> torch.Tensor:
+        """Sum ``index``. Read before any write, the sums become zeros that later writes add
+        into, so a tensor obtained early sees the work that runs afterwards."""
+        self._check_live(None)
+        if self._sums is None:
+            self._sums = self._zeros()
+        return self._sums[index]
+
+    def resources(self) -> list[torch.Tensor]:
+        return list(self._sums or ())
+
+    def _free_storage(self) -> None:
+        self._sums = None
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _widen(v: torch.Tensor, fresh: bool) -> torch.Tensor:
+    want = _acc(v.dtype)
+    if v.dtype == want:
+        return v if fresh else v.clone()
+    return v.to(want)
 
 
 class StateBatch(list[Any]):
@@ -265,13 +371,7 @@ class StateBatch(list[Any]):
 
     def unique(self) -> list[Any]:
         """The distinct states, in first-appearance order."""
-        seen: set[int] = set()
-        out = []
-        for s in self:
-            if id(s) not in seen:
-                seen.add(id(s))
-                out.append(s)
-        return out
+        return _unique(self)
 
     def increment_read_count(self, amount: int) -> int:
         """Add ``amount`` to each distinct temporary state's read count; returns the number of
@@ -285,3 +385,13 @@ class StateBatch(list[Any]):
     @classmethod
     def of(cls, states: Iterable[Any]) -> StateBatch:
         return cls(states)
+
+
+def _unique(items: Iterable[Any]) -> list[Any]:
+    seen: set[int] = set()
+    out = []
+    for s in items:
+        if id(s) not in seen:
+            seen.add(id(s))
+            out.append(s)
+    return out

@@ -12,36 +12,33 @@ indexes the mask: ``(c * Hm + y) * Wm + x`` over the *mask* shape, where an axis
 ``mask_stride_in_pixels`` is 0 has extent 1 (the mask is broadcast along it). The same bits come
 from the portable path (int64 tensor arithmetic, written so that no product overflows) and from
 the Triton kernel, on any device: a gradient regenerates exactly its forward's mask.
+
+The key is device data: a one-element int64 tensor computed on the device from the seed and a
+device counter (`stream_key_tensor`), so that work captured into a CUDA graph draws new masks
+at every replay.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
+from mpsnn.ops import triton as fast_paths
 from mpsnn.ops._dtypes import acc_dtype
+from mpsnn.ops.plans import DropoutGeometry
 
 __all__ = [
     "DropoutGeometry",
     "dropout_apply",
     "dropout_apply_portable",
+    "dropout_geometry",
     "keep_mask",
     "mix32",
     "stream_key",
+    "stream_key_tensor",
 ]
 
 M32 = 0xFFFFFFFF
 _K1, _K2 = 0x7FEB352D, 0x846CA68B
-
-
-class DropoutGeometry(NamedTuple):
-    """``threshold``: keep when the hash is below it; ``scale``: ``1 / keep_probability``;
-    ``strides``: the mask strides (channels, y, x), each 0 (broadcast) or 1."""
-
-    threshold: int
-    scale: float
-    strides: tuple[int, int, int]
 
 
 def dropout_geometry(keep_probability: float, strides: tuple[int, int, int]) -> DropoutGeometry:
@@ -61,7 +58,17 @@ def mix32(h: int) -> int:
 
 def stream_key(seed: int, counter: int) -> int:
     """Key of one encode of a dropout kernel: its seed (64 bits) and encode number."""
-    return mix32(mix32((seed & M32) ^ 0x9E3779B9) ^ mix32(seed >> 32) ^ mix32(counter + 0x632BE5AB))
+    return mix32(_seed_part(seed) ^ mix32(counter + 0x632BE5AB))
+
+
+def _seed_part(seed: int) -> int:
+    return mix32((seed & M32) ^ 0x9E3779B9) ^ mix32(seed >> 32)
+
+
+def stream_key_tensor(seed: int, counter: torch.Tensor) -> torch.Tensor:
+    """`stream_key` computed on the counter's device: ``counter`` is a one-element int64 tensor
+    (the number of encodes so far); returns a one-element int64 tensor in [0, 2^32)."""
+    return _mix(_mix((counter + 0x632BE5AB) & M32) ^ _seed_part(seed))
 
 
 def _mul32(h: torch.Tensor, k: int) -> torch.Tensor:
@@ -80,21 +87,24 @@ def _mix(h: torch.Tensor) -> torch.Tensor:
 
 
 def keep_mask(
-    key: int, first_image: int, shape: tuple[int, int, int, int], geom: DropoutGeometry,
-    device: torch.device,
+    key: int | torch.Tensor, first_image: int, shape: tuple[int, int, int, int],
+    geom: DropoutGeometry, device: torch.device,
 ) -> torch.Tensor:  # fmt: skip
-    """Boolean mask of shape ``(N, Cm, Hm, Wm)`` (broadcastable to ``shape``)."""
+    """Boolean mask of shape ``(N, Cm, Hm, Wm)`` (broadcastable to ``shape``); ``key`` is an
+    int or a one-element int64 tensor."""
     n, c, h, w = shape
     sc, sy, sx = geom.strides
     cm, hm, wm = (c if sc else 1), (h if sy else 1), (w if sx else 1)
     e = torch.arange(cm * hm * wm, dtype=torch.int64, device=device).view(1, cm, hm, wm)
     images = torch.arange(first_image, first_image + n, dtype=torch.int64, device=device)
+    if isinstance(key, torch.Tensor):
+        key = key.reshape(1).to(device)
     image_keys = _mix(key ^ _mix(images + 1)).view(n, 1, 1, 1)
     return _mix(_mix(e) ^ image_keys) < geom.threshold
 
 
 def dropout_apply_portable(
-    t: torch.Tensor, key: int, first_image: int, geom: DropoutGeometry
+    t: torch.Tensor, key: int | torch.Tensor, first_image: int, geom: DropoutGeometry
 ) -> torch.Tensor:
     """``t * keep * scale`` (forward, or the gradient with ``t = g``), on any device."""
     keep = keep_mask(key, first_image, tuple(t.shape), geom, t.device)
@@ -104,12 +114,9 @@ def dropout_apply_portable(
 
 
 def dropout_apply(
-    t: torch.Tensor, key: int, first_image: int, geom: DropoutGeometry
+    t: torch.Tensor, key: torch.Tensor, first_image: int, geom: DropoutGeometry
 ) -> torch.Tensor:
-    from mpsnn.ops import triton as fast_paths
-
-    if fast_paths.dropout_eligible(t):
-        from mpsnn.ops.triton.dropout import dropout_apply_triton
-
-        return dropout_apply_triton(t, key, first_image, geom)
-    return dropout_apply_portable(t, key, first_image, geom)
+    """``t * keep * scale`` with the mask of ``key`` (a one-element int64 tensor on t's
+    device): the Triton kernel on CUDA, the portable path elsewhere (same bits)."""
+    fast = fast_paths.dropout_apply(t, key, first_image, geom)
+    return fast if fast is not None else dropout_apply_portable(t, key, first_image, geom)

@@ -32,17 +32,30 @@ domain give what PyTorch gives; they are not errors.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from mpsnn.ops._dtypes import device_constant
 
-__all__ = ["neuron_derivative", "neuron_forward"]
+__all__ = [
+    "NeuronParams",
+    "activation",
+    "activation_backward",
+    "activation_slope",
+    "neuron_derivative",
+    "neuron_forward",
+]
 
 # Type codes match `mpsnn.cnn.neuron.NeuronType` (MPS MPSCNNNeuronType values).
 NONE, RELU, LINEAR, SIGMOID, HARD_SIGMOID, TANH, ABSOLUTE, SOFT_PLUS = range(8)
 SOFT_SIGN, ELU, PRELU, RELU_N, POWER, EXPONENTIAL, LOGARITHM, GELU = range(8, 16)
+
+# Types whose formula loses precision in float16/bfloat16 arithmetic: computed in float32.
+_TRANSCENDENTAL = frozenset(
+    {SIGMOID, TANH, SOFT_PLUS, SOFT_SIGN, ELU, POWER, EXPONENTIAL, LOGARITHM, GELU}
+)
 
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -145,3 +158,37 @@ def neuron_derivative(
         cdf = 0.5 * (1 + torch.erf(x * _INV_SQRT2))
         return cdf + x * torch.exp(-0.5 * x * x) * _INV_SQRT_2PI
     raise ValueError(f"[NeuronGradient] neuron type must be 0..15, got {kind}")
+
+
+class NeuronParams(NamedTuple):
+    """A neuron as the math needs it: type code, parameters and PRELU slopes (or None)."""
+
+    kind: int
+    a: float
+    b: float
+    c: float
+    data: torch.Tensor | None
+
+
+def _upcast(p: NeuronParams, x: torch.Tensor) -> torch.Tensor:
+    if p.kind in _TRANSCENDENTAL and x.dtype in (torch.float16, torch.bfloat16):
+        return x.float()
+    return x
+
+
+def activation(p: NeuronParams, x: torch.Tensor) -> torch.Tensor:
+    """``f(x)`` in ``x``'s dtype (transcendental types computed in float32)."""
+    return neuron_forward(p.kind, _upcast(p, x), p.a, p.b, p.c, p.data).to(x.dtype)
+
+
+def activation_slope(p: NeuronParams, x: torch.Tensor) -> torch.Tensor:
+    """``f'(x)`` in ``x``'s dtype (transcendental types computed in float32)."""
+    return neuron_derivative(p.kind, _upcast(p, x), p.a, p.b, p.c, p.data).to(x.dtype)
+
+
+def activation_backward(p: NeuronParams, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``g * f'(x)``: the gradient of the neuron's input, in ``g``'s dtype."""
+    if g.dtype != x.dtype:
+        wide = torch.promote_types(g.dtype, x.dtype)
+        return (g.to(wide) * activation_slope(p, x.to(wide))).to(g.dtype)
+    return g * activation_slope(p, x)

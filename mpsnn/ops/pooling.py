@@ -19,15 +19,14 @@ Sums and norms of float16/bfloat16 data are computed in float32.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
 from mpsnn.core.geometry import AxisWindow, EdgeMode
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops._dtypes import device_constant, widen
-from mpsnn.ops.window import ExtractPlan, apply_extract, apply_extract_adjoint, plan_extract
+from mpsnn.ops.plans import PoolGeometry
+from mpsnn.ops.window import apply_extract, apply_extract_adjoint, plan_extract
 
 __all__ = [
     "PoolGeometry",
@@ -42,23 +41,6 @@ __all__ = [
 
 _max_pool_backward = torch.ops.aten.max_pool2d_with_indices_backward.default
 _avg_pool_backward = torch.ops.aten.avg_pool2d_backward.default
-
-
-class PoolGeometry(NamedTuple):
-    """Windows, edge mode and how the source is prepared, made once per configuration.
-
-    ``valid_y``/``valid_x``: the per-axis interval ``[lo, hi)`` whose taps count in an average's
-    divisor (None: every tap counts). ``counts``: for each output row and column, how many taps
-    lie inside it (None when every tap counts: the divisor is the window area).
-    """
-
-    y: AxisWindow
-    x: AxisWindow
-    edge: EdgeMode
-    plan: ExtractPlan
-    valid_y: tuple[int, int] | None
-    valid_x: tuple[int, int] | None
-    counts: tuple[tuple[int, ...], tuple[int, ...]] | None
 
 
 def pool_geometry(
@@ -101,11 +83,8 @@ def max_pool_forward(x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
 
 def max_pool_backward(g: torch.Tensor, x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
     """Route each output's gradient to the first maximum of its window (recomputed from ``x``)."""
-    if fast_paths.max_pool_backward_eligible(g, x, geom):
-        from mpsnn.ops.triton.pooling import max_pool_backward_triton
-
-        return max_pool_backward_triton(g, x, geom)
-    return max_pool_backward_portable(g, x, geom)
+    fast = fast_paths.max_pool_backward(g, x, geom)
+    return fast if fast is not None else max_pool_backward_portable(g, x, geom)
 
 
 def max_pool_backward_portable(

@@ -98,19 +98,26 @@ def test_reload_on_the_command_buffer_affects_later_encodes_only(device: str) ->
         )
 
 
-def test_reload_from_the_data_source_keeps_already_encoded_work() -> None:
+def test_reload_from_the_data_source_updates_the_master_weights_in_place() -> None:
+    """The CPU path copies into the kernel's master tensors now: committed work keeps the
+    weights it ran with, work that runs afterwards reads the new ones, and tensors obtained
+    before the reload (an optimizer's, a captured graph's) see the new values."""
     dev = m.Device("cpu")
     desc = m.ConvolutionDescriptor(1, 1, 1, 1)
     ds = m.TensorConvolutionDataSource(desc, torch.full((1, 1, 1, 1), 2.0))
     conv = m.Convolution(dev, ds)
+    held = conv.weights
     x = m.Image.from_tensor(torch.ones(1, 1, 1, 1))
     cb = dev.new_command_queue().command_buffer()
     old = conv.encode(cb, x)
+    run(cb)
     ds.set_weights_and_biases(torch.full((1, 1, 1, 1), 7.0))
     conv.reload_weights_and_biases_from_data_source()
+    cb = dev.new_command_queue().command_buffer()
     new = conv.encode(cb, x)
     run(cb)
     assert (old.tensor.item(), new.tensor.item()) == (2.0, 7.0)
+    assert held.item() == 7.0 and held.data_ptr() == conv.weights.data_ptr()
     with pytest.raises(
         ValueError, match=r"\[Convolution\] the data source's descriptor must not change"
     ):

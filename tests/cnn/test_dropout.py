@@ -118,7 +118,7 @@ def test_triton_dropout_equals_portable(strides, dtype, device) -> None:
     t = torch.randn(3, 5, 7, 9, generator=gen).to(dtype).to(device)
     for keep in (0.3, 0.9):
         geom = dropout_geometry(keep, strides)
-        key = stream_key(2**40 + 17, 3)
+        key = torch.tensor([stream_key(2**40 + 17, 3)], device=device)
         got = triton_dropout.dropout_apply_triton(t, key, 2, geom)
         want = dropout_apply_portable(t, key, 2, geom)
         assert torch.equal(got != 0, want != 0)  # the same mask bits

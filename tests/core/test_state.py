@@ -46,7 +46,7 @@ def test_permanent_state_has_no_read_count() -> None:
     assert not state.is_temporary and state.read_count == 0
     assert state.resource_size() == 0  # accumulators are made by the first gradient
     assert state.gradient_for_weights.abs().sum() == 0  # ... or read as zeros before one
-    assert state.resource_size() == (2 * 2 * 3 * 3 + 2) * 4 - 2 * 4
+    assert state.resource_size() == (2 * 2 * 3 * 3 + 2) * 4  # weights and biases
     with pytest.raises(
         ValueError,
         match=r"\[ConvolutionGradientState\] read_count can only be set on a temporary state, got a permanent one",

@@ -50,12 +50,13 @@ def test_dispatch_picks_triton_only_where_it_applies() -> None:
     )
     cpu = torch.zeros(1, 1, 4, 4)
     assert fast_paths.pool_tiles(geom) and not fast_paths.pool_tiles(overlap)
-    assert not fast_paths.max_pool_backward_eligible(cpu[..., :2, :2], cpu, geom)  # CPU tensors
+    assert fast_paths.max_pool_backward(cpu[..., :2, :2], cpu, geom) is None  # CPU tensors
     if torch.cuda.is_available():
         gpu = cpu.cuda()
-        assert fast_paths.max_pool_backward_eligible(gpu[..., :2, :2], gpu, geom)
+        assert fast_paths.max_pool_backward(gpu[..., :2, :2], gpu, geom) is not None
+        assert fast_paths.max_pool_backward(gpu[..., :3, :3], gpu, overlap) is None
         fast_paths.set_enabled(False)
         try:
-            assert not fast_paths.max_pool_backward_eligible(gpu[..., :2, :2], gpu, geom)
+            assert fast_paths.max_pool_backward(gpu[..., :2, :2], gpu, geom) is None
         finally:
             fast_paths.set_enabled(True)

@@ -1,7 +1,8 @@
 """Convolution data sources, weight states, and the weight sets kernels encode with (SPEC §7).
 
 Weights cross the data-source boundary in the MPS OHWI layout, float32 (float64 is kept as
-float64, for verification). Kernels convert them once into an OIHW `WeightSet` on their device.
+float64, for verification). Each kernel keeps OIHW master tensors (`ConvWeights`) on its
+device and updates them in place.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ __all__ = [
     "ConvolutionDataSource",
     "ConvolutionWeightsAndBiasesState",
     "TensorConvolutionDataSource",
-    "WeightSet",
+    "ConvWeights",
 ]
 
 
@@ -161,13 +162,16 @@ class TensorConvolutionDataSource(ConvolutionDataSource):
         return f"TensorConvolutionDataSource({self._descriptor!r}, label={self._label!r})"
 
 
-class WeightSet:
-    """OIHW weights and bias on a device, with casts made once per dtype.
+class ConvWeights:
+    """A kernel's master weights: OIHW ``weight`` and ``(O,)`` ``bias`` on its device, float32
+    (float64 when the data source gives float64), updated **in place** by reloads and
+    optimizers, so that anything recorded earlier (a captured CUDA graph, an optimizer's
+    multi-tensor list) keeps reading the current values.
 
-    A kernel encodes with the set current at encode time; reloading makes a new set, so work
-    already encoded keeps the weights it was encoded with (MPS copies at encode, too). A set
-    filled by a command (GPU reload) is only read by later commands, which is when the casts
-    are made.
+    Low-precision copies for float16/bfloat16 images are made when a command runs and cached
+    against the master's version counter (any in-place change, also through a view, bumps it);
+    while a CUDA graph is being captured they are always made, so that the graph recomputes
+    them at every replay. A copy is therefore never stale.
     """
 
     __slots__ = ("_casts", "bias", "weight")
@@ -175,27 +179,45 @@ class WeightSet:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight
         self.bias = bias
-        self._casts: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._casts: dict[torch.dtype, tuple[int, torch.Tensor, torch.Tensor | None]] = {}
 
     @classmethod
     def from_ohwi(
         cls, weights: torch.Tensor, biases: torch.Tensor | None, device: Device
-    ) -> WeightSet:
+    ) -> ConvWeights:
         dev = device.torch_device
         w = weights.to(dev).permute(0, 3, 1, 2).contiguous()
         b = biases.to(dev).clone() if biases is not None else None
         return cls(w, b)
 
+    def load_ohwi(self, weights: torch.Tensor, biases: torch.Tensor | None) -> None:
+        """Copy new OHWI values into the masters, in place (now, on the current stream)."""
+        self.weight.copy_(weights.permute(0, 3, 1, 2))
+        if biases is not None:
+            if self.bias is None:
+                self.bias = torch.zeros_like(
+                    biases, dtype=self.weight.dtype, device=self.weight.device
+                )
+            self.bias.copy_(biases)
+
+    def _version(self) -> int:
+        v = self.weight._version
+        return v if self.bias is None else v + (self.bias._version << 32)
+
     def cast(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Weights and bias in ``dtype`` (computed at first use, then cached)."""
+        """Weights and bias in ``dtype`` (run time: see the class docstring)."""
         if dtype == self.weight.dtype:
             return self.weight, self.bias
-        got = self._casts.get(dtype)
-        if got is None:
+        if self.weight.is_cuda and torch.cuda.is_current_stream_capturing():
             b = self.bias.to(dtype) if self.bias is not None else None
-            got = (self.weight.to(dtype), b)
+            return self.weight.to(dtype), b
+        version = self._version()
+        got = self._casts.get(dtype)
+        if got is None or got[0] != version:
+            b = self.bias.to(dtype) if self.bias is not None else None
+            got = (version, self.weight.to(dtype), b)
             self._casts[dtype] = got
-        return got
+        return got[1], got[2]
 
     @property
     def ohwi(self) -> torch.Tensor:
@@ -244,13 +266,15 @@ class ConvolutionWeightsAndBiasesState(State):
         descriptor: ConvolutionDescriptor,
         *,
         with_biases: bool = True,
+        dtype: torch.dtype = torch.float32,
         command_buffer: CommandBuffer | None = None,
     ) -> ConvolutionWeightsAndBiasesState:
         """Zero weights (and biases) of the descriptor's shape (MPS
         ``initWithDevice:cnnConvolutionDescriptor:``)."""
         dev = device.torch_device
-        w = torch.zeros(descriptor.weights_shape, device=dev)
-        b = torch.zeros(descriptor.output_feature_channels, device=dev) if with_biases else None
+        w = torch.zeros(descriptor.weights_shape, device=dev, dtype=dtype)
+        o = descriptor.output_feature_channels
+        b = torch.zeros(o, device=dev, dtype=dtype) if with_biases else None
         return cls(w, b, command_buffer=command_buffer)
 
     @classmethod

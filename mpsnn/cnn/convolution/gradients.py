@@ -11,9 +11,10 @@ source image (secondary) and the forward's `ConvolutionGradientState`, and compu
 * weights and bias: added to the state's ``gradient_for_weights`` (OHWI) and
   ``gradient_for_biases``, summed over every image.
 
-The weights used are the ones the forward encode used (recorded in the state), so the gradient
-is always the adjoint of the forward that ran. A fused neuron's gradient is not included (MPS:
-apply the neuron gradient first).
+The weights are the forward kernel's master weights as they are when the gradient runs
+(recorded in the state's `ConvolutionRecord`); an update encoded after the gradient (the
+training graph's order) does not affect it. A fused neuron's gradient is not included (MPS:
+apply the neuron gradient first, `NeuronGradient` with this state).
 """
 
 from __future__ import annotations
@@ -30,16 +31,19 @@ from mpsnn.cnn.convolution.data_source import (
 from mpsnn.cnn.convolution.descriptor import ConvolutionGradientOption
 from mpsnn.cnn.convolution.kernels import (
     Convolution,
+    ConvolutionRecord,
     ConvolutionTranspose,
     FullyConnected,
-    check_fused_neuron,
     read_data_source,
 )
 from mpsnn.cnn.convolution.state import ConvolutionGradientState, ConvolutionTransposeGradientState
+from mpsnn.cnn.neuron_descriptor import FusedNeuron
 from mpsnn.core._checks import check_enum
 from mpsnn.core.binary import Backward, GradientKernel
 from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import Window
+from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord
 from mpsnn.ops.convolution import (
     conv_backward,
@@ -52,6 +56,7 @@ __all__ = ["ConvolutionGradient", "ConvolutionTransposeGradient", "FullyConnecte
 Grads = tuple["torch.Tensor | None", "torch.Tensor | None", torch.Tensor]
 
 
+@gradient_of(Convolution)
 class ConvolutionGradient(GradientKernel):
     """Gradient of `Convolution` (MPS ``MPSCNNConvolutionGradient``).
 
@@ -64,12 +69,11 @@ class ConvolutionGradient(GradientKernel):
     """
 
     _state_class = ConvolutionGradientState
-    _forward_class: type = Convolution
 
     def __init__(self, device: Device, weights: ConvolutionDataSource) -> None:
         who = type(self).__name__
         desc, _, _ = read_data_source(who, weights)
-        check_fused_neuron(who, desc)  # validates it; the neuron's gradient is a separate step
+        FusedNeuron.of(who, desc.fused_neuron_descriptor)  # validates it (its gradient is apart)
         super().__init__(
             device,
             secondary_kernel=(desc.kernel_width, desc.kernel_height),
@@ -122,8 +126,8 @@ class ConvolutionGradient(GradientKernel):
     def reload_weights_and_biases_from_data_source(self) -> None:
         """Re-read the data source's descriptor (it must not change).
 
-        The gradient always uses the weights the forward encode used, taken from the state, so
-        there is no separate copy to refresh; this exists for MPS code that reloads both kernels.
+        The gradient reads its forward kernel's master weights (through the state), so there
+        is no separate copy to refresh; this exists for MPS code that reloads both kernels.
         """
         desc, _, _ = read_data_source(type(self).__name__, self._data_source)
         if desc != self._descriptor:
@@ -141,50 +145,54 @@ class ConvolutionGradient(GradientKernel):
         """
         self._check_command_buffer(command_buffer)
         self._check_state(command_buffer, state, "state", ConvolutionWeightsAndBiasesState)
-        state._consume_read(command_buffer, type(self).__name__)
+        self._apply(command_buffer, Encoding(_nothing, (), (state,)))
 
     # -- gradient-kernel hooks ----------------------------------------------------------
 
     def _check_forward(self, record: ForwardRecord) -> None:
         who = type(self).__name__
-        fwd = record.kernel
-        if fwd._descriptor != self._descriptor:
+        params: ConvolutionRecord = record.params
+        if params.descriptor != self._descriptor:
             raise ValueError(
                 f"[{who}] the gradient's data source must describe the forward kernel "
-                f"({fwd._descriptor!r}), got {self._descriptor!r}"
+                f"({params.descriptor!r}), got {self._descriptor!r}"
             )
 
     def _wants_data_gradient(self) -> bool:
         return bool(self._option & ConvolutionGradientOption.GRADIENT_WITH_DATA)
 
-    def _grads(self, record: ForwardRecord, window: Window) -> Callable[..., Grads]:
-        geom = record.extra[1]  # the forward's geometry (same windows and edge mode)
+    def _grads(self, record: ForwardRecord) -> Callable[..., Grads]:
+        geom = record.params.geometry  # the forward's windows and edge mode
         return lambda g, x, w, nd, nw: conv_backward(g, x, w, geom, nd, nw)
 
-    def _make_backward(self, record: ForwardRecord, window: Window, states: list[Any]) -> Backward:
-        ws = record.extra[0]
-        grads = self._grads(record, window)
+    def _make_backward(
+        self, cb: CommandBuffer, record: ForwardRecord, window: Window, states: list[Any]
+    ) -> Backward:
+        ws = record.params.weights
+        grads = self._grads(record)
         need_data = bool(self._option & ConvolutionGradientOption.GRADIENT_WITH_DATA)
         need_w = bool(self._option & ConvolutionGradientOption.GRADIENT_WITH_WEIGHTS_AND_BIAS)
         groups = _group_by_state(states)
-        # Encode time: which writes come first decides "store" vs "add" at execution.
-        firsts = [state._claim_write() if need_w else False for state, _ in groups]
 
         def backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
             w, _ = ws.cast(x.dtype)
             if len(groups) == 1:
                 dx, dw, db = grads(g, x, w, need_data, need_w)
                 if need_w:
-                    groups[0][0]._accumulate(dw, db, firsts[0])
+                    groups[0][0]._accumulate(cb, (dw, db))
                 return dx
             dx = grads(g, x, w, True, False)[0] if need_data else None
             if need_w:  # distinct states per image: each sums its own images
-                for (state, idx), first in zip(groups, firsts, strict=True):
+                for state, idx in groups:
                     _, dw, db = grads(g[idx], x[idx], w, False, True)
-                    state._accumulate(dw, db, first)
+                    state._accumulate(cb, (dw, db))
             return dx
 
         return backward
+
+
+def _nothing() -> None:
+    """The command of an encode that only consumes a read (its effect is the read count)."""
 
 
 def _group_by_state(states: list[Any]) -> list[tuple[Any, list[int]]]:
@@ -194,6 +202,7 @@ def _group_by_state(states: list[Any]) -> list[tuple[Any, list[int]]]:
     return list(groups.values())
 
 
+@gradient_of(FullyConnected)
 class FullyConnectedGradient(ConvolutionGradient):
     """Gradient of `FullyConnected` (MPS ``MPSCNNFullyConnectedGradient``).
 
@@ -201,21 +210,19 @@ class FullyConnectedGradient(ConvolutionGradient):
     ``db[o] = sum_batch E(o)``.
     """
 
-    _forward_class = FullyConnected
-
-    def _grads(self, record: ForwardRecord, window: Window) -> Callable[..., Grads]:
+    def _grads(self, record: ForwardRecord) -> Callable[..., Grads]:
         return lambda g, x, w, nd, nw: fc_backward(g, x, w, nd, nw)
 
 
+@gradient_of(ConvolutionTranspose)
 class ConvolutionTransposeGradient(ConvolutionGradient):
     """Gradient of `ConvolutionTranspose` (MPS ``MPSCNNConvolutionTransposeGradient``, an
     [13] addition): the exact adjoint, with weight and bias gradients in a
     `ConvolutionTransposeGradientState` laid out as for a convolution."""
 
     _state_class = ConvolutionTransposeGradientState
-    _forward_class = ConvolutionTranspose
 
-    def _grads(self, record: ForwardRecord, window: Window) -> Callable[..., Grads]:
-        geom = record.extra[1]  # the forward's geometry (same windows and edge mode)
-        stride = (record.kernel.stride_in_pixels_y, record.kernel.stride_in_pixels_x)
+    def _grads(self, record: ForwardRecord) -> Callable[..., Grads]:
+        geom = record.params.geometry  # the forward's windows and edge mode
+        stride = record.params.stride
         return lambda g, x, w, nd, nw: conv_transpose_backward(g, x, w, geom, stride, nd, nw)

@@ -1,14 +1,16 @@
 """Forward convolution kernels: `Convolution`, `FullyConnected`, `ConvolutionTranspose`.
 
-Shared by the three (`_ConvolutionBase`): the data source and descriptor, the current
-`WeightSet`, reloads and exports of weights (CPU path and command-buffer path), the fused
-neuron, the accumulator precision option, and ``result_state`` (a `ConvolutionGradientState`
-shared by the whole batch).
+Shared by the three (`_ConvolutionBase`): the data source and descriptor, the master weights
+(`ConvWeights`, updated in place), reloads and exports of weights (CPU path and command-buffer
+path), the fused neuron (`FusedNeuron`), the accumulator precision option, and
+``result_state`` (a `ConvolutionGradientState` shared by the whole batch). What an encode hands
+its gradient is a typed `ConvolutionRecord`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,7 +18,7 @@ import torch
 from mpsnn.cnn.convolution.data_source import (
     ConvolutionDataSource,
     ConvolutionWeightsAndBiasesState,
-    WeightSet,
+    ConvWeights,
     check_weights,
 )
 from mpsnn.cnn.convolution.descriptor import (
@@ -24,12 +26,12 @@ from mpsnn.cnn.convolution.descriptor import (
     ConvolutionDescriptor,
 )
 from mpsnn.cnn.convolution.state import ConvolutionGradientState, ConvolutionTransposeGradientState
-from mpsnn.cnn.neuron import apply_neuron
-from mpsnn.cnn.neuron_descriptor import NeuronDescriptor, NeuronType
+from mpsnn.cnn.neuron_descriptor import FusedNeuron
 from mpsnn.core._checks import check_enum, check_int
-from mpsnn.core.cnn_kernel import CNNKernel, Forward
+from mpsnn.core.cnn_kernel import CNNKernel, Forward, Records
 from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import (
     AxisWindow,
     DestinationSpan,
@@ -40,7 +42,7 @@ from mpsnn.core.geometry import (
     remainder_first,
 )
 from mpsnn.core.image import Image
-from mpsnn.core.state import State, StateBatch
+from mpsnn.core.state import ForwardRecord, State
 from mpsnn.ops.convolution import (
     ConvGeometry,
     conv_forward,
@@ -49,7 +51,26 @@ from mpsnn.ops.convolution import (
     fc_forward,
 )
 
-__all__ = ["Convolution", "ConvolutionTranspose", "FullyConnected"]
+__all__ = ["Convolution", "ConvolutionRecord", "ConvolutionTranspose", "FullyConnected"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ConvolutionRecord:
+    """What a convolution encode hands its gradient (the `ForwardRecord`'s ``params``).
+
+    Attributes:
+        descriptor: the convolution's shape (gradients must describe the same).
+        weights: the kernel's master weights (the gradient reads them when it runs).
+        geometry: the windows, edge mode and source preparation the forward used.
+        neuron: the fused neuron, or None.
+        stride: (y, x) strides (the transpose's gradient needs them).
+    """
+
+    descriptor: ConvolutionDescriptor
+    weights: ConvWeights
+    geometry: ConvGeometry
+    neuron: FusedNeuron | None
+    stride: tuple[int, int]
 
 
 def read_data_source(
@@ -78,25 +99,8 @@ def read_data_source(
     return desc.copy(), w, b
 
 
-def check_fused_neuron(who: str, descriptor: Any) -> NeuronDescriptor | None:
-    """The descriptor's fused neuron (None for none or NONE); PRELU is not allowed (MPS)."""
-    neuron = descriptor.fused_neuron_descriptor
-    if neuron is None:
-        return None
-    if not isinstance(neuron, NeuronDescriptor):
-        raise TypeError(
-            f"[{who}] fused_neuron_descriptor must be a NeuronDescriptor or None, "
-            f"got {type(neuron).__name__}"
-        )
-    if neuron.neuron_type is NeuronType.PRELU:
-        raise ValueError(
-            f"[{who}] a fused neuron must have parameters shared by all channels, got PRELU"
-        )
-    return None if neuron.neuron_type is NeuronType.NONE else neuron
-
-
 class _ConvolutionBase(CNNKernel):
-    """Data source, weights and their reload/export paths (see the module docstring)."""
+    """Data source, master weights and their reload/export paths (see the module docstring)."""
 
     _gradient_state_class = ConvolutionGradientState
     _reused_across_batch = True
@@ -104,7 +108,7 @@ class _ConvolutionBase(CNNKernel):
     def __init__(self, device: Device, weights: ConvolutionDataSource) -> None:
         who = type(self).__name__
         desc, w, b = read_data_source(who, weights)
-        self._neuron = check_fused_neuron(who, desc)
+        neuron = FusedNeuron.of(who, desc.fused_neuron_descriptor)
         super().__init__(
             device,
             kernel_width=desc.kernel_width,
@@ -114,9 +118,10 @@ class _ConvolutionBase(CNNKernel):
             dilation_rate_x=desc.dilation_rate_x,
             dilation_rate_y=desc.dilation_rate_y,
         )
+        self._neuron = neuron
         self._data_source = weights
         self._descriptor = desc
-        self._weights = WeightSet.from_ohwi(w, b, device)
+        self._weights = ConvWeights.from_ohwi(w, b, device)
         self._precision = ConvolutionAccumulatorPrecisionOption.FLOAT
 
     # -- properties ---------------------------------------------------------------------
@@ -124,6 +129,11 @@ class _ConvolutionBase(CNNKernel):
     @property
     def data_source(self) -> ConvolutionDataSource:
         return self._data_source
+
+    @property
+    def descriptor(self) -> ConvolutionDescriptor:
+        """A copy of the convolution's descriptor."""
+        return self._descriptor.copy()
 
     @property
     def input_feature_channels(self) -> int:
@@ -165,19 +175,23 @@ class _ConvolutionBase(CNNKernel):
 
     @property
     def weights(self) -> torch.Tensor:
-        """The current weights in OHWI (a view; valid once reload commands have run)."""
+        """The master weights in OHWI, as a view: writing into it changes what later work reads
+        (on the device, in stream order)."""
         return self._weights.ohwi
 
     @property
     def biases(self) -> torch.Tensor | None:
+        """The master biases ``(O,)`` (None when the layer has none)."""
         return self._weights.bias
 
     # -- weights ------------------------------------------------------------------------
 
     def reload_weights_and_biases_from_data_source(self) -> None:
-        """CPU path: read the data source again now (MPS ``reloadWeightsAndBiasesFromDataSource``).
+        """CPU path: copy the data source's current values into the master weights, in place,
+        now (MPS ``reloadWeightsAndBiasesFromDataSource``).
 
-        Work already encoded keeps the weights it was encoded with.
+        On CUDA the copy is ordered on the current stream: work already committed there reads
+        the old values, work committed afterwards the new ones.
         """
         desc, w, b = read_data_source(type(self).__name__, self._data_source)
         if desc != self._descriptor:
@@ -185,16 +199,15 @@ class _ConvolutionBase(CNNKernel):
                 f"[{type(self).__name__}] the data source's descriptor must not change, "
                 f"got {desc!r} instead of {self._descriptor!r}"
             )
-        self._weights = WeightSet.from_ohwi(w, b, self._device)
+        dev = self._device.torch_device
+        self._weights.load_ohwi(w.to(dev), None if b is None else b.to(dev))
 
     def reload_weights_and_biases(
         self, command_buffer: CommandBuffer, state: ConvolutionWeightsAndBiasesState
     ) -> None:
-        """Command-buffer path: encodes that follow on this buffer use ``state``'s weights.
-
-        The state's read count drops by one
-        (MPS ``reloadWeightsAndBiasesWithCommandBuffer:state:``).
-        """
+        """Command-buffer path: copy ``state``'s weights into the master weights as recorded
+        work; later commands read them. The state's read count drops by one
+        (MPS ``reloadWeightsAndBiasesWithCommandBuffer:state:``)."""
         who = type(self).__name__
         self._check_command_buffer(command_buffer)
         self._check_state(command_buffer, state, "state", ConvolutionWeightsAndBiasesState)
@@ -204,21 +217,17 @@ class _ConvolutionBase(CNNKernel):
                 f"[{who}] state.weights must have the OHWI shape {want}, "
                 f"got {tuple(state._weights.shape)}"
             )
-        dev = self._device.torch_device
-        master = self._weights.weight
-        new = WeightSet(
-            torch.empty(master.shape, dtype=master.dtype, device=dev),
-            None if state._biases is None else torch.empty(want[0], dtype=master.dtype, device=dev),
-        )
+        ws = self._weights
+        if ws.bias is None and state._biases is not None:  # the layer gains a bias
+            ws.bias = torch.zeros(want[0], dtype=ws.weight.dtype, device=ws.weight.device)
+        sw, sb = state._weights, state._biases  # the state may be released before it runs
 
-        def run() -> None:  # reads the state's tensors directly: it may be released by now
-            new.weight.copy_(state._weights.permute(0, 3, 1, 2))
-            if new.bias is not None:
-                new.bias.copy_(state._biases)
+        def run() -> None:
+            ws.weight.copy_(sw.permute(0, 3, 1, 2))
+            if sb is not None:
+                ws.bias.copy_(sb)  # type: ignore[union-attr]
 
-        command_buffer.record(f"{who}.reload_weights_and_biases", run)
-        self._weights = new
-        state._consume_read(command_buffer, who)
+        self._apply(command_buffer, Encoding(run, (), (state,)))
 
     def export_weights_and_biases(
         self, command_buffer: CommandBuffer, result_state_can_be_temporary: bool = False
@@ -231,15 +240,17 @@ class _ConvolutionBase(CNNKernel):
             self._device,
             self._descriptor,
             with_biases=ws.bias is not None,
+            dtype=ws.weight.dtype,
             command_buffer=command_buffer if result_state_can_be_temporary else None,
         )
+        sw, sb = state._weights, state._biases
 
         def run() -> None:
-            state._weights.copy_(ws.ohwi)
-            if ws.bias is not None:
-                state._biases.copy_(ws.bias)
+            sw.copy_(ws.ohwi)  # type: ignore[union-attr]
+            if sb is not None:
+                sb.copy_(ws.bias)
 
-        command_buffer.record(f"{type(self).__name__}.export_weights_and_biases", run)
+        self._apply(command_buffer, Encoding(run))
         return state
 
     # -- encode hooks -------------------------------------------------------------------
@@ -257,9 +268,14 @@ class _ConvolutionBase(CNNKernel):
     def _new_state(self, cb: CommandBuffer | None) -> State | None:
         return self._gradient_state_class(self._device, self, command_buffer=cb)
 
-    def _record_extra(self, window: Window, memo: dict[str, Any]) -> Any:
-        """The weights the gradient must use (those of this encode) and the geometry."""
-        return self._weights, self._geometry(window, memo)
+    def _record_params(self, window: Window, memo: dict[str, Any]) -> ConvolutionRecord:
+        return ConvolutionRecord(
+            self._descriptor,
+            self._weights,
+            self._geometry(window, memo),
+            self._neuron,
+            (self._sy, self._sx),
+        )
 
     def _geometry(self, window: Window, memo: dict[str, Any]) -> ConvGeometry:
         geom = memo.get("geometry")
@@ -268,13 +284,14 @@ class _ConvolutionBase(CNNKernel):
             memo["geometry"] = geom
         return geom
 
-    def _with_precision(self, op: Callable[..., torch.Tensor], states: list[Any]) -> Forward:
-        """The forward of ``op(x, w, b)`` with this encode's weights, the accumulator option and
-        the fused neuron (whose input a training encode keeps in its state)."""
+    def _with_precision(self, op: Callable[..., torch.Tensor], records: Records) -> Forward:
+        """The forward of ``op(x, w, b)`` with the master weights (cast when it runs), the
+        accumulator option and the fused neuron (whose input a training encode keeps in its
+        state, for `NeuronGradient`)."""
         ws = self._weights
         half = self._precision is ConvolutionAccumulatorPrecisionOption.HALF
         neuron = self._neuron
-        keep = StateBatch(states).unique() if (neuron is not None and states) else ()
+        keep = [state for state, _ in records] if neuron is not None else []
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             if half and x.dtype != torch.float16:
@@ -285,7 +302,7 @@ class _ConvolutionBase(CNNKernel):
                 return z
             for state in keep:
                 state._preactivation = z
-            return apply_neuron(neuron, z)
+            return neuron.forward(z)
 
         return forward
 
@@ -306,9 +323,9 @@ class Convolution(_ConvolutionBase):
     dilations, odd and even kernels, offsets, clip rects and both edge modes are supported.
     """
 
-    def _make_forward(self, window: Window, states: list[Any], memo: dict[str, Any]) -> Forward:
+    def _make_forward(self, window: Window, records: Records, memo: dict[str, Any]) -> Forward:
         geom = self._geometry(window, memo)
-        return self._with_precision(lambda x, w, b: conv_forward(x, w, b, geom), states)
+        return self._with_precision(lambda x, w, b: conv_forward(x, w, b, geom), records)
 
 
 class FullyConnected(_ConvolutionBase):
@@ -362,8 +379,8 @@ class FullyConnected(_ConvolutionBase):
                 f"{self._kw}x{self._kh}, got {w}x{h}"
             )
 
-    def _make_forward(self, window: Window, states: list[Any], memo: dict[str, Any]) -> Forward:
-        return self._with_precision(fc_forward, states)
+    def _make_forward(self, window: Window, records: Records, memo: dict[str, Any]) -> Forward:
+        return self._with_precision(fc_forward, records)
 
 
 class ConvolutionTranspose(_ConvolutionBase):
@@ -383,7 +400,8 @@ class ConvolutionTranspose(_ConvolutionBase):
 
     _is_backwards = True
     _gradient_state_class = ConvolutionTransposeGradientState
-    _cache_plans = False  # its policy also sets kernel_offset_x/y
+    # Its padding policy also sets the kernel offsets.
+    _geometry_attrs = (*CNNKernel._geometry_attrs, "_kernel_offset_x", "_kernel_offset_y")
 
     def __init__(self, device: Device, weights: ConvolutionDataSource) -> None:
         super().__init__(device, weights)
@@ -442,17 +460,40 @@ class ConvolutionTranspose(_ConvolutionBase):
             command_buffer, source_image, destination_image, states, False, policy_states
         )
 
-    def _encode(self, cb, src, dst, states, batch, policy_states=None):  # type: ignore[no-untyped-def,override]
-        # The policy also sets kernel_offset_x/y: restore them too if the encode fails.
-        saved = (self._offset, self._kernel_offset_x, self._kernel_offset_y)
-        self._policy_states = policy_states
-        try:
-            return super()._encode(cb, src, dst, states, batch)
-        except Exception:
-            self._offset, self._kernel_offset_x, self._kernel_offset_y = saved
-            raise
-        finally:
-            self._policy_states = None
+    def _pair_with_convolution(
+        self, record: ForwardRecord, suggested: ImageDescriptor
+    ) -> ImageDescriptor:
+        """Size this transpose to undo the convolution of ``record`` exactly (called by the
+        convolution's gradient state while the padding policy runs).
+
+        The result gets the convolution's source size and the kernel offset that makes this
+        transpose the adjoint of the convolution's data map (inventory §2.4):
+        ``T = s * dst_x - start - E + 1 + E // 2`` per axis, with ``start`` the first tap of the
+        convolution's first output and ``dst_x`` where that output was written.
+        """
+        fw = record.window
+        for axis, a, k, st, d in (
+            ("x", fw.x, self._kw, self._sx, self._dx),
+            ("y", fw.y, self._kh, self._sy, self._dy),
+        ):
+            if (a.kernel, a.stride, a.dilation) != (k, st, d):
+                raise ValueError(
+                    f"[ConvolutionTranspose] a transpose paired with a convolution state must "
+                    f"use the convolution's kernel, stride and dilation along {axis} "
+                    f"({a.kernel}, {a.stride}, {a.dilation}), got ({k}, {st}, {d})"
+                )
+
+        def t(a: AxisWindow, dst: int) -> int:
+            e = a.extent
+            return a.stride * dst - a.start - e + 1 + e // 2
+
+        self._offset = Offset(0, 0, self._offset.z)
+        self._kernel_offset_x = t(fw.x, fw.dst_x)
+        self._kernel_offset_y = t(fw.y, fw.dst_y)
+        _, _, h, w = record.source_shape
+        desc = suggested.copy()
+        desc.width, desc.height = w, h
+        return desc
 
     def _policy(self, source_images: Any, source_states: Any) -> tuple[ImageDescriptor, Offset]:
         desc, _ = super()._policy(source_images, source_states)  # reverse sizes
@@ -483,9 +524,9 @@ class ConvolutionTranspose(_ConvolutionBase):
             AxisWindow(cx - ex // 2, span.count_x, self._kw, 1, self._dx, hx),
         )
 
-    def _make_forward(self, window: Window, states: list[Any], memo: dict[str, Any]) -> Forward:
+    def _make_forward(self, window: Window, records: Records, memo: dict[str, Any]) -> Forward:
         geom = self._geometry(window, memo)
         stride = (self._sy, self._sx)
         return self._with_precision(
-            lambda x, w, b: conv_transpose_forward(x, w, b, geom, stride), states
+            lambda x, w, b: conv_transpose_forward(x, w, b, geom, stride), records
         )

@@ -13,7 +13,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["available", "dropout_eligible", "enabled", "max_pool_backward_eligible", "set_enabled"]
+__all__ = [
+    "available",
+    "dropout_apply",
+    "enabled",
+    "max_pool_backward",
+    "pool_tiles",
+    "set_enabled",
+]
 
 _enabled = True
 
@@ -42,11 +49,16 @@ def _runs(*tensors: torch.Tensor) -> bool:
     return _enabled and all(t.is_cuda for t in tensors) and available()
 
 
-def max_pool_backward_eligible(g: torch.Tensor, x: torch.Tensor, geom: Any) -> bool:
-    """Non-overlapping windows (stride == kernel, no dilation) that lie inside the image."""
-    if not _runs(g, x):
-        return False
-    return pool_tiles(geom) and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+def max_pool_backward(g: torch.Tensor, x: torch.Tensor, geom: Any) -> torch.Tensor | None:
+    """The Triton max-pool gradient when it applies (non-overlapping windows, stride ==
+    kernel, no dilation, inside the image; CUDA; float16/bfloat16/float32), else None."""
+    if not (_runs(g, x) and pool_tiles(geom)):
+        return None
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return None
+    from mpsnn.ops.triton.pooling import max_pool_backward_triton
+
+    return max_pool_backward_triton(g, x, geom)
 
 
 def pool_tiles(geom: Any) -> bool:
@@ -57,6 +69,13 @@ def pool_tiles(geom: Any) -> bool:
     return True
 
 
-def dropout_eligible(t: torch.Tensor) -> bool:
-    """CUDA tensors in float16, bfloat16 or float32 (float64 runs on the portable path)."""
-    return _runs(t) and t.dtype in (torch.float16, torch.bfloat16, torch.float32)
+def dropout_apply(
+    t: torch.Tensor, key: torch.Tensor, first_image: int, geom: Any
+) -> torch.Tensor | None:
+    """The Triton dropout for CUDA tensors in float16, bfloat16 or float32, else None (float64
+    runs on the portable path)."""
+    if not (_runs(t) and t.dtype in (torch.float16, torch.bfloat16, torch.float32)):
+        return None
+    from mpsnn.ops.triton.dropout import dropout_apply_triton
+
+    return dropout_apply_triton(t, key, first_image, geom)

@@ -2,9 +2,13 @@
 
 The same integer hash as `mpsnn.ops.dropout`, in native uint32 arithmetic (the portable path
 emulates it with int64 tensors), so the bits equal the portable path's. Bytes moved: the input
-once and the output once; nothing is stored for the gradient, which regenerates the mask.
-One (image, channel) plane per program row: the image key is a per-program scalar, and no
-element needs an integer division unless the mask is broadcast along y or x.
+once and the output once; nothing is stored for the gradient, which regenerates the mask. The
+key is read from device memory (a one-element int64 tensor), so captured work follows it.
+
+Two kernels: without mask broadcasting (the common case) each program takes a contiguous span
+of one image, where the mask index is the element's offset in the image (no integer division,
+no idle lanes at the end of each plane); with broadcasting, one (image, channel) plane per
+program row, with the index math of the broadcast axes.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mpsnn.ops.dropout import DropoutGeometry
+from mpsnn.ops.plans import DropoutGeometry
 
 __all__ = ["dropout_apply_triton"]
 
@@ -35,8 +39,26 @@ def _mix(h):
 
 
 @triton.jit
-def _dropout(
-    t_ptr, out_ptr, key, first_image, C, H, W, threshold, scale,
+def _apply(t_ptr, out_ptr, offs, m, e, image_key, threshold, scale):
+    keep = _mix(_mix(e.to(tl.uint32)) ^ image_key) < threshold.to(tl.uint32)
+    v = tl.load(t_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    out = (v * tl.where(keep, scale, 0.0)).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(out_ptr + offs, out, mask=m)
+
+
+@triton.jit
+def _dropout_flat(t_ptr, out_ptr, key_ptr, first_image, CHW, threshold, scale, BLOCK: tl.constexpr):
+    # a contiguous span of one image per program: the mask index is the offset in the image
+    n = tl.program_id(0)
+    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    key = tl.load(key_ptr).to(tl.uint32)
+    image_key = _mix(key ^ _mix((n + first_image + 1).to(tl.uint32)))
+    _apply(t_ptr, out_ptr, n.to(tl.int64) * CHW + e, e < CHW, e, image_key, threshold, scale)
+
+
+@triton.jit
+def _dropout_planes(
+    t_ptr, out_ptr, key_ptr, first_image, C, H, W, threshold, scale,
     SC: tl.constexpr, SY: tl.constexpr, SX: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # one (image, channel) plane per program row; per-program scalars for the image key
@@ -45,7 +67,6 @@ def _dropout(
     c = plane - n * C
     s = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     hw = H * W
-    m = s < hw
     if SY == 1 and SX == 1:
         spatial = s
     else:
@@ -55,29 +76,33 @@ def _dropout(
     hm = H if SY == 1 else 1
     wm = W if SX == 1 else 1
     e = (c * SC) * hm * wm + spatial
-    image_key = _mix(key.to(tl.uint32) ^ _mix((n + first_image + 1).to(tl.uint32)))
-    keep = _mix(_mix(e.to(tl.uint32)) ^ image_key) < threshold.to(tl.uint32)
-    offs = plane.to(tl.int64) * hw + s
-    v = tl.load(t_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    out = (v * tl.where(keep, scale, 0.0)).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-    tl.store(out_ptr + offs, out, mask=m)
+    key = tl.load(key_ptr).to(tl.uint32)
+    image_key = _mix(key ^ _mix((n + first_image + 1).to(tl.uint32)))
+    _apply(t_ptr, out_ptr, plane.to(tl.int64) * hw + s, s < hw, e, image_key, threshold, scale)
 
 
 def dropout_apply_triton(
-    t: torch.Tensor, key: int, first_image: int, geom: DropoutGeometry
+    t: torch.Tensor, key: torch.Tensor, first_image: int, geom: DropoutGeometry
 ) -> torch.Tensor:
-    """Same result as `mpsnn.ops.dropout.dropout_apply_portable` (float16/bfloat16/float32)."""
+    """Same result as `mpsnn.ops.dropout.dropout_apply_portable` (float16/bfloat16/float32);
+    ``key`` is a one-element int64 tensor on t's device."""
     t = t.contiguous()
     out = torch.empty_like(t)
     n, c, h, w = t.shape
-    block = min(4096, triton.next_power_of_2(h * w))
     sc, sy, sx = geom.strides
-    # 32-bit key and threshold, passed as int32 bit patterns (reinterpreted as uint32 inside)
-    key32 = key - (1 << 32) if key >= (1 << 31) else key
+    # 32-bit threshold as an int32 bit pattern (reinterpreted as uint32 inside)
     thr32 = geom.threshold - (1 << 32) if geom.threshold >= (1 << 31) else geom.threshold
-    _dropout[(n * c, triton.cdiv(h * w, block))](
-        t, out, key32, first_image, c, h, w, thr32,
-        float(np.float32(geom.scale)),  # the float32 the portable path multiplies by
+    scale = float(np.float32(geom.scale))  # the float32 the portable path multiplies by
+    if (sc, sy, sx) == (1, 1, 1):
+        chw = c * h * w
+        block = min(4096, triton.next_power_of_2(chw))
+        _dropout_flat[(n, triton.cdiv(chw, block))](
+            t, out, key, first_image, chw, thr32, scale, BLOCK=block
+        )
+        return out
+    block = min(4096, triton.next_power_of_2(h * w))
+    _dropout_planes[(n * c, triton.cdiv(h * w, block))](
+        t, out, key, first_image, c, h, w, thr32, scale,
         SC=sc, SY=sy, SX=sx, BLOCK=block,
     )  # fmt: skip
     return out

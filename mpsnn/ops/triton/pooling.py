@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mpsnn.ops.pooling import PoolGeometry
+from mpsnn.ops.plans import PoolGeometry
 
 __all__ = ["max_pool_backward_triton"]
 
