@@ -38,7 +38,7 @@ from mpsnn.cnn.convolution import (
 )
 from mpsnn.cnn.dropout import Dropout, DropoutGradient, DropoutGradientState
 from mpsnn.cnn.neuron import Neuron, NeuronGradient
-from mpsnn.cnn.neuron_descriptor import NeuronDescriptor, NeuronType
+from mpsnn.cnn.neuron_descriptor import FusedNeuron, NeuronDescriptor, NeuronType
 from mpsnn.cnn.pooling import (
     DilatedPoolingMax,
     DilatedPoolingMaxGradient,
@@ -61,7 +61,9 @@ from mpsnn.cnn.upsampling import (
 )
 from mpsnn.core import (
     RECT_NO_CLIP,
+    AccumulatorState,
     BinaryGradientState,
+    CapturedCommandBuffer,
     BinaryKernel,
     CNNKernel,
     CommandBuffer,
@@ -92,13 +94,23 @@ from mpsnn.core import (
     State,
     StateBatch,
     TemporaryImage,
+    forward_kernel_of,
+    gradient_kernels_of,
+    gradient_of,
 )
-from mpsnn.errors import MpsnnError, StaleResourceError, UnsupportedError
+from mpsnn.errors import CommandBufferError, MpsnnError, StaleResourceError, UnsupportedError
 
 __version__ = "0.1.0"
 
 __all__ = [
     "RECT_NO_CLIP",
+    "AccumulatorState",
+    "CapturedCommandBuffer",
+    "CommandBufferError",
+    "FusedNeuron",
+    "forward_kernel_of",
+    "gradient_kernels_of",
+    "gradient_of",
     "Add",
     "AddGradient",
     "Arithmetic",

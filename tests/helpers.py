@@ -1,6 +1,7 @@
 """Shared test helpers: comparisons with a per-dtype tolerance table, the adjoint test, devices.
 
-The references in `tests/reference.py` are written from the SPEC's formulas, not from mpsnn.
+The references in `tests/reference.py` are written from the documented formulas
+(docs/semantics.md), not from mpsnn.
 """
 
 from __future__ import annotations

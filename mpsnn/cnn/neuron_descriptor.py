@@ -40,7 +40,7 @@ class NeuronType(enum.IntEnum):
     GELU = 15
 
 
-# Defaults when a parameter is not given (the inventory's "suggested defaults"). RELU_N uses
+# Defaults when a parameter is not given (the usual defaults of each type). RELU_N uses
 # a = 0 so that b = 6 is ReLU6.
 _DEFAULTS: dict[NeuronType, tuple[float, float, float]] = {
     NeuronType.LINEAR: (1.0, 0.0, 0.0),

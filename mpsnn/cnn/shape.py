@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +38,7 @@ from mpsnn.core.image import Image
 from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.errors import UnsupportedError
-from mpsnn.ops._dtypes import acc_dtype, device_constant
-from mpsnn.ops.shape import pad_matrix_on, reshape_hwc
+from mpsnn.ops.shape import PadAxis, pad_axis, pad_backward, pad_forward, reshape_hwc
 
 __all__ = ["Pad", "PadGradient", "Reshape", "ReshapeGradient", "Slice", "SliceGradient"]
 
@@ -48,10 +46,11 @@ __all__ = ["Pad", "PadGradient", "Reshape", "ReshapeGradient", "Slice", "SliceGr
 @dataclass(frozen=True, slots=True, eq=False)
 class PadRecord:
     """What a pad encode hands its gradient: where the source channels start in the result,
-    and the per-axis maps of the forward."""
+    and the per-axis maps (`mpsnn.ops.shape.PadAxis`) of the forward."""
 
     channel_before: int
-    maps: Any
+    y: PadAxis
+    x: PadAxis
 
 
 class Slice(PointwiseKernel):
@@ -255,47 +254,26 @@ class Pad(CNNKernel):
         )
 
     def _make_forward(self, window: Window, records: Records, memo: dict[str, Any]) -> Forward:
-        maps = _pad_maps(window, self._edge_mode)
-        cb = self._before.channel
-        fill, fill_key = self._fill, self._fill_key
-        outside_reads = self._edge_mode is EdgeMode.CONSTANT  # ZERO reads 0 outside
+        ay, ax = _pad_axes(window, self._edge_mode)
+        fill, before, out_c = self._fill, self._before.channel, window.dst_channels
+        outside = self._edge_mode is EdgeMode.CONSTANT  # ZERO reads 0 outside
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            wide = acc_dtype(x.dtype)
-            ty, tx = maps(wide, x.device)
-            body = ty @ (x.to(wide) @ tx.T)
-            inside = (ty.sum(1).view(-1, 1) * tx.sum(1).view(1, -1)).to(body.dtype)  # 1 where read
-            n = x.shape[0]
-            out_c = window.dst_channels
-            out = torch.empty((n, out_c, body.shape[2], body.shape[3]), dtype=wide, device=x.device)
-            f = fill
-            if isinstance(fill, torch.Tensor):
-                f = device_constant(fill_key, wide, x.device, lambda: fill).view(1, -1, 1, 1)
-            out[:] = f
-            mid = slice(cb, cb + x.shape[1])
-            fmid = f[:, mid] if isinstance(f, torch.Tensor) else f
-            out[:, mid] = body + (1 - inside) * fmid if outside_reads else body
-            return out.to(x.dtype)
+            return pad_forward(
+                x, ay, ax, channel_before=before, out_channels=out_c, fill=fill,
+                constant_outside=outside,
+            )  # fmt: skip
 
         return forward
 
     def _record_params(self, window: Window, memo: dict[str, Any]) -> PadRecord:
-        return PadRecord(self._before.channel, _pad_maps(window, self._edge_mode))
+        return PadRecord(self._before.channel, *_pad_axes(window, self._edge_mode))
 
 
-def _pad_maps(
-    window: Window, mode: EdgeMode
-) -> Callable[[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]]:
-    """The forward's two per-axis maps, in a dtype on a device (built once, then shared)."""
+def _pad_axes(window: Window, mode: EdgeMode) -> tuple[PadAxis, PadAxis]:
+    """The forward's two per-axis maps (host-built once per geometry)."""
     y, x = window.y, window.x
-
-    def maps(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        return (
-            pad_matrix_on(y.start, y.count, y.size, mode, dtype, device),
-            pad_matrix_on(x.start, x.count, x.size, mode, dtype, device),
-        )
-
-    return maps
+    return pad_axis(y.start, y.count, y.size, mode), pad_axis(x.start, x.count, x.size, mode)
 
 
 @gradient_of(Pad)
@@ -309,12 +287,6 @@ class PadGradient(GradientKernel):
     def _make_backward(
         self, cb: CommandBuffer, record: ForwardRecord, window: Window, states: list[Any]
     ) -> Backward:
-        maps = record.params.maps
-        c0, n = record.params.channel_before, window.src_channels
-
-        def backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-            wide = acc_dtype(g.dtype)
-            ty, tx = maps(wide, g.device)
-            return (ty.T @ (g[:, c0 : c0 + n].to(wide) @ tx)).to(g.dtype)
-
-        return backward
+        p: PadRecord = record.params
+        c0, n = p.channel_before, window.src_channels
+        return lambda g, x: pad_backward(g, p.y, p.x, channel_before=c0, channels=n)

@@ -7,6 +7,7 @@ from mpsnn.core.descriptor import DataLayout as DataLayout
 from mpsnn.core.descriptor import FeatureChannelFormat as FeatureChannelFormat
 from mpsnn.core.descriptor import ImageDescriptor as ImageDescriptor
 from mpsnn.core.descriptor import ImageReadWriteParams as ImageReadWriteParams
+from mpsnn.core.device import CapturedCommandBuffer as CapturedCommandBuffer
 from mpsnn.core.device import CommandBuffer as CommandBuffer
 from mpsnn.core.device import CommandBufferStatus as CommandBufferStatus
 from mpsnn.core.device import CommandQueue as CommandQueue
@@ -29,6 +30,10 @@ from mpsnn.core.image import TemporaryImage as TemporaryImage
 from mpsnn.core.image_batch import ImageBatch as ImageBatch
 from mpsnn.core.kernel import Kernel as Kernel
 from mpsnn.core.kernel import KernelOptions as KernelOptions
+from mpsnn.core.registry import forward_kernel_of as forward_kernel_of
+from mpsnn.core.registry import gradient_kernels_of as gradient_kernels_of
+from mpsnn.core.registry import gradient_of as gradient_of
+from mpsnn.core.state import AccumulatorState as AccumulatorState
 from mpsnn.core.state import BinaryGradientState as BinaryGradientState
 from mpsnn.core.state import ForwardRecord as ForwardRecord
 from mpsnn.core.state import GradientState as GradientState

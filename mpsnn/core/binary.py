@@ -1,4 +1,4 @@
-"""Two-input kernel bases: `BinaryKernel` and `GradientKernel` (SPEC §5).
+"""Two-input kernel bases: `BinaryKernel` and `GradientKernel`.
 
 A `BinaryKernel` reads a primary and a secondary image, each with its own offset, edge mode,
 channel offset and count, kernel size, stride and dilation.

@@ -1,4 +1,4 @@
-"""The unary kernel base `CNNKernel` (SPEC §5).
+"""The unary kernel base `CNNKernel`.
 
 An encode goes through the same steps for every family (`mpsnn.core.encode`):
 
@@ -183,7 +183,8 @@ class CNNKernel(SharedProperties, Kernel):
         return source_channels
 
     def _axis_windows(self, span: DestinationSpan) -> tuple[AxisWindow, AxisWindow]:
-        """The standard window model (SPEC §4); enlarging or fixed-window kernels override."""
+        """The standard window model (docs/semantics.md); enlarging or fixed-window kernels
+        override it."""
         ey = self._dy * (self._kh - 1) + 1
         ex = self._dx * (self._kw - 1) + 1
         # The offset is the centre of the first output at the clip rect's origin.
@@ -220,7 +221,7 @@ class CNNKernel(SharedProperties, Kernel):
     def _policy(
         self, source_images: Sequence[Image], source_states: Any
     ) -> tuple[ImageDescriptor, Offset]:
-        """Default descriptor and offset, without changing the kernel (SPEC §4)."""
+        """Default descriptor and offset, without changing the kernel (the padding policy)."""
         src = source_images[0]
         method = PaddingMethod(self._padding.padding_method)
         style = method.size_style

@@ -1,4 +1,4 @@
-"""Storage formats, byte-I/O layouts and image descriptors (SPEC §3)."""
+"""Storage formats, byte-I/O layouts and image descriptors."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class FeatureChannelFormat(enum.IntEnum):
     """Storage format of an image's feature channels (MPS ``MPSImageFeatureChannelFormat``).
 
     FLOAT64 is an mpsnn extension for verification. Arithmetic on FLOAT16 and BFLOAT16 images
-    accumulates in float32 (SPEC §1.4).
+    accumulates in float32.
     """
 
     FLOAT16 = 3

@@ -1,4 +1,4 @@
-"""Coordinates, edge modes, padding policies and the window model (SPEC §4).
+"""Coordinates, edge modes, padding policies and the window model.
 
 The window model, per axis (y is the same with height):
 

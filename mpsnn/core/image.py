@@ -1,8 +1,8 @@
-"""Images, temporary images, allocators and byte I/O (SPEC §3).
+"""Images, temporary images, allocators and byte I/O.
 
 An `Image` is backed by one tensor of shape ``(number_of_images, feature_channels, height,
 width)``. Channels are dense: no padding to multiples of four, and channel offsets need not be
-multiples of four (SPEC §1.2).
+multiples of four.
 
 Storage is allocated lazily. An image returned by an ``encode`` has no storage until the command
 that writes it runs; when that command writes the whole image it *adopts* the result tensor

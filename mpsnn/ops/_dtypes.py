@@ -1,4 +1,5 @@
-"""Accumulation precision (SPEC §1.4) and the small host-built constants the ops reuse."""
+"""Accumulation precision (at least float32) and the small host-built constants the ops
+reuse."""
 
 from __future__ import annotations
 

@@ -18,9 +18,9 @@ Gradients (the exact adjoint of the forward, derived as in ``jax/_src/lax/convol
     db[k] = sum_{n, i, j} E(k, i, j)                      (bias)
 
 computed with ``aten.convolution_backward`` over the same extracted source the forward read.
-Weight and bias gradients are returned in float32 (SPEC §1.4: accumulations in at least float32).
+Weight and bias gradients are returned in float32 (accumulations run in at least float32).
 
-The convolution transpose is defined as MPS defines it (inventory §2.4): insert ``stride - 1``
+The convolution transpose is defined as MPS defines it: insert ``stride - 1``
 zeros between source pixels, then correlate with the weights *as given*.
 """
 

@@ -1,7 +1,7 @@
 """Neuron (activation) math: ``f(x)`` and ``f'(x)`` for the 16 MPS neuron types.
 
 Types and derivatives (x is the neuron's input; at kinks the positive branch is taken where the
-MPS header says ``x >= 0``, and clamp boundaries have derivative 0, as inventory §5 decides):
+MPS header says ``x >= 0``, and clamp boundaries have derivative 0):
 
 ========== ================================ ==========================================
 type       f(x)                             f'(x)

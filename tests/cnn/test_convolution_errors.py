@@ -1,4 +1,4 @@
-"""Bad convolution input gets a clear error before anything is recorded (SPEC §12)."""
+"""Bad convolution input gets a clear error before anything is recorded."""
 
 from __future__ import annotations
 

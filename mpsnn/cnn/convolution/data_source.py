@@ -1,4 +1,4 @@
-"""Convolution data sources, weight states, and the weight sets kernels encode with (SPEC §7).
+"""Convolution data sources, weight states, and the master weights kernels encode with.
 
 Weights cross the data-source boundary in the MPS OHWI layout, float32 (float64 is kept as
 float64, for verification). Each kernel keeps OIHW master tensors (`ConvWeights`) on its
@@ -187,7 +187,8 @@ class ConvWeights:
     ) -> ConvWeights:
         dev = device.torch_device
         w = weights.to(dev).permute(0, 3, 1, 2).contiguous()
-        b = biases.to(dev).clone() if biases is not None else None
+        # The biases take the weights' dtype: float64 verification runs are float64 throughout.
+        b = biases.to(dev, w.dtype).clone() if biases is not None else None
         return cls(w, b)
 
     def load_ohwi(self, weights: torch.Tensor, biases: torch.Tensor | None) -> None:

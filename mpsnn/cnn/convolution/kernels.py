@@ -337,7 +337,7 @@ class FullyConnected(_ConvolutionBase):
 
     Note:
         MPS documents two weight orders for fully connected layers; mpsnn uses the data-source
-        order ``[O][kH][kW][I]``, the same as convolution (inventory §5, item 2).
+        order ``[O][kH][kW][I]``, the same as convolution.
     """
 
     _default_padding_method = PaddingMethod.ALIGN_CENTERED | PaddingMethod.SIZE_VALID_ONLY
@@ -467,7 +467,7 @@ class ConvolutionTranspose(_ConvolutionBase):
         convolution's gradient state while the padding policy runs).
 
         The result gets the convolution's source size and the kernel offset that makes this
-        transpose the adjoint of the convolution's data map (inventory §2.4):
+        transpose the adjoint of the convolution's data map:
         ``T = s * dst_x - start - E + 1 + E // 2`` per axis, with ``start`` the first tap of the
         convolution's first output and ``dst_x`` where that output was written.
         """
