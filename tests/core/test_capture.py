@@ -130,7 +130,9 @@ def test_replayed_training_steps_equal_eager_steps_bit_for_bit() -> None:
         replayed.append((logp.tensor.clone(), d.tensor.clone(), net.layers[1][0].weights.clone()))
     assert step.replays == steps - 1
     for k, (e, r) in enumerate(zip(eager, replayed, strict=True)):
-        for what, a, b in zip(("log-probabilities", "dropout output", "fc weights"), e, r):
+        for what, a, b in zip(
+            ("log-probabilities", "dropout output", "fc weights"), e, r, strict=True
+        ):
             assert torch.equal(a, b), f"step {k}: {what} differ between eager and replay"
     masks = [(r[1] != 0) for r in replayed]
     assert all(not torch.equal(masks[i], masks[i + 1]) for i in range(steps - 1)), (

@@ -135,6 +135,7 @@ def test_reset_starts_a_new_sum() -> None:
     run(cb)
     dw, db = _reference_grads(x.tensor, g.tensor, w)
     assert_close(states[0].gradient_for_weights, dw, "dW after reset")
+    assert_close(states[0].gradient_for_biases, db, "db after reset")
 
 
 # -- master weights, updated in place --------------------------------------------------
