@@ -30,6 +30,7 @@ from mpsnn.core.image import TemporaryImage as TemporaryImage
 from mpsnn.core.image_batch import ImageBatch as ImageBatch
 from mpsnn.core.kernel import Kernel as Kernel
 from mpsnn.core.kernel import KernelOptions as KernelOptions
+from mpsnn.core.kernel import TrainingStyle as TrainingStyle
 from mpsnn.core.registry import forward_kernel_of as forward_kernel_of
 from mpsnn.core.registry import gradient_kernels_of as gradient_kernels_of
 from mpsnn.core.registry import gradient_of as gradient_of

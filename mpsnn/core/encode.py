@@ -42,6 +42,8 @@ class Encoding:
         records: ``(state, record)`` pairs: the typed forward records written into states.
         properties: kernel attributes the encode sets (``{"_offset": Offset(...)}``).
         batch: allocate outputs as batches (an allocator's ``image_batch`` when it has one).
+        after: other planned bookkeeping (e.g. a state noting what was encoded into it),
+            run last; it must not raise.
     """
 
     run: Callable[..., None]
@@ -50,6 +52,7 @@ class Encoding:
     records: Sequence[tuple[Any, Any]] = ()
     properties: dict[str, Any] | None = None
     batch: bool = False
+    after: Callable[[], None] | None = None
 
 
 def apply_encoding(kernel: Any, cb: CommandBuffer, enc: Encoding) -> list[Image | None]:
@@ -81,6 +84,8 @@ def apply_encoding(kernel: Any, cb: CommandBuffer, enc: Encoding) -> list[Image 
         if id(r) not in seen:
             seen.add(id(r))
             r._consume_read(cb, who)
+    if enc.after is not None:
+        enc.after()
     return outs
 
 

@@ -23,7 +23,7 @@ from mpsnn.core.image import Image, TemporaryImage
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.state import StateBatch
 
-__all__ = ["Kernel", "KernelOptions", "resolve_images", "resolve_span"]
+__all__ = ["Kernel", "KernelOptions", "TrainingStyle", "resolve_images", "resolve_span"]
 
 
 class KernelOptions(enum.IntFlag):
@@ -36,6 +36,15 @@ class KernelOptions(enum.IntFlag):
     DISABLE_INTERNAL_TILING = 4
     INSERT_DEBUG_GROUPS = 8
     VERBOSE = 16
+
+
+class TrainingStyle(enum.IntEnum):
+    """Where a trainable layer's update runs when a graph trains it (MPS
+    ``MPSNNTrainingStyle``): the data source's ``update_on_cpu`` after completion, or its
+    ``update`` encoded on the command buffer (the default)."""
+
+    UPDATE_ON_CPU = 0
+    UPDATE_ON_GPU = 1
 
 
 class Kernel:

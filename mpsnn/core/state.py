@@ -273,11 +273,13 @@ class AccumulatorState(GradientState):
 
     Sums are float32 (float64 when the values are float64, for verification). A write
     (`_accumulate`, called by a command as it runs) stores when nothing has been accumulated
-    since the state was made or `reset`, and otherwise adds (or merges, for statistics):
-    the decision is made at run time, never at encode time, so commit order, abandoned command
-    buffers and several queues do not matter. Writes from different queues are ordered on the
-    device (the later stream waits for the earlier one). A captured command buffer records the
-    decision it made when it was captured, which is what one training step per replay needs.
+    into its slot since the state was made or `reset`, and otherwise adds (or merges, for
+    statistics): the decision is made at run time, never at encode time, so commit order,
+    abandoned command buffers and several queues do not matter. Writes from different queues
+    are ordered on the device (the later stream waits for the earlier one). A captured command
+    buffer records the decision it made when it was captured, which is what one training step
+    per replay needs. A state may keep several independent sums (slots): batch normalization
+    keeps its statistics in slot 0 and their gradients in slot 1.
     """
 
     def __init__(
@@ -288,18 +290,22 @@ class AccumulatorState(GradientState):
         label: str | None = None,
     ) -> None:
         super().__init__(device, command_buffer=command_buffer, label=label)
-        self._sums: list[torch.Tensor] | None = None
+        self._slots: dict[int, list[torch.Tensor]] = {}
         self._writer_queue: CommandQueue | None = None
+
+    @property
+    def _sums(self) -> list[torch.Tensor] | None:
+        return self._slots.get(0)
 
     @property
     def has_accumulated(self) -> bool:
         """True once a write has run since the state was made or reset (host view)."""
-        return self._sums is not None
+        return bool(self._slots)
 
     def reset(self) -> None:
         """Clear the sums: the next write that runs stores instead of adding."""
         self._check_live("reset")
-        self._sums = None
+        self._slots = {}
 
     def _accumulate(
         self,
@@ -308,18 +314,19 @@ class AccumulatorState(GradientState):
         merge: Callable[[list[torch.Tensor], Sequence[torch.Tensor]], None] | None = None,
         *,
         fresh: bool = True,
+        slot: int = 0,
     ) -> None:
-        """Add ``values`` to the sums (run time). ``merge(sums, values)`` updates the sums in
-        place instead of adding; ``fresh``: the values are new tensors nobody else holds, so
-        the first write may adopt them."""
+        """Add ``values`` to the sums of ``slot`` (run time). ``merge(sums, values)`` updates
+        the sums in place instead of adding; ``fresh``: the values are new tensors nobody else
+        holds, so the first write may adopt them."""
         q = cb._queue
         prev = self._writer_queue
         if prev is not None and prev is not q and q._stream is not None and not cb._captured:
             q._stream.wait_stream(prev._stream)
         self._writer_queue = q
-        sums = self._sums
+        sums = self._slots.get(slot)
         if sums is None:
-            self._sums = [_widen(v, fresh) for v in values]
+            self._slots[slot] = [_widen(v, fresh) for v in values]
             return
         for i, (s, v) in enumerate(zip(sums, values, strict=True)):
             want = _acc(v.dtype)
@@ -334,22 +341,24 @@ class AccumulatorState(GradientState):
                 s.add_(v)  # add_ promotes a float16/bfloat16 value itself
 
     def _zeros(self) -> list[torch.Tensor]:
-        """The sums of no work (subclasses that can be read before a write return them)."""
+        """The sums of no work in slot 0 (states that can be read before a write)."""
         raise NotImplementedError
 
-    def _sum(self, index: int) -> torch.Tensor:
-        """Sum ``index``. Read before any write, the sums become zeros that later writes add
-        into, so a tensor obtained early sees the work that runs afterwards."""
+    def _sum(self, index: int, slot: int = 0) -> torch.Tensor:
+        """Sum ``index`` of ``slot``. Read before any write, the sums of slot 0 become zeros
+        that later writes add into, so a tensor obtained early sees the work that runs
+        afterwards."""
         self._check_live(None)
-        if self._sums is None:
-            self._sums = self._zeros()
-        return self._sums[index]
+        sums = self._slots.get(slot)
+        if sums is None:
+            sums = self._slots[slot] = self._zeros()
+        return sums[index]
 
     def resources(self) -> list[torch.Tensor]:
-        return list(self._sums or ())
+        return [t for sums in self._slots.values() for t in sums]
 
     def _free_storage(self) -> None:
-        self._sums = None
+        self._slots = {}
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:

@@ -229,7 +229,7 @@ def test_mismatched_gradient_and_forward() -> None:
     assert len(cb) == 3
 
 
-def test_fused_neuron_must_be_a_shared_parameter_neuron_and_optimizers_are_not_there_yet() -> None:
+def test_fused_neuron_must_be_a_shared_parameter_neuron_and_optimizers_must_be_optimizers() -> None:
     def conv(neuron):
         desc = m.ConvolutionDescriptor(1, 1, 1, 1, fused_neuron_descriptor=neuron)
         return m.Convolution(CPU, m.TensorConvolutionDataSource(desc, torch.zeros(1, 1, 1, 1)))
@@ -249,8 +249,8 @@ def test_fused_neuron_must_be_a_shared_parameter_neuron_and_optimizers_are_not_t
         is m.NeuronType.NONE
     )
     with pytest.raises(
-        m.UnsupportedError,
-        match=r"\[TensorConvolutionDataSource\] optimizers arrive with the optimizer family",
+        TypeError,
+        match=r"\[TensorConvolutionDataSource\] optimizer must be an mpsnn optimizer \(SGD, RMSProp or Adam\) or None, got object",
     ):
         m.TensorConvolutionDataSource(
             m.ConvolutionDescriptor(1, 1, 1, 1), torch.zeros(1, 1, 1, 1), optimizer=object()

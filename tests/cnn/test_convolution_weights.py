@@ -122,7 +122,7 @@ def test_reload_from_the_data_source_updates_the_master_weights_in_place() -> No
         ValueError, match=r"\[Convolution\] the data source's descriptor must not change"
     ):
         ds._descriptor = m.ConvolutionDescriptor(3, 3, 1, 1)
-        ds._weights = torch.zeros(1, 3, 3, 1)
+        ds._state = m.ConvolutionWeightsAndBiasesState(torch.zeros(1, 3, 3, 1))
         conv.reload_weights_and_biases_from_data_source()
 
 

@@ -56,6 +56,19 @@ def _binary(fwd: type, grad: type, primary_other: bool):
     return case
 
 
+def _batch_norm(cb: m.CommandBuffer) -> tuple[list[m.ImageBatch], list[m.ImageBatch]]:
+    x = _img(2, 3, 4, 4)
+    ds = m.TensorBatchNormalizationDataSource(3)
+    bn = m.BatchNormalization(DEV, ds, m.NeuronDescriptor(m.NeuronType.NONE))
+    state = bn.result_state(x[0])
+    m.BatchNormalizationStatistics(DEV).encode_batch(cb, x, state)
+    y = bn.encode_batch(cb, x, state)
+    g = _img(*y.shape)
+    m.BatchNormalizationStatisticsGradient(DEV).encode_batch(cb, g, x, state)
+    dx = m.BatchNormalizationGradient(DEV).encode_batch(cb, g, x, state)
+    return [x, g], [y, dx]
+
+
 def _conv_case(kind: type, gkind: type, desc: m.ConvolutionDescriptor, shape) -> Callable:
     ds = _conv_source(kind, desc)
     return _unary(kind(DEV, ds), gkind(DEV, ds), shape)
@@ -117,6 +130,30 @@ CASES: dict[type, Callable] = {
     # the same shape: a reshape that is the identity, where views used to be returned
     m.Reshape: _unary(m.Reshape(DEV, 4, 4, 3), m.ReshapeGradient(DEV), (2, 3, 4, 4)),
     m.Pad: _unary(m.Pad(DEV), m.PadGradient(DEV), (2, 3, 4, 4)),
+    m.BatchNormalization: _batch_norm,
+    m.InstanceNormalization: _unary(
+        m.InstanceNormalization(DEV, m.TensorInstanceNormalizationDataSource(3)),
+        m.InstanceNormalizationGradient(DEV),
+        (2, 3, 4, 4),
+    ),
+    m.GroupNormalization: _unary(
+        m.GroupNormalization(DEV, m.TensorGroupNormalizationDataSource(4, 2)),
+        m.GroupNormalizationGradient(DEV),
+        (2, 4, 3, 3),
+    ),
+    m.CrossChannelNormalization: _unary(
+        m.CrossChannelNormalization(DEV, 3),
+        m.CrossChannelNormalizationGradient(DEV, 3),
+        (2, 4, 3, 3),
+    ),
+    m.SpatialNormalization: _unary(
+        m.SpatialNormalization(DEV, 3, 2), m.SpatialNormalizationGradient(DEV, 3, 2), (2, 3, 4, 4)
+    ),
+    m.LocalContrastNormalization: _unary(
+        m.LocalContrastNormalization(DEV, 3, 3),
+        m.LocalContrastNormalizationGradient(DEV, 3, 3),
+        (2, 3, 4, 4),
+    ),
 }
 
 

@@ -15,8 +15,8 @@ import torch
 
 from mpsnn.cnn.convolution.descriptor import ConvolutionDescriptor
 from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.kernel import TrainingStyle
 from mpsnn.core.state import State
-from mpsnn.errors import UnsupportedError
 from mpsnn.ops._dtypes import widen
 
 __all__ = [
@@ -91,6 +91,9 @@ class ConvolutionDataSource(abc.ABC):
     def label(self) -> str | None:
         return None
 
+    #: Where a graph runs this layer's update (`update` on the GPU, or `update_on_cpu`).
+    training_style: TrainingStyle = TrainingStyle.UPDATE_ON_GPU
+
     def update(
         self, command_buffer: CommandBuffer, gradient_state: Any, source_state: Any
     ) -> ConvolutionWeightsAndBiasesState | None:
@@ -101,18 +104,28 @@ class ConvolutionDataSource(abc.ABC):
 
 
 class TensorConvolutionDataSource(ConvolutionDataSource):
-    """A data source that holds its weights (the common case needs no subclass).
+    """A data source that holds its weights and applies an optimizer (the common case needs no
+    subclass).
 
     Args:
         descriptor: the convolution's shape.
-        weights: OHWI ``(O, kH, kW, I / groups)`` weights, array or tensor.
+        weights: OHWI ``(O, kH, kW, I / groups)`` weights, array or tensor (float32; float64
+            is kept for verification).
         biases: ``(O,)`` biases, or None for no bias.
-        optimizer: reserved for the optimizer family (SPEC §8); must be None for now.
+        optimizer: an mpsnn optimizer (`SGD`, `RMSProp`, `Adam`) applied by `update` and
+            `update_on_cpu`; None: no update (the layer is frozen unless you update it yourself).
         label: a name.
+
+    The values live in a permanent `ConvolutionWeightsAndBiasesState` (`state`); ``weights()``
+    and ``bias_terms()`` are views of it: the same memory the optimizer writes. On the first
+    update the state moves to the device of the gradient state, once. The optimizer's vectors
+    (momentum, velocity, ...) live here too (`optimizer_state`).
 
     Raises:
         ValueError: weights or biases of the wrong shape.
     """
+
+    training_style = TrainingStyle.UPDATE_ON_GPU
 
     def __init__(
         self,
@@ -129,34 +142,107 @@ class TensorConvolutionDataSource(ConvolutionDataSource):
                 f"got {type(descriptor).__name__}"
             )
         descriptor.validate(who)
-        if optimizer is not None:
-            raise UnsupportedError(
-                f"[{who}] optimizers arrive with the optimizer family (SPEC §8); optimizer must "
-                f"be None for now, got {type(optimizer).__name__}"
+        if optimizer is not None and not callable(getattr(optimizer, "_update", None)):
+            raise TypeError(
+                f"[{who}] optimizer must be an mpsnn optimizer (SGD, RMSProp or Adam) or None, "
+                f"got {type(optimizer).__name__}"
             )
         self._descriptor = descriptor.copy()
-        self._weights, self._biases = check_weights(who, self._descriptor, weights, biases)
+        w, b = check_weights(who, self._descriptor, weights, biases)
+        self._state = ConvolutionWeightsAndBiasesState(w, b)
+        self._optimizer = optimizer
+        self._optimizer_state: list[list[torch.Tensor]] | None = None
         self._label = label
 
     def descriptor(self) -> ConvolutionDescriptor:
         return self._descriptor
 
     def weights(self) -> torch.Tensor:
-        """The OHWI weights (the held tensor, not a copy)."""
-        return self._weights
+        """The OHWI weights (a view of the held state, not a copy)."""
+        return self._state.weights
 
     def bias_terms(self) -> torch.Tensor | None:
-        return self._biases
+        return self._state.biases
+
+    @property
+    def state(self) -> ConvolutionWeightsAndBiasesState:
+        """The permanent state holding the values (what `update` returns)."""
+        return self._state
 
     @property
     def label(self) -> str | None:
         return self._label
 
+    @property
+    def optimizer(self) -> Any:
+        return self._optimizer
+
+    @property
+    def optimizer_state(self) -> dict[str, list[torch.Tensor]] | None:
+        """The optimizer's vectors by name (``momentum``, ``velocity``, ...), each a list
+        ``[weights (OHWI), biases]``, made by the first update (None before)."""
+        if self._optimizer_state is None:
+            return None
+        names = self._optimizer._state_names()
+        return {
+            name: [t.permute(0, 2, 3, 1) if t.dim() == 4 else t for t in vectors]
+            for name, vectors in zip(names, self._optimizer_state, strict=True)
+        }
+
     def set_weights_and_biases(self, weights: Any, biases: Any = None) -> None:
-        """Replace the held values (CPU update path: then reload the kernels)."""
-        self._weights, self._biases = check_weights(
-            "TensorConvolutionDataSource", self._descriptor, weights, biases
+        """Write new values into the held state, in place (then reload the kernels)."""
+        w, b = check_weights("TensorConvolutionDataSource", self._descriptor, weights, biases)
+        st = self._state
+        st._oihw.copy_(w.permute(0, 3, 1, 2))  # type: ignore[union-attr]
+        if b is not None:
+            if st._biases is None:
+                st._biases = torch.zeros_like(b, device=st._oihw.device, dtype=st._oihw.dtype)  # type: ignore[union-attr]
+            st._biases.copy_(b)
+
+    def _to(self, device: torch.device) -> None:
+        st = self._state
+        if st._oihw.device != device:  # type: ignore[union-attr]
+            self._state = ConvolutionWeightsAndBiasesState(
+                st.weights.to(device), None if st.biases is None else st.biases.to(device)
+            )
+
+    def _apply_optimizer(
+        self, cb: CommandBuffer | None, gradient_state: Any, source_state: Any
+    ) -> bool:
+        if self._optimizer is None:
+            return False
+        self._to(gradient_state.device.torch_device)
+        src = self._state if source_state is None else source_state
+        res = self._state
+        with_bias = res._biases is not None
+        values = [src._oihw, src._biases] if with_bias else [src._oihw]
+        results = [res._oihw, res._biases] if with_bias else [res._oihw]
+        if self._optimizer_state is None:
+            self._optimizer_state = self._optimizer._init_state(results)
+
+        def grads() -> list[torch.Tensor]:  # read when the update runs
+            return [gradient_state._sum(0), gradient_state._sum(1)][: len(values)]
+
+        self._optimizer._update(cb, values, grads, results, self._optimizer_state)
+        return True
+
+    def update(
+        self, command_buffer: CommandBuffer, gradient_state: Any, source_state: Any
+    ) -> ConvolutionWeightsAndBiasesState | None:
+        """GPU path: encode the optimizer's update into ``command_buffer``, reading the
+        gradients of ``gradient_state`` and the weights the kernel used (``source_state``, or
+        the held ones when None), writing the held state; returns it for
+        ``reload_weights_and_biases``. None without an optimizer."""
+        return (
+            self._state
+            if self._apply_optimizer(command_buffer, gradient_state, source_state)
+            else None
         )
+
+    def update_on_cpu(self, gradient_state: Any, source_state: Any) -> bool:
+        """CPU path (after the gradient's command buffer completed): the optimizer's update,
+        now; then reload the kernels from the data source. False without an optimizer."""
+        return self._apply_optimizer(None, gradient_state, source_state)
 
     def __repr__(self) -> str:
         return f"TensorConvolutionDataSource({self._descriptor!r}, label={self._label!r})"
@@ -186,9 +272,14 @@ class ConvWeights:
         cls, weights: torch.Tensor, biases: torch.Tensor | None, device: Device
     ) -> ConvWeights:
         dev = device.torch_device
-        w = weights.to(dev).permute(0, 3, 1, 2).contiguous()
+        o, kh, kw, ig = weights.shape
+        # Always a copy: a kernel owns its weights and sees a data source's new values only
+        # when it reloads them (MPS's contract; a second kernel of the same data source, e.g.
+        # an inference graph's, keeps its weights until its own reload).
+        w = torch.empty((o, ig, kh, kw), dtype=weights.dtype, device=dev)
+        w.copy_(weights.permute(0, 3, 1, 2))
         # The biases take the weights' dtype: float64 verification runs are float64 throughout.
-        b = biases.to(dev, w.dtype).clone() if biases is not None else None
+        b = biases.to(dev, w.dtype, copy=True) if biases is not None else None
         return cls(w, b)
 
     def load_ohwi(self, weights: torch.Tensor, biases: torch.Tensor | None) -> None:
@@ -226,14 +317,16 @@ class ConvWeights:
 
 
 class ConvolutionWeightsAndBiasesState(State):
-    """Weights (OHWI) and biases as a state (MPS ``MPSCNNConvolutionWeightsAndBiasesState``).
+    """Weights and biases as a state (MPS ``MPSCNNConvolutionWeightsAndBiasesState``).
 
     Used to reload a convolution on the command buffer (`Convolution.reload_weights_and_biases`),
-    as the result of `Convolution.export_weights_and_biases`, and as optimizer output.
+    as the result of `Convolution.export_weights_and_biases`, and as an optimizer's result.
+    The state keeps its weights in the OIHW layout, contiguous (what the kernels and the
+    optimizers read); ``weights`` is an OHWI view of that storage.
 
     Args:
-        weights: OHWI tensor.
-        biases: ``(O,)`` tensor or None.
+        weights: OHWI tensor ``(O, kH, kW, I / groups)`` (copied into the state's storage).
+        biases: ``(O,)`` tensor or None (kept as given, in the weights' dtype).
         command_buffer: given, the state is temporary.
     """
 
@@ -257,8 +350,12 @@ class ConvolutionWeightsAndBiasesState(State):
                 f"[{who}] biases must be a ({weights.shape[0]},) tensor, got {biases!r}"
             )
         super().__init__(Device(weights.device), command_buffer=command_buffer, label=label)
-        self._weights: torch.Tensor | None = weights
-        self._biases: torch.Tensor | None = biases
+        self._oihw: torch.Tensor | None = weights.detach().permute(0, 3, 1, 2).contiguous()
+        if biases is not None and (
+            biases.dtype != weights.dtype or biases.device != weights.device
+        ):
+            biases = biases.to(weights.device, weights.dtype)
+        self._biases: torch.Tensor | None = None if biases is None else biases.detach()
 
     @classmethod
     def from_descriptor(
@@ -287,9 +384,10 @@ class ConvolutionWeightsAndBiasesState(State):
 
     @property
     def weights(self) -> torch.Tensor:
+        """The weights, OHWI (a view of the state's OIHW storage)."""
         self._check_live(None)
-        assert self._weights is not None
-        return self._weights
+        assert self._oihw is not None  # live states hold their tensors
+        return self._oihw.permute(0, 2, 3, 1)
 
     @property
     def biases(self) -> torch.Tensor | None:
@@ -297,8 +395,8 @@ class ConvolutionWeightsAndBiasesState(State):
         return self._biases
 
     def resources(self) -> list[torch.Tensor]:
-        return [t for t in (self._weights, self._biases) if t is not None]
+        return [t for t in (self._oihw, self._biases) if t is not None]
 
     def _free_storage(self) -> None:
-        self._weights = None
+        self._oihw = None
         self._biases = None

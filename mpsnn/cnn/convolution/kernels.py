@@ -212,18 +212,16 @@ class _ConvolutionBase(CNNKernel):
         self._check_command_buffer(command_buffer)
         self._check_state(command_buffer, state, "state", ConvolutionWeightsAndBiasesState)
         want = self._descriptor.weights_shape
-        if tuple(state._weights.shape) != want:
-            raise ValueError(
-                f"[{who}] state.weights must have the OHWI shape {want}, "
-                f"got {tuple(state._weights.shape)}"
-            )
+        have = tuple(state.weights.shape)
+        if have != want:
+            raise ValueError(f"[{who}] state.weights must have the OHWI shape {want}, got {have}")
         ws = self._weights
         if ws.bias is None and state._biases is not None:  # the layer gains a bias
             ws.bias = torch.zeros(want[0], dtype=ws.weight.dtype, device=ws.weight.device)
-        sw, sb = state._weights, state._biases  # the state may be released before it runs
+        sw, sb = state._oihw, state._biases  # the state may be released before it runs
 
         def run() -> None:
-            ws.weight.copy_(sw.permute(0, 3, 1, 2))
+            ws.weight.copy_(sw)
             if sb is not None:
                 ws.bias.copy_(sb)  # type: ignore[union-attr]
 
@@ -243,10 +241,10 @@ class _ConvolutionBase(CNNKernel):
             dtype=ws.weight.dtype,
             command_buffer=command_buffer if result_state_can_be_temporary else None,
         )
-        sw, sb = state._weights, state._biases
+        sw, sb = state._oihw, state._biases
 
         def run() -> None:
-            sw.copy_(ws.ohwi)  # type: ignore[union-attr]
+            sw.copy_(ws.weight)  # type: ignore[union-attr]
             if sb is not None:
                 sb.copy_(ws.bias)
 

@@ -9,15 +9,22 @@ It runs for CUDA tensors when Triton is importable and the configuration is one 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 __all__ = [
     "available",
+    "batch_norm_backward",
+    "batch_norm_eligible",
+    "batch_norm_forward",
+    "batch_norm_gradient_sums",
+    "batch_norm_statistics",
     "dropout_apply",
     "enabled",
     "max_pool_backward",
+    "optimizer_tables",
     "pool_tiles",
     "set_enabled",
 ]
@@ -79,3 +86,83 @@ def dropout_apply(
     from mpsnn.ops.triton.dropout import dropout_apply_triton
 
     return dropout_apply_triton(t, key, first_image, geom)
+
+
+def batch_norm_eligible(x: torch.Tensor, neuron: Any = None, *more: torch.Tensor) -> bool:
+    """The batch-normalization kernels' case: non-empty CUDA (N, C, H, W) tensors in float16,
+    bfloat16 or float32 (``more``, an incoming gradient, of the same shape and dtype), and no
+    neuron, NONE or RELU (type codes 0 and 1, any slope). float64 and other neurons run on the
+    portable path."""
+    if not _runs(x, *more) or x.dim() != 4 or x.numel() == 0:
+        return False
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    if neuron is not None and neuron.kind not in (0, 1):
+        return False
+    return all(t.dtype == x.dtype and t.shape == x.shape for t in more)
+
+
+def batch_norm_statistics(x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """The Triton ``(count, mean, m2)`` of ``x`` when `batch_norm_eligible`, else None."""
+    if not batch_norm_eligible(x):
+        return None
+    from mpsnn.ops.triton.batch_norm import bn_statistics_triton
+
+    return bn_statistics_triton(x)
+
+
+def batch_norm_forward(x: torch.Tensor, *params: Any, neuron: Any = None) -> torch.Tensor | None:
+    """The Triton normalization (+ neuron) when `batch_norm_eligible`, else None; ``params``:
+    ``mean, var, gamma, beta, eps``."""
+    if not batch_norm_eligible(x, neuron):
+        return None
+    from mpsnn.ops.triton.batch_norm import bn_forward_triton
+
+    return bn_forward_triton(x, *params, neuron)
+
+
+def batch_norm_gradient_sums(
+    g: torch.Tensor, x: torch.Tensor, *params: Any, neuron: Any = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The Triton ``(Σ gy, Σ gy xhat)`` when `batch_norm_eligible`, else None; ``params``:
+    ``mean, var, gamma, beta, eps``."""
+    if not batch_norm_eligible(x, neuron, g):
+        return None
+    from mpsnn.ops.triton.batch_norm import bn_gradient_sums_triton
+
+    return bn_gradient_sums_triton(g, x, *params, neuron)
+
+
+def batch_norm_backward(
+    g: torch.Tensor, x: torch.Tensor, *params: Any, neuron: Any = None
+) -> torch.Tensor | None:
+    """The Triton ``dL/dx`` when `batch_norm_eligible`, else None; ``params``:
+    ``mean, var, gamma, beta, eps, sum_gy, sum_gy_xhat, count``."""
+    if not batch_norm_eligible(x, neuron, g):
+        return None
+    from mpsnn.ops.triton.batch_norm import bn_backward_triton
+
+    return bn_backward_triton(g, x, *params, neuron)
+
+
+def optimizer_tables(lists: Sequence[Sequence[torch.Tensor]]) -> Any | None:
+    """The Triton multi-tensor optimizer update for ``lists`` (values, gradients, results, then
+    the state lists; checked by `mpsnn.ops.optim`) when it applies, else None: CUDA, float32
+    values, results and state, float16/bfloat16/float32 gradients, every tensor contiguous.
+    The object returned keeps the lists' device tables; its ``launch`` runs an update."""
+    if not (lists and lists[0] and _runs(lists[0][0])):
+        return None
+    values, grads, *rest = lists
+    for lst in (values, *rest):
+        for t in lst:
+            if not (t.is_cuda and t.dtype == torch.float32 and t.is_contiguous()):
+                return None
+    for t in grads:
+        if not (t.is_cuda and t.dtype in _OPTIM_GRAD_DTYPES and t.is_contiguous()):
+            return None
+    from mpsnn.ops.triton.optim import build_tables
+
+    return build_tables(lists)
+
+
+_OPTIM_GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -1,0 +1,114 @@
+"""States of the normalization family that carry parameters (MPS
+``MPSCNNNormalizationGammaAndBetaState``, ``MPSCNNNormalizationMeanAndVarianceState``), and
+the master gamma/beta every normalization kernel owns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.state import State
+
+__all__ = [
+    "NormalizationGammaAndBetaState",
+    "NormalizationMeanAndVarianceState",
+    "channel_vector",
+]
+
+
+def channel_vector(who: str, name: str, value: Any, channels: int, default: float) -> torch.Tensor:
+    """A ``(channels,)`` float32 (float64 stays float64) host tensor from ``value`` (None:
+    ``default`` everywhere)."""
+    if value is None:
+        return torch.full((channels,), float(default))
+    t = value.detach() if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+    if not t.is_floating_point():
+        raise TypeError(f"[{who}] {name} must hold floats, got {t.dtype}")
+    if tuple(t.shape) != (channels,):
+        raise ValueError(f"[{who}] {name} must have shape ({channels},), got {tuple(t.shape)}")
+    return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32).clone()
+
+
+class _PairState(State):
+    """A state holding two ``(C,)`` tensors."""
+
+    _names: tuple[str, str] = ("first", "second")
+
+    def __init__(
+        self,
+        first: torch.Tensor,
+        second: torch.Tensor,
+        *,
+        command_buffer: CommandBuffer | None = None,
+        label: str | None = None,
+    ) -> None:
+        who = type(self).__name__
+        for name, t in zip(self._names, (first, second), strict=True):
+            if not isinstance(t, torch.Tensor) or t.dim() != 1:
+                raise TypeError(f"[{who}] {name} must be a 1-D tensor, got {type(t).__name__}")
+        if first.shape != second.shape or first.device != second.device:
+            raise ValueError(
+                f"[{who}] {self._names[0]} and {self._names[1]} must have one shape and device, "
+                f"got {tuple(first.shape)} on {first.device} and {tuple(second.shape)} on "
+                f"{second.device}"
+            )
+        super().__init__(Device(first.device), command_buffer=command_buffer, label=label)
+        self._pair: tuple[torch.Tensor, torch.Tensor] | None = (first, second)
+
+    @classmethod
+    def temporary(
+        cls, command_buffer: CommandBuffer, number_of_feature_channels: int
+    ) -> _PairState:
+        """A zero-filled temporary state (MPS ``temporaryStateWithCommandBuffer:
+        numberOfFeatureChannels:``)."""
+        dev = command_buffer.device.torch_device
+        z = torch.zeros(number_of_feature_channels, device=dev)
+        return cls(z, z.clone(), command_buffer=command_buffer)
+
+    @property
+    def number_of_feature_channels(self) -> int:
+        return self._get()[0].shape[0]
+
+    def _get(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_live(None)
+        assert self._pair is not None  # live states hold their tensors
+        return self._pair
+
+    def resources(self) -> list[torch.Tensor]:
+        return list(self._pair or ())
+
+    def _free_storage(self) -> None:
+        self._pair = None
+
+
+class NormalizationGammaAndBetaState(_PairState):
+    """``gamma`` and ``beta`` (C,) as a state (MPS ``MPSCNNNormalizationGammaAndBetaState``):
+    what a data source's GPU update returns and a normalization kernel reloads."""
+
+    _names = ("gamma", "beta")
+
+    @property
+    def gamma(self) -> torch.Tensor:
+        return self._get()[0]
+
+    @property
+    def beta(self) -> torch.Tensor:
+        return self._get()[1]
+
+
+class NormalizationMeanAndVarianceState(_PairState):
+    """``mean`` and ``variance`` (C,) as a state (MPS
+    ``MPSCNNNormalizationMeanAndVarianceState``): running statistics for inference."""
+
+    _names = ("mean", "variance")
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self._get()[0]
+
+    @property
+    def variance(self) -> torch.Tensor:
+        return self._get()[1]

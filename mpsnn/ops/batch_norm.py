@@ -1,0 +1,361 @@
+"""Batch-normalization math: statistics, normalization (+ neuron), and the gradient.
+
+Layout: ``x`` is (N, C, H, W); every statistic is per feature channel ``c`` over the
+``m = N H W`` elements of the channel (one batch, possibly seen as several sub-batches).
+Per-channel tensors (``mean``, ``var``, ``gamma``, ``beta``, sums) are (C,) in the accumulation
+dtype: float32, float64 for float64 data (`mpsnn.ops._dtypes.acc_dtype`).
+
+**Statistics.** A sub-batch is summarized by a Chan-mergeable triple: ``count`` (its number of
+elements per channel, a (1,) or (C,) float tensor), ``mean[c]`` and ``m2[c] = Σ (x - mean)²``.
+The triple of one sub-batch is computed precisely: each channel is shifted by one of its own
+samples (``x[0, c, 0, 0]``, so that ``x - shift`` is exact for float16/bfloat16 data and small
+for data far from 0), then a two-pass mean and sum of squared deviations is taken in the
+accumulation dtype. A channel of mean 1e4 and standard deviation 1 keeps its variance to
+float32 rounding, where the one-pass ``Σx² - (Σx)²/m`` would lose it entirely. Triples merge
+with Chan et al.'s update (`bn_merge`)::
+
+    n = na + nb,  d = mb - ma,  mean = ma + d nb / n,  m2 = m2a + m2b + d² na nb / n
+
+which is exact when ``na = 0`` (the first merge stores the second triple). Normalization uses
+the biased variance ``var = m2 / n``; running statistics use the unbiased ``m2 / (n - 1)``
+(`bn_variance`).
+
+**Forward.** With ``s = 1 / sqrt(var + eps)`` (0 where ``var + eps <= 0``: a constant channel
+with ``eps = 0`` maps to ``f(beta)`` instead of NaN) and ``a = gamma s``::
+
+    xhat = (x - mean) s,   z = (x - mean) a + beta  (= gamma xhat + beta),   y = f(z)
+
+``x - mean`` is formed first: folding the mean into an offset (``z = x a + (beta - mean a)``)
+cancels catastrophically when ``|mean| >> std``.
+
+**Gradient.** With ``g = dL/dy`` and ``gy = dL/dz = g f'(z)`` (``g`` itself with no neuron),
+``z = gamma xhat + beta`` gives ``dL/dbeta = Σ gy`` and ``dL/dgamma = Σ gy xhat``
+(`bn_gradient_sums`; summed over the whole batch, and over sub-batches by plain addition), and
+``dL/dxhat = gamma gy``. The whole batch's statistics depend on every ``x_j`` of the channel:
+``dmean/dx_j = 1/m`` and, since ``Σ (x_i - mean) = 0``, ``dvar/dx_j = 2 (x_j - mean) / m``, so
+``ds/dx_j = -s³ (x_j - mean) / m`` and::
+
+    dxhat_i/dx_j = s (δ_ij - 1/m) + (x_i - mean) ds/dx_j = s (δ_ij - 1/m - xhat_i xhat_j / m)
+
+Summing ``gamma gy_i dxhat_i/dx_j`` over ``i`` (`bn_backward`)::
+
+    dx_j = gamma s (gy_j - Σ gy / m - xhat_j Σ gy xhat / m)
+
+which holds for a sub-batch's ``x_j`` too, given the whole batch's sums and ``m``.
+
+Data in float16/bfloat16 are computed in float32 and rounded once at the end. Each public
+function runs the Triton fast path where `mpsnn.ops.triton.batch_norm_eligible` says so
+(CUDA, float16/bfloat16/float32, no neuron or ReLU), else the portable ``*_portable`` code;
+``bn_forward`` and ``bn_backward`` give the same bits on both paths (same operations in the same
+order, each rounded once), the reductions the same values up to summation order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mpsnn.ops import triton as fast_paths
+from mpsnn.ops._dtypes import acc_dtype
+from mpsnn.ops.neuron import NeuronParams, activation, activation_backward
+
+__all__ = [
+    "bn_backward",
+    "bn_backward_portable",
+    "bn_forward",
+    "bn_forward_portable",
+    "bn_gradient_sums",
+    "bn_gradient_sums_portable",
+    "bn_merge",
+    "bn_statistics",
+    "bn_statistics_portable",
+    "bn_variance",
+]
+
+_NONE, _RELU = 0, 1  # neuron type codes (`mpsnn.ops.neuron`) with their own fast formulas
+_DIMS = (0, 2, 3)  # the reduced axes of (N, C, H, W)
+
+
+# -- checks and small helpers ---------------------------------------------------------------
+
+
+def _check_source(what: str, x: torch.Tensor, g: torch.Tensor | None = None) -> None:
+    if x.dim() != 4:
+        raise ValueError(f"[{what}] x must be (N, C, H, W), got shape {tuple(x.shape)}")
+    if g is not None and g.shape != x.shape:
+        raise ValueError(f"[{what}] g must have x's shape {tuple(x.shape)}, got {tuple(g.shape)}")
+
+
+def _check_channels(what: str, x: torch.Tensor, **per_channel: torch.Tensor) -> None:
+    c = x.shape[1]
+    for name, t in per_channel.items():
+        if t.shape != (c,):
+            raise ValueError(f"[{what}] {name} must be ({c},), got shape {tuple(t.shape)}")
+
+
+def _col(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A (C,) tensor shaped (1, C, 1, 1) in ``dtype``, to broadcast over (N, C, H, W)."""
+    return t.to(dtype).view(1, -1, 1, 1)
+
+
+def _sqrt_rn(v: torch.Tensor) -> torch.Tensor:
+    """``sqrt(v)`` correctly rounded. CUDA's float32 square root is; PyTorch's vectorized CPU
+    one can be one unit in the last place off, so on the CPU the float32 candidate is moved to
+    the neighbour whose rounding interval holds ``v``: the interval's ends (midpoints between
+    neighbouring float32 values, 25 bits) square exactly in float64."""
+    s = torch.sqrt(v)
+    if v.dtype != torch.float32 or v.device.type != "cpu":
+        return s
+    with torch.no_grad():  # the correction is a constant: derivatives go through s
+        inf = torch.full_like(s, float("inf"))
+        up, down = torch.nextafter(s, inf), torch.nextafter(s, -inf)
+        hi = (s.double() + up.double()) / 2
+        lo = (s.double() + down.double()) / 2
+        wide = v.double()
+        rn = torch.where(wide > hi * hi, up, torch.where((wide < lo * lo) & (s > 0), down, s))
+        step = rn - s  # 0 or one unit in the last place: s + step is exactly rn
+    return s + step
+
+
+def _inv_std(var: torch.Tensor, eps: float) -> torch.Tensor:
+    """``1 / sqrt(var + eps)`` (correctly rounded square root, then division), 0 where
+    ``var + eps <= 0``. The Triton kernels compute the same operations in the same order."""
+    v = var + eps
+    pos = v > 0
+    return torch.where(pos, 1.0 / _sqrt_rn(torch.where(pos, v, 1.0)), 0.0)
+
+
+def _neuron_gradient(neuron: NeuronParams | None, g: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """``g f'(z)``. ReLU selects ``g`` or ``g a`` (exact, as the Triton kernels do); other
+    neurons multiply by their slope (`mpsnn.ops.neuron.activation_backward`)."""
+    if neuron is None or neuron.kind == _NONE:
+        return g
+    if neuron.kind == _RELU:
+        return torch.where(z >= 0, g, g * neuron.a)
+    return activation_backward(neuron, g, z)
+
+
+# -- statistics -----------------------------------------------------------------------------
+
+
+def bn_statistics(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(count, mean, m2)`` of the sub-batch ``x`` (N, C, H, W), per channel.
+
+    ``count``: (1,), the ``N H W`` elements of each channel; ``mean``, ``m2 = Σ (x - mean)²``:
+    (C,). All in the accumulation dtype (float32; float64 for float64 data), on ``x``'s device.
+    Shifted two-pass scheme (see the module docstring); an empty ``x`` gives count 0 and zeros.
+    """
+    _check_source("bn_statistics", x)
+    fast = fast_paths.batch_norm_statistics(x)
+    return fast if fast is not None else bn_statistics_portable(x)
+
+
+def bn_statistics_portable(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`bn_statistics` in PyTorch operations (any device)."""
+    _check_source("bn_statistics", x)
+    ct = acc_dtype(x.dtype)
+    c = x.shape[1]
+    m = x.numel() // c if c else 0
+    count = torch.full((1,), float(m), dtype=ct, device=x.device)
+    if m == 0:
+        zeros = torch.zeros(c, dtype=ct, device=x.device)
+        return count, zeros, zeros.clone()
+    # Shift by a sample of each channel: exact for half types widened to float32, and it keeps
+    # the sums small for data far from 0. Then the two-pass mean and squared deviations.
+    shift = x[:1, :, :1, :1].to(ct)
+    d = x.to(ct) - shift
+    dm = d.mean(dim=_DIMS, keepdim=True)
+    d.sub_(dm)
+    m2 = (d * d).sum(dim=_DIMS)
+    return count, (shift + dm).view(c), m2
+
+
+def bn_merge(acc: list[torch.Tensor], new: Sequence[torch.Tensor]) -> None:
+    """Merge the triple ``new = (count, mean, m2)`` into ``acc = [count, mean, m2]``.
+
+    Chan et al.'s pairwise update (module docstring), per channel, with counts of shape (1,) or
+    (C,). Where ``acc``'s count is 0 the result is ``new`` exactly (whatever ``acc``'s mean and
+    m2 hold, NaN included); where ``new``'s count is 0, ``acc`` is kept. The merge is
+    commutative up to rounding, so the order of sub-batches does not matter beyond it.
+    ``acc``'s tensors are written in place; an entry is replaced instead where the result's
+    shape differs (a (1,) count merged with a (C,) count) or ``acc`` holds it in another dtype.
+    Runs on the device with no host synchronization.
+    """
+    if len(acc) != 3 or len(new) != 3:
+        raise ValueError(
+            f"[bn_merge] acc and new must be (count, mean, m2), got {len(acc)} and {len(new)}"
+        )
+    na, ma, qa = acc
+    nb, mb, qb = (t.to(device=ma.device, dtype=ma.dtype) for t in new)
+    na = na.to(ma.dtype)
+    n = na + nb
+    w = nb / torch.where(n > 0, n, 1.0)  # weight of the new part
+    d = mb - ma
+    mean = torch.where(na > 0, torch.where(nb > 0, ma + d * w, ma), mb)
+    m2 = torch.where(na > 0, torch.where(nb > 0, qa + qb + d * d * na * w, qa), qb)
+    for i, value in enumerate((n, mean, m2)):
+        if acc[i].shape == value.shape and acc[i].dtype == value.dtype:
+            acc[i].copy_(value)
+        else:
+            acc[i] = value
+
+
+def bn_variance(count: torch.Tensor, m2: torch.Tensor, unbiased: bool = False) -> torch.Tensor:
+    """``m2 / count`` (biased, what normalization uses) or ``m2 / (count - 1)`` (unbiased, for
+    running statistics). A divisor below 1 counts as 1: a single sample (``m2 = 0``) or an
+    empty batch gives variance 0, not inf or NaN. Shape: ``m2``'s (C,)."""
+    n = count - 1 if unbiased else count
+    return m2 / n.to(m2.dtype).clamp(min=1.0)
+
+
+# -- forward --------------------------------------------------------------------------------
+
+
+def bn_forward(
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    gamma: torch.Tensor,
+    beta: torch.Tensor,
+    eps: float,
+    neuron: NeuronParams | None = None,
+) -> torch.Tensor:
+    """``y = f((x - mean) gamma / sqrt(var + eps) + beta)`` in ``x``'s dtype, (N, C, H, W).
+
+    ``mean``, ``var`` (biased), ``gamma``, ``beta``: (C,) on ``x``'s device. ``f``: the neuron
+    (`mpsnn.ops.neuron.activation`), or none. Computed in float32 for half types.
+    """
+    _check_source("bn_forward", x)
+    _check_channels("bn_forward", x, mean=mean, var=var, gamma=gamma, beta=beta)
+    fast = fast_paths.batch_norm_forward(x, mean, var, gamma, beta, eps, neuron=neuron)
+    return fast if fast is not None else bn_forward_portable(x, mean, var, gamma, beta, eps, neuron)
+
+
+def bn_forward_portable(
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    gamma: torch.Tensor,
+    beta: torch.Tensor,
+    eps: float,
+    neuron: NeuronParams | None = None,
+) -> torch.Tensor:
+    """`bn_forward` in PyTorch operations (any device, any neuron)."""
+    ct = acc_dtype(x.dtype)
+    inv = _inv_std(var.to(ct), eps)
+    a = gamma.to(ct) * inv
+    z = (x.to(ct) - _col(mean, ct)) * _col(a, ct) + _col(beta, ct)
+    if neuron is not None:
+        z = activation(neuron, z)
+    return z.to(x.dtype)
+
+
+# -- gradient -------------------------------------------------------------------------------
+
+
+def bn_gradient_sums(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    gamma: torch.Tensor,
+    beta: torch.Tensor,
+    eps: float,
+    neuron: NeuronParams | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Σ gy, Σ gy xhat)`` per channel over this sub-batch: ``dL/dbeta`` and ``dL/dgamma``.
+
+    ``g = dL/dy`` and ``x``: (N, C, H, W); ``gy = g f'(z)`` with ``z`` and ``xhat`` recomputed
+    from ``x`` and the whole batch's ``mean`` and (biased) ``var``. The sums of several
+    sub-batches add up to the whole batch's. Returns two (C,) tensors in the accumulation dtype.
+    """
+    _check_source("bn_gradient_sums", x, g)
+    _check_channels("bn_gradient_sums", x, mean=mean, var=var, gamma=gamma, beta=beta)
+    params = (mean, var, gamma, beta, eps)
+    fast = fast_paths.batch_norm_gradient_sums(g, x, *params, neuron=neuron)
+    return fast if fast is not None else bn_gradient_sums_portable(g, x, *params, neuron)
+
+
+def bn_gradient_sums_portable(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    gamma: torch.Tensor,
+    beta: torch.Tensor,
+    eps: float,
+    neuron: NeuronParams | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`bn_gradient_sums` in PyTorch operations (any device, any neuron)."""
+    ct = acc_dtype(x.dtype)
+    inv = _inv_std(var.to(ct), eps)
+    xc = x.to(ct) - _col(mean, ct)
+    xhat = xc * _col(inv, ct)
+    gy = g.to(ct)
+    if neuron is not None:
+        z = xc * _col(gamma.to(ct) * inv, ct) + _col(beta, ct)
+        gy = _neuron_gradient(neuron, gy, z)
+    return gy.sum(dim=_DIMS), (gy * xhat).sum(dim=_DIMS)
+
+
+def bn_backward(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    gamma: torch.Tensor,
+    beta: torch.Tensor,
+    eps: float,
+    sum_gy: torch.Tensor,
+    sum_gy_xhat: torch.Tensor,
+    count: torch.Tensor | float,
+    neuron: NeuronParams | None = None,
+) -> torch.Tensor:
+    """``dL/dx = gamma s (gy - Σ gy / m - xhat Σ gy xhat / m)`` in ``x``'s dtype, (N, C, H, W).
+
+    ``g``, ``x``: this sub-batch; ``mean``, ``var`` (biased), ``sum_gy``, ``sum_gy_xhat`` and
+    ``count`` (``m``, a (1,) or (C,) tensor or a number): the whole batch's. Derivation in the
+    module docstring. Per element, in this order::
+
+        xc = x - mean, xhat = xc s, gy = g f'(xc a + beta),
+        dx = ((gy - Σgy/m) - xhat (Σgy xhat/m)) a
+    """
+    _check_source("bn_backward", x, g)
+    _check_channels(
+        "bn_backward", x, mean=mean, var=var, gamma=gamma, beta=beta, sum_gy=sum_gy,
+        sum_gy_xhat=sum_gy_xhat,
+    )  # fmt: skip
+    params = (mean, var, gamma, beta, eps, sum_gy, sum_gy_xhat, count)
+    fast = fast_paths.batch_norm_backward(g, x, *params, neuron=neuron)
+    return fast if fast is not None else bn_backward_portable(g, x, *params, neuron)
+
+
+def bn_backward_portable(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    gamma: torch.Tensor,
+    beta: torch.Tensor,
+    eps: float,
+    sum_gy: torch.Tensor,
+    sum_gy_xhat: torch.Tensor,
+    count: torch.Tensor | float,
+    neuron: NeuronParams | None = None,
+) -> torch.Tensor:
+    """`bn_backward` in PyTorch operations (any device, any neuron)."""
+    ct = acc_dtype(x.dtype)
+    m = torch.as_tensor(count, dtype=ct, device=x.device)
+    inv = _inv_std(var.to(ct), eps)
+    a = gamma.to(ct) * inv
+    mean_gy = sum_gy.to(ct) / m
+    mean_gy_xhat = sum_gy_xhat.to(ct) / m
+    xc = x.to(ct) - _col(mean, ct)
+    xhat = xc * _col(inv, ct)
+    gy = g.to(ct)
+    if neuron is not None:
+        gy = _neuron_gradient(neuron, gy, xc * _col(a, ct) + _col(beta, ct))
+    t = gy - _col(mean_gy, ct)
+    t = t - xhat * _col(mean_gy_xhat, ct)
+    return (t * _col(a, ct)).to(x.dtype)

@@ -1,0 +1,567 @@
+"""The update math of MPS's optimizers (SGD, RMSProp, Adam) over lists of tensors.
+
+Optimizers as two small functions: `init_state` makes a parameter's state vectors once, and one
+update rule per optimizer is applied to a whole list of parameters by `apply_update` (on CUDA
+one Triton launch for the list, `mpsnn.ops.triton.optim`; elsewhere a few ``torch._foreach_*``
+operations per step). `sgd_update`, `rmsprop_update` and `adam_update` name the arguments.
+
+Every gradient ``g`` of a value ``w`` goes through, in order (float32 arithmetic for float32
+values, float64 for float64; float16/bfloat16 gradients are read as float32):
+
+1. clipping (``clip=True``): ``g = clamp(g, gradient_clip_min, gradient_clip_max)``;
+2. rescaling: ``g = gradient_rescale * g``;
+3. regularization: L1 adds ``regularization_scale * sign(w)`` (sign(0) = sign(NaN) = 0), L2 adds
+   ``regularization_scale * w``, NONE nothing;
+4. the rule, with ``lr`` the learning rate (it may be negative):
+
+   * SGD: ``w_new = w - lr g``. With momentum: ``m = mu m + lr g; w_new = w - m``. Nesterov:
+     ``m = mu m + g; w_new = w - lr (g + mu m)``. (torch.optim.SGD keeps ``m = mu m + g`` and
+     steps ``w - lr m`` in both cases: the plain momentum differs when ``lr`` changes.)
+   * RMSProp: ``s = decay s + (1 - decay) g²; w_new = w - lr g / (sqrt(s) + eps)``; the same as
+     torch.optim.RMSprop(alpha=decay, eps, centered=False, momentum=0).
+   * Adam: ``t += 1; lr_t = lr sqrt(1 - beta2^t) / (1 - beta1^t)``, ``m = beta1 m + (1 - beta1)
+     g``, ``v = beta2 v + (1 - beta2) g²``, ``w_new = w - lr_t m / (sqrt(v) + eps)``; AMSGrad:
+     ``vmax = max(vmax, v)`` replaces ``v`` under the root. torch.optim.Adam divides by
+     ``sqrt(v) / sqrt(1 - beta2^t) + eps``: MPS's ``eps`` equals torch's
+     ``eps / sqrt(1 - beta2^t)``, so they agree only for eps = 0 (or up to that rescaling).
+     ``lr_t`` is computed in float64 from the float64 hyperparameters.
+
+The update is out of place: ``w`` is read from ``values`` and ``w_new`` written to ``results``
+(each result either is its value tensor, in place, or overlaps no input). State vectors are
+updated in place.
+
+Hyperparameters live in device memory, so that a captured CUDA graph follows changes made
+between replays and Adam's step advances on the device. The hyperparameter tensor
+(`make_hyper`, `set_hyper`) is float64 of shape ``(HYPER_SIZE,)``, laid out as `Hyper`:
+
+    ===  ================================================================
+    0    learning_rate
+    1    gradient_rescale
+    2    gradient_clip_min  (read only with clip=True)
+    3    gradient_clip_max  (read only with clip=True)
+    4    regularization_scale  (read only with L1 or L2)
+    5    momentum_scale (SGD) = decay (RMSProp) = beta1 (Adam)
+    6    beta2 (Adam)
+    7    epsilon (RMSProp, Adam)
+    ===  ================================================================
+
+Adam's step tensor (`make_step`) is int64 of shape ``(2,)``: ``[t, 0]`` with ``t`` the number of
+updates done; the second entry is the Triton kernel's arrival counter and is 0 between updates.
+What the options select (the rule, ``clip``, the regularization type) stays on the host: MPS
+fixes them when it makes an optimizer; changing them needs a new capture.
+
+CUDA graphs: the first update of a list of tensors (same tensors, same rule and options) must
+run before capture: it checks the lists, builds the Triton kernel's tables (cached per list,
+keyed on the tensors' addresses, shapes and gradient dtypes) and compiles the kernel. Later
+updates copy nothing from the host and never wait for the device. The portable path needs
+no warm-up beyond PyTorch's own. After a cached check, tensors are assumed to keep the layout
+they had at their address (a non-contiguous view or a tensor of another dtype placed at the
+same address with the same shape is not noticed).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import operator
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "HYPER_SIZE",
+    "Hyper",
+    "RegularizationType",
+    "UpdateRule",
+    "adam_update",
+    "apply_update",
+    "init_state",
+    "make_hyper",
+    "make_step",
+    "rmsprop_update",
+    "set_hyper",
+    "set_step",
+    "sgd_update",
+]
+
+
+class RegularizationType(enum.IntEnum):
+    """MPSNNRegularizationType."""
+
+    NONE = 0
+    L1 = 1
+    L2 = 2
+
+
+class UpdateRule(enum.IntEnum):
+    """The update rules; ``state_names`` lists each rule's state vectors in order."""
+
+    SGD = 0
+    SGD_MOMENTUM = 1
+    SGD_NESTEROV = 2
+    RMSPROP = 3
+    ADAM = 4
+    ADAM_AMSGRAD = 5
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return _STATE_NAMES[self]
+
+
+_STATE_NAMES = {
+    UpdateRule.SGD: (),
+    UpdateRule.SGD_MOMENTUM: ("momentum",),
+    UpdateRule.SGD_NESTEROV: ("momentum",),
+    UpdateRule.RMSPROP: ("sum_of_squares",),
+    UpdateRule.ADAM: ("momentum", "velocity"),
+    UpdateRule.ADAM_AMSGRAD: ("momentum", "velocity", "max_velocity"),
+}
+_ADAM_RULES = (UpdateRule.ADAM, UpdateRule.ADAM_AMSGRAD)
+
+
+class Hyper(enum.IntEnum):
+    """Index of each hyperparameter in the hyperparameter tensor (aliases share slot 5)."""
+
+    LEARNING_RATE = 0
+    GRADIENT_RESCALE = 1
+    GRADIENT_CLIP_MIN = 2
+    GRADIENT_CLIP_MAX = 3
+    REGULARIZATION_SCALE = 4
+    MOMENTUM_SCALE = 5
+    DECAY = 5
+    BETA1 = 5
+    BETA2 = 6
+    EPSILON = 7
+
+
+HYPER_SIZE = 8
+_FIELDS = {name.lower(): int(slot) for name, slot in Hyper.__members__.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# hyperparameters, step, state
+
+
+def make_hyper(
+    device: torch.device | str,
+    *,
+    learning_rate: float,
+    gradient_rescale: float = 1.0,
+    gradient_clip_min: float = -math.inf,
+    gradient_clip_max: float = math.inf,
+    regularization_scale: float = 0.0,
+    momentum_scale: float | None = None,
+    decay: float | None = None,
+    beta1: float | None = None,
+    beta2: float = 0.0,
+    epsilon: float = 0.0,
+) -> torch.Tensor:
+    """A float64 hyperparameter tensor on ``device`` (layout: `Hyper`). ``momentum_scale``,
+    ``decay`` and ``beta1`` name the same slot: give at most one (default 0). The defaults
+    are neutral, not MPS's per-optimizer defaults (the optimizer classes supply those)."""
+    slot5 = [x for x in (momentum_scale, decay, beta1) if x is not None]
+    if len(slot5) > 1:
+        raise ValueError("[make_hyper] momentum_scale, decay and beta1 share a slot: give one")
+    _check_learning_rate("make_hyper", learning_rate)
+    values = [learning_rate, gradient_rescale, gradient_clip_min, gradient_clip_max,
+              regularization_scale, slot5[0] if slot5 else 0.0, beta2, epsilon]  # fmt: skip
+    return torch.tensor([float(x) for x in values], dtype=torch.float64, device=device)
+
+
+def set_hyper(hyper: torch.Tensor, **fields: float) -> None:
+    """Write hyperparameters in place (field names as in `make_hyper`), on the current stream
+    and without waiting; updates encoded or replayed after it read the new values."""
+    _check_hyper(hyper)
+    for name, value in fields.items():
+        slot = _FIELDS.get(name)
+        if slot is None:
+            raise ValueError(f"[set_hyper] unknown hyperparameter {name!r}; one of {list(_FIELDS)}")
+        if slot == Hyper.LEARNING_RATE:
+            _check_learning_rate("set_hyper", value)
+        hyper[slot].fill_(float(value))  # a fill kernel: no host-to-device copy, no wait
+
+
+def make_step(device: torch.device | str, t: int = 0) -> torch.Tensor:
+    """Adam's step tensor ``[t, 0]`` (int64): ``t`` updates done."""
+    return torch.tensor([int(t), 0], dtype=torch.int64, device=device)
+
+
+def set_step(step: torch.Tensor, t: int) -> None:
+    """Set the number of updates done (the next update uses ``t + 1``)."""
+    _check_step(step)
+    step[0].fill_(int(t))
+
+
+def init_state(rule: UpdateRule, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Zero state vectors of one parameter for ``rule`` (``rule.state_names``), contiguous, in
+    ``value``'s dtype and device. `apply_update` takes them as one list per state vector."""
+    rule = UpdateRule(rule)
+    return tuple(
+        torch.zeros_like(value, memory_format=torch.contiguous_format) for _ in rule.state_names
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# updates
+
+
+def sgd_update(
+    values: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    results: Sequence[torch.Tensor],
+    momenta: Sequence[torch.Tensor] | None,
+    hyper: torch.Tensor,
+    *,
+    nesterov: bool = False,
+    clip: bool = False,
+    regularization: RegularizationType = RegularizationType.NONE,
+) -> None:
+    """MPSNNOptimizerStochasticGradientDescent: ``w - lr g`` without momenta; with them
+    ``m = mu m + lr g, w - m``, or Nesterov's ``m = mu m + g, w - lr (g + mu m)``."""
+    if momenta is None:
+        if nesterov:
+            raise ValueError("[sgd_update] Nesterov momentum needs momentum vectors")
+        apply_update(UpdateRule.SGD, values, grads, results, (), hyper,
+                     clip=clip, regularization=regularization)  # fmt: skip
+        return
+    rule = UpdateRule.SGD_NESTEROV if nesterov else UpdateRule.SGD_MOMENTUM
+    apply_update(rule, values, grads, results, (momenta,), hyper,
+                 clip=clip, regularization=regularization)  # fmt: skip
+
+
+def rmsprop_update(
+    values: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    results: Sequence[torch.Tensor],
+    sums_of_squares: Sequence[torch.Tensor],
+    hyper: torch.Tensor,
+    *,
+    clip: bool = False,
+    regularization: RegularizationType = RegularizationType.NONE,
+) -> None:
+    """MPSNNOptimizerRMSProp: ``s = decay s + (1 - decay) g², w - lr g / (sqrt(s) + eps)``."""
+    apply_update(UpdateRule.RMSPROP, values, grads, results, (sums_of_squares,), hyper,
+                 clip=clip, regularization=regularization)  # fmt: skip
+
+
+def adam_update(
+    values: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    results: Sequence[torch.Tensor],
+    momenta: Sequence[torch.Tensor],
+    velocities: Sequence[torch.Tensor],
+    max_velocities: Sequence[torch.Tensor] | None,
+    hyper: torch.Tensor,
+    step: torch.Tensor,
+    *,
+    clip: bool = False,
+    regularization: RegularizationType = RegularizationType.NONE,
+) -> None:
+    """MPSNNOptimizerAdam (AMSGrad when ``max_velocities`` are given); advances ``step`` once
+    for the whole list. See the module docstring for ``lr_t`` and the eps placement."""
+    if max_velocities is None:
+        rule, states = UpdateRule.ADAM, (momenta, velocities)
+    else:
+        rule, states = UpdateRule.ADAM_AMSGRAD, (momenta, velocities, max_velocities)
+    apply_update(rule, values, grads, results, states, hyper, step,
+                 clip=clip, regularization=regularization)  # fmt: skip
+
+
+def apply_update(
+    rule: UpdateRule,
+    values: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    results: Sequence[torch.Tensor],
+    states: Sequence[Sequence[torch.Tensor]],
+    hyper: torch.Tensor,
+    step: torch.Tensor | None = None,
+    *,
+    clip: bool = False,
+    regularization: RegularizationType = RegularizationType.NONE,
+) -> None:
+    """One update of ``rule`` over a list of parameters (the module docstring has the math).
+
+    ``values``, ``results``, ``states[k]`` (one list per entry of ``rule.state_names``): float32,
+    or float64 (portable path); ``grads``: float16, bfloat16 or float32 (float64 with float64
+    values); same shape per parameter, all on ``hyper``'s device. ``step``: Adam's step tensor.
+    """
+    rule = UpdateRule(rule)
+    regularization = RegularizationType(regularization)
+    _check_hyper(hyper)
+    if rule in _ADAM_RULES:
+        if step is None:
+            raise ValueError(f"[apply_update] {rule.name} needs a step tensor (make_step)")
+        _check_step(step)
+    if not values:
+        if rule in _ADAM_RULES:
+            step[:1].add_(1)  # an update of nothing still counts
+        return
+    lists = (values, grads, results, *states)
+    fast = _plan(rule, lists, hyper)
+    if fast is not None:
+        fast.launch(rule, hyper, step, clip, regularization)
+        return
+    _portable(rule, values, grads, results, states, hyper, step, clip, regularization)
+
+
+# ---------------------------------------------------------------------------------------------
+# checks and the per-list cache
+
+_PLANS: OrderedDict[tuple, Any] = OrderedDict()
+_MAX_PLANS = 64
+_data_ptr = torch.Tensor.data_ptr
+_shape = operator.attrgetter("shape")
+_dtype = operator.attrgetter("dtype")
+
+
+def _plan(rule: UpdateRule, lists: tuple[Sequence[torch.Tensor], ...], hyper: torch.Tensor) -> Any:
+    """The Triton tables for ``lists``, or None for the portable path; the lists are checked
+    once per key (addresses, shapes, gradient dtypes) and the answer kept."""
+    from mpsnn.ops import triton as fast_paths
+
+    flat = [t for lst in lists for t in lst]
+    key = (
+        fast_paths.enabled(),
+        len(lists),
+        hyper.device,
+        lists[0][0].dtype,
+        tuple(map(_data_ptr, flat)),  # map: this runs at every step, for every tensor
+        tuple(map(_shape, flat)),
+        tuple(map(_dtype, lists[1])),
+    )
+    if key in _PLANS:
+        _PLANS.move_to_end(key)
+        return _PLANS[key]
+    _check_lists(rule, lists, hyper.device)
+    plan = fast_paths.optimizer_tables(lists)
+    _PLANS[key] = plan
+    if len(_PLANS) > _MAX_PLANS:
+        _PLANS.popitem(last=False)
+    return plan
+
+
+def _check_lists(
+    rule: UpdateRule, lists: tuple[Sequence[torch.Tensor], ...], device: torch.device
+) -> None:
+    who = f"[apply_update {rule.name}]"
+    names = ("values", "grads", "results", *rule.state_names)
+    if len(lists) != len(names):
+        raise ValueError(
+            f"{who} expects {len(names) - 3} state lists {rule.state_names}, got {len(lists) - 3}"
+        )
+    n = len(lists[0])
+    dtype = lists[0][0].dtype
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"{who} values must be float32 or float64, got {dtype}")
+    for name, lst in zip(names, lists, strict=True):
+        if len(lst) != n:
+            raise ValueError(f"{who} {name} has {len(lst)} tensors, values has {n}")
+        for i, t in enumerate(lst):
+            if t.device != device:
+                raise ValueError(f"{who} {name}[{i}] is on {t.device}, hyper on {device}")
+            if t.shape != lists[0][i].shape:
+                raise ValueError(
+                    f"{who} {name}[{i}] has shape {tuple(t.shape)}, values[{i}] "
+                    f"{tuple(lists[0][i].shape)}"
+                )
+            if name == "grads":
+                ok = t.dtype in (torch.float16, torch.bfloat16, torch.float32, dtype)
+            else:
+                ok = t.dtype == dtype
+            if not ok:
+                raise TypeError(f"{who} {name}[{i}] is {t.dtype} with {dtype} values")
+
+
+def _check_hyper(hyper: torch.Tensor) -> None:
+    if hyper.dtype != torch.float64 or tuple(hyper.shape) != (HYPER_SIZE,):
+        raise ValueError(
+            f"hyperparameters must be a float64 tensor of shape ({HYPER_SIZE},) (make_hyper), "
+            f"got {hyper.dtype} {tuple(hyper.shape)}"
+        )
+
+
+def _check_step(step: torch.Tensor) -> None:
+    if step.dtype != torch.int64 or tuple(step.shape) != (2,) or not step.is_contiguous():
+        raise ValueError(
+            f"the step must be a contiguous int64 tensor of shape (2,) (make_step), got "
+            f"{step.dtype} {tuple(step.shape)}"
+        )
+
+
+def _check_learning_rate(who: str, lr: float) -> None:
+    if not math.isfinite(lr):
+        raise ValueError(f"[{who}] the learning rate must be finite, got {lr}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the portable path: torch._foreach_* over the lists
+#
+# Hyperparameters are "scalars": 0-dim device tensors off the CPU (read by the device when the
+# work runs: nothing waits, a captured graph follows them), Python floats on the CPU (read for
+# free, and they let the CPU use torch's fused foreach ops). Either way they hold the values'
+# dtype (float32 for float32 values: MPS computes in float32, and so does the Triton kernel).
+
+_TensorList = list[torch.Tensor]
+_Scalar = float | torch.Tensor
+
+
+def _axpy_(y: _TensorList, x: Sequence[torch.Tensor], a: _Scalar) -> None:
+    """``y += a x``."""
+    if isinstance(a, torch.Tensor):
+        torch._foreach_add_(y, torch._foreach_mul(x, a))
+    else:
+        torch._foreach_add_(y, x, alpha=a)
+
+
+def _addcmul_(y: _TensorList, x1: _TensorList, x2: _TensorList, a: _Scalar) -> None:
+    """``y += a (x1 x2)``."""
+    if isinstance(a, torch.Tensor):
+        t = torch._foreach_mul(x1, x2)
+        torch._foreach_mul_(t, a)
+        torch._foreach_add_(y, t)
+    else:
+        torch._foreach_addcmul_(y, x1, x2, a)
+
+
+def _addcdiv_(y: _TensorList, x1: _TensorList, x2: _TensorList, a: _Scalar) -> None:
+    """``y += a (x1 / x2)``."""
+    if isinstance(a, torch.Tensor):
+        t = torch._foreach_div(x1, x2)
+        torch._foreach_mul_(t, a)
+        torch._foreach_add_(y, t)
+    else:
+        torch._foreach_addcdiv_(y, x1, x2, a)
+
+
+def _clamped(g: Sequence[torch.Tensor], lo: _Scalar, hi: _Scalar) -> _TensorList:
+    """``clamp(g, lo, hi)`` as new tensors (NaN stays NaN)."""
+    if isinstance(lo, torch.Tensor):
+        # no foreach clamp takes tensor bounds; maximum/minimum take a list of 0-dim tensors
+        # (one launch per tensor on CUDA, where this path runs only when Triton does not)
+        out = torch._foreach_maximum(g, [lo] * len(g))
+        torch._foreach_minimum_(out, [hi] * len(g))
+    else:
+        out = torch._foreach_maximum(g, lo)
+        torch._foreach_minimum_(out, hi)
+    return list(out)
+
+
+def _gradients(
+    values: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    h: Sequence[_Scalar],
+    clip: bool,
+    regularization: RegularizationType,
+) -> _TensorList:
+    """Clipped, rescaled, regularized gradients: new tensors (the callers' are never written)."""
+    dt = values[0].dtype
+    g = [x if x.dtype == dt else x.to(dt) for x in grads]
+    if clip:
+        g = _clamped(g, h[Hyper.GRADIENT_CLIP_MIN], h[Hyper.GRADIENT_CLIP_MAX])
+        torch._foreach_mul_(g, h[Hyper.GRADIENT_RESCALE])
+    else:
+        g = list(torch._foreach_mul(g, h[Hyper.GRADIENT_RESCALE]))
+    if regularization == RegularizationType.L1:
+        _axpy_(g, torch._foreach_sign(values), h[Hyper.REGULARIZATION_SCALE])
+    elif regularization == RegularizationType.L2:
+        _axpy_(g, values, h[Hyper.REGULARIZATION_SCALE])
+    return g
+
+
+# Each rule: (g, states, h, hyper, step) -> (x, den, c) with w_new = w - c x / den (den None:
+# w - c x; c None: w - x), updating the state in place; g is its own and may be overwritten.
+_Step = tuple[_TensorList, _TensorList | None, _Scalar | None]
+
+
+def _sgd(g: _TensorList, states, h, hyper, step) -> _Step:
+    return g, None, h[Hyper.LEARNING_RATE]
+
+
+def _sgd_momentum(g: _TensorList, states, h, hyper, step) -> _Step:
+    (m,) = states
+    torch._foreach_mul_(m, h[Hyper.MOMENTUM_SCALE])
+    _axpy_(m, g, h[Hyper.LEARNING_RATE])
+    return m, None, None
+
+
+def _sgd_nesterov(g: _TensorList, states, h, hyper, step) -> _Step:
+    (m,) = states
+    mu = h[Hyper.MOMENTUM_SCALE]
+    torch._foreach_mul_(m, mu)
+    torch._foreach_add_(m, g)
+    x = list(torch._foreach_mul(m, mu))
+    torch._foreach_add_(x, g)
+    return x, None, h[Hyper.LEARNING_RATE]
+
+
+def _rmsprop(g: _TensorList, states, h, hyper, step) -> _Step:
+    (s,) = states
+    decay = h[Hyper.DECAY]
+    torch._foreach_mul_(s, decay)
+    _addcmul_(s, g, g, 1 - decay)
+    den = list(torch._foreach_sqrt(s))
+    torch._foreach_add_(den, h[Hyper.EPSILON])
+    return g, den, h[Hyper.LEARNING_RATE]
+
+
+def _adam(g: _TensorList, states, h, hyper, step) -> _Step:
+    m, v = states[0], states[1]
+    # t += 1 and lr_t, on the device in float64 (tensor ops: nothing read back to the host)
+    step[:1].add_(1)
+    corr = 1 - torch.pow(hyper[Hyper.BETA1 : Hyper.BETA2 + 1], step[0])
+    lr_t = (hyper[Hyper.LEARNING_RATE] * corr[1].sqrt() / corr[0]).to(g[0].dtype)
+    if not isinstance(h[0], torch.Tensor):
+        lr_t = lr_t.item()  # the CPU
+    b1, b2 = h[Hyper.BETA1], h[Hyper.BETA2]
+    torch._foreach_mul_(m, b1)
+    _axpy_(m, g, 1 - b1)
+    torch._foreach_mul_(v, b2)
+    _addcmul_(v, g, g, 1 - b2)
+    if len(states) == 3:
+        torch._foreach_maximum_(states[2], v)
+        den = list(torch._foreach_sqrt(states[2]))
+    else:
+        den = list(torch._foreach_sqrt(v))
+    torch._foreach_add_(den, h[Hyper.EPSILON])
+    return m, den, lr_t
+
+
+_PORTABLE_RULES: dict[UpdateRule, Callable[..., _Step]] = {
+    UpdateRule.SGD: _sgd,
+    UpdateRule.SGD_MOMENTUM: _sgd_momentum,
+    UpdateRule.SGD_NESTEROV: _sgd_nesterov,
+    UpdateRule.RMSPROP: _rmsprop,
+    UpdateRule.ADAM: _adam,
+    UpdateRule.ADAM_AMSGRAD: _adam,
+}
+
+
+def _portable(
+    rule: UpdateRule,
+    values: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    results: Sequence[torch.Tensor],
+    states: Sequence[Sequence[torch.Tensor]],
+    hyper: torch.Tensor,
+    step: torch.Tensor | None,
+    clip: bool,
+    regularization: RegularizationType,
+) -> None:
+    """The update with ``torch._foreach_*`` ops: a few launches per step whatever the count of
+    tensors (on CUDA; the CPU loops over the tensors inside each op)."""
+    h_dt = hyper.to(values[0].dtype)  # hyperparameters rounded once to the values' dtype
+    h: list[_Scalar] = list(h_dt.unbind()) if h_dt.device.type != "cpu" else h_dt.tolist()
+    g = _gradients(values, grads, h, clip, regularization)
+    x, den, c = _PORTABLE_RULES[rule](g, [list(s) for s in states], h, hyper, step)
+    target = list(results)
+    if not all(r is w for r, w in zip(results, values, strict=True)):
+        # copy, then update the copy: also right where only some results are their values
+        torch._foreach_copy_(target, list(values))
+    if c is None:
+        torch._foreach_sub_(target, x)
+    elif den is None:
+        _axpy_(target, x, -c)
+    else:
+        _addcdiv_(target, x, den, -c)

@@ -1,0 +1,423 @@
+"""Batch normalization in four passes over NCHW data, ReLU fused (Triton).
+
+Same math as `mpsnn.ops.batch_norm` (its docstring has the formulas), for contiguous
+(N, C, H, W) tensors in float16, bfloat16 or float32, computed in float32, with no neuron,
+NONE or RELU (``z >= 0 ? z : a z``, any slope ``a``):
+
+1. statistics: each program reads a span of planes of one channel (the (n, c) planes of NCHW
+   are contiguous) and leaves a partial ``(count, mean, m2)``; a second kernel merges the
+   partials of each channel in float64. Within a program the data are shifted by the
+   channel's first sample, each loaded block is reduced two-pass in registers (its mean, then
+   its squared deviations) and merged into the running triple with Chan's update: no
+   cancellation, whatever the channel's mean, for one read of ``x``.
+2. normalization + neuron: one elementwise pass (read ``x``, write ``y``).
+3. gradient sums: one pass reading ``g`` and ``x``; ``xhat`` and ``z`` (for the ReLU branch)
+   are recomputed in registers; per-program partial sums, added up by one small reduction.
+4. ``dx``: one elementwise pass reading ``g`` and ``x``, writing ``dx``.
+
+Per-channel coefficients (``1 / sqrt(var + eps)``, ``gamma s``, ``Σ gy / m``...) are computed
+by each program from the (C,) tensors, with correctly rounded square root and division, and
+the kernels are compiled without multiply-add contraction, so passes 2 and 4 give the portable
+path's bits: every operation is the portable path's, in its order, rounded once. Every program
+works on one channel (a per-program scalar): no element needs an integer division.
+
+Bytes moved: forward ``x`` twice and ``y`` once; gradient ``g`` and ``x`` twice, ``dx`` once.
+The elementwise passes take the planes in reverse order: the reductions before them read the
+last planes last, so those are still in L2 when the elementwise pass starts (up to the L2's
+size read from it instead of memory: most useful for bfloat16, where more of ``x`` fits).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "bn_backward_triton",
+    "bn_forward_triton",
+    "bn_gradient_sums_triton",
+    "bn_statistics_triton",
+]
+
+_RELU = 1  # neuron type code (`mpsnn.ops.neuron`)
+# Reductions: about this many programs per SM (several resident at once hide the latency of
+# their loads), and at most this many partial results per channel.
+_PROGRAMS_PER_SM = 8
+_MAX_PARTS = 1024
+_BLOCK_BYTES = 16384  # bytes a program loads per tensor and loop step (reductions)
+_EW_BLOCK_BYTES = 8192  # ... in the elementwise passes
+_EW_MAX_SPAN = 16384  # elements of a plane per elementwise program (longer planes are split)
+
+
+# -- kernels --------------------------------------------------------------------------------
+
+
+@triton.jit
+def _coefficients(mean_ptr, var_ptr, gamma_ptr, beta_ptr, c, eps):
+    """The channel's ``mean``, ``s = 1 / sqrt(var + eps)`` (0 where ``var + eps <= 0``),
+    ``a = gamma s`` and ``beta``, as `mpsnn.ops.batch_norm._inv_std` computes them."""
+    mu = tl.load(mean_ptr + c)
+    v = tl.load(var_ptr + c) + eps
+    pos = v > 0
+    s = tl.math.div_rn(tl.full((), 1.0, tl.float32), tl.sqrt_rn(tl.where(pos, v, 1.0)))
+    s = tl.where(pos, s, 0.0)
+    return mu, s, tl.load(gamma_ptr + c) * s, tl.load(beta_ptr + c)
+
+
+@triton.jit
+def _store(ptr, v, mask):
+    """Store float32 ``v`` in ``ptr``'s dtype, rounded to nearest even. bfloat16 is rounded in
+    integer arithmetic (Triton's interpreter truncates in its own conversion); a NaN stays a
+    NaN (0x7FC0)."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        b = v.to(tl.uint32, bitcast=True)
+        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        r = tl.where(v != v, 0x7FC0, r)
+        tl.store(ptr, r.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _stats_partial(
+    x_ptr, part_ptr, N, C, L, planes, span, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # grid (C, chunks, splits): channel c, planes [n0, n1), elements [l0, l1) of each plane
+    c = tl.program_id(0)
+    chunk = tl.program_id(1)
+    split = tl.program_id(2)
+    parts = tl.num_programs(1) * tl.num_programs(2)
+    n0 = chunk * planes
+    n1 = tl.minimum(n0 + planes, N)
+    l0 = split * span
+    l1 = tl.minimum(l0 + span, L)
+    shift = tl.load(x_ptr + c.to(tl.int64) * L).to(tl.float32)  # x[0, c, 0]
+    offs = tl.arange(0, BLOCK)
+    cnt = 0.0
+    mean = 0.0
+    m2 = 0.0
+    for n in range(n0, n1):
+        row = x_ptr + (n * C + c).to(tl.int64) * L  # plane (n, c); n * C + c < 2^31
+        for s in range(l0, l1, BLOCK):
+            idx = s + offs
+            mask = idx < l1
+            v = tl.load(row + idx, mask=mask, other=0.0).to(tl.float32)
+            d = tl.where(mask, v - shift, 0.0)
+            k = tl.minimum(l1 - s, BLOCK).to(tl.float32)
+            bmean = tl.sum(d, axis=0) / k
+            e = tl.where(mask, d - bmean, 0.0)
+            bm2 = tl.sum(e * e, axis=0)
+            # Chan: merge the block (k, bmean, bm2) into (cnt, mean, m2)
+            tot = cnt + k
+            w = k / tot
+            delta = bmean - mean
+            mean = mean + delta * w
+            m2 = m2 + bm2 + delta * delta * cnt * w
+            cnt = tot
+    p = c * parts + chunk * tl.num_programs(2) + split
+    plane = C * parts
+    tl.store(part_ptr + p, cnt)
+    tl.store(part_ptr + plane + p, mean)
+    tl.store(part_ptr + 2 * plane + p, m2)
+
+
+@triton.jit
+def _stats_combine(
+    part_ptr, x_ptr, count_ptr, mean_ptr, m2_ptr, C, L, P, BLOCK_P: tl.constexpr,
+):  # fmt: skip
+    # one program per channel: merge its P partial triples in float64 (two-pass over them)
+    c = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_P)
+    mask = offs < P
+    base = part_ptr + c * P + offs
+    n = tl.load(base, mask=mask, other=0.0).to(tl.float64)
+    mu = tl.load(base + C * P, mask=mask, other=0.0).to(tl.float64)
+    q = tl.load(base + 2 * C * P, mask=mask, other=0.0).to(tl.float64)
+    total = tl.sum(n, axis=0)
+    mean = tl.sum(n * mu, axis=0) / total
+    dev = mu - mean
+    m2 = tl.sum(q + n * dev * dev, axis=0)
+    shift = tl.load(x_ptr + c.to(tl.int64) * L).to(tl.float64)
+    tl.store(mean_ptr + c, (shift + mean).to(tl.float32))
+    tl.store(m2_ptr + c, tl.maximum(m2, 0.0).to(tl.float32))
+    if c == 0:
+        tl.store(count_ptr, total.to(tl.float32))
+
+
+@triton.jit
+def _forward(
+    x_ptr, y_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, C, L, span, eps, slope,
+    RELU: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # grid (N C, splits): plane (n, c), elements [l0, l1) of it
+    plane = tl.num_programs(0) - 1 - tl.program_id(0)  # last planes first (module docstring)
+    c = plane % C
+    mu, _, a, beta = _coefficients(mean_ptr, var_ptr, gamma_ptr, beta_ptr, c, eps)
+    l0 = tl.program_id(1) * span
+    l1 = tl.minimum(l0 + span, L)
+    base = plane.to(tl.int64) * L
+    offs = tl.arange(0, BLOCK)
+    for i in range(l0, l1, BLOCK):
+        idx = base + i + offs
+        mask = i + offs < l1
+        xc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32) - mu
+        z = xc * a + beta
+        if RELU:
+            z = tl.where(z >= 0, z, z * slope)
+        _store(y_ptr + idx, z, mask)
+
+
+@triton.jit
+def _gradient_sums_partial(
+    g_ptr, x_ptr, part_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, N, C, L, planes, span, eps,
+    slope, RELU: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # grid (C, chunks, splits) as in _stats_partial; lanes accumulate, one sum at the end
+    c = tl.program_id(0)
+    chunk = tl.program_id(1)
+    split = tl.program_id(2)
+    parts = tl.num_programs(1) * tl.num_programs(2)
+    mu, s, a, beta = _coefficients(mean_ptr, var_ptr, gamma_ptr, beta_ptr, c, eps)
+    n0 = chunk * planes
+    n1 = tl.minimum(n0 + planes, N)
+    l0 = split * span
+    l1 = tl.minimum(l0 + span, L)
+    offs = tl.arange(0, BLOCK)
+    acc_g = tl.zeros((BLOCK,), tl.float32)
+    acc_gx = tl.zeros((BLOCK,), tl.float32)
+    for n in range(n0, n1):
+        base = (n * C + c).to(tl.int64) * L
+        for i in range(l0, l1, BLOCK):
+            idx = base + i + offs
+            mask = i + offs < l1
+            xc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32) - mu
+            gy = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)  # 0 where masked
+            if RELU:
+                z = xc * a + beta
+                gy = tl.where(z >= 0, gy, gy * slope)
+            acc_g += gy
+            acc_gx += gy * (xc * s)
+    p = c * parts + chunk * tl.num_programs(2) + split
+    tl.store(part_ptr + p, tl.sum(acc_g, axis=0))
+    tl.store(part_ptr + C * parts + p, tl.sum(acc_gx, axis=0))
+
+
+@triton.jit
+def _backward(
+    g_ptr, x_ptr, dx_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, sum_gy_ptr, sum_gyx_ptr,
+    count_ptr, count_stride, C, L, span, eps, slope, RELU: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    # grid (N C, splits) as in _forward
+    plane = tl.num_programs(0) - 1 - tl.program_id(0)  # last planes first (module docstring)
+    c = plane % C
+    mu, s, a, beta = _coefficients(mean_ptr, var_ptr, gamma_ptr, beta_ptr, c, eps)
+    m = tl.load(count_ptr + c * count_stride)
+    mean_gy = tl.math.div_rn(tl.load(sum_gy_ptr + c), m)
+    mean_gyx = tl.math.div_rn(tl.load(sum_gyx_ptr + c), m)
+    l0 = tl.program_id(1) * span
+    l1 = tl.minimum(l0 + span, L)
+    base = plane.to(tl.int64) * L
+    offs = tl.arange(0, BLOCK)
+    for i in range(l0, l1, BLOCK):
+        idx = base + i + offs
+        mask = i + offs < l1
+        xc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32) - mu
+        gy = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        if RELU:
+            z = xc * a + beta
+            gy = tl.where(z >= 0, gy, gy * slope)
+        t = gy - mean_gy
+        t = t - (xc * s) * mean_gyx
+        dx = t * a
+        _store(dx_ptr + idx, dx, mask)
+
+
+# -- launch plans ---------------------------------------------------------------------------
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _programs_wanted(device: torch.device) -> int:
+    # Triton's interpreter (CPU tensors) runs programs one after the other: few suffice.
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else 1
+    return _PROGRAMS_PER_SM * sms
+
+
+def _warps(block: int) -> int:
+    return max(1, min(8, block // 256))
+
+
+class _ReductionPlan(NamedTuple):
+    """Each program: ``planes`` planes of its channel, ``span`` elements of each, by ``block``;
+    grid (C, chunks, splits), ``chunks * splits`` partial results per channel."""
+
+    planes: int
+    span: int
+    block: int
+    chunks: int
+    splits: int
+
+
+def _reduction_plan(
+    x: torch.Tensor, planes: int | None, span: int | None, block: int | None
+) -> _ReductionPlan:
+    n, c, h, w = x.shape
+    length = h * w
+    if planes is None or span is None:
+        want = min(_MAX_PARTS, max(1, triton.cdiv(_programs_wanted(x.device), c)))
+        if n >= want:  # whole planes, several per program
+            planes, span = triton.cdiv(n, want), length
+        else:  # one plane per program, split along the plane
+            planes, span = 1, triton.cdiv(length, triton.cdiv(want, n))
+    if block is None:
+        block = min(_BLOCK_BYTES // x.element_size(), triton.next_power_of_2(span))
+    if span < length:
+        span = triton.cdiv(span, block) * block  # splits start on a block boundary
+    span = min(span, length)
+    return _ReductionPlan(planes, span, block, triton.cdiv(n, planes), triton.cdiv(length, span))
+
+
+def _elementwise_plan(x: torch.Tensor, span: int | None, block: int | None) -> tuple[int, int, int]:
+    """(span, block, splits): each program takes ``span`` elements of one plane."""
+    length = x.shape[2] * x.shape[3]
+    if span is None:
+        span = triton.cdiv(length, triton.cdiv(length, _EW_MAX_SPAN))
+    if block is None:
+        block = min(_EW_BLOCK_BYTES // x.element_size(), triton.next_power_of_2(span))
+    if span < length:
+        span = triton.cdiv(span, block) * block
+    span = min(span, length)
+    return span, block, triton.cdiv(length, span)
+
+
+def _per_channel(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return t.to(device=x.device, dtype=torch.float32).contiguous()
+
+
+def _relu(neuron: Any) -> tuple[bool, float]:
+    """(whether the ReLU branch runs, its negative slope); no neuron and NONE are identities."""
+    if neuron is not None and neuron.kind == _RELU:
+        return True, float(neuron.a)
+    return False, 0.0
+
+
+# -- entry points ---------------------------------------------------------------------------
+
+
+def bn_statistics_triton(
+    x: torch.Tensor, *, planes: int | None = None, span: int | None = None,
+    block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`mpsnn.ops.batch_norm.bn_statistics_portable`'s ``(count, mean, m2)`` (float32; equal up
+    to summation order). ``planes``, ``span``, ``block``: the work split (tests force it)."""
+    x = x.contiguous()
+    n, c, h, w = x.shape
+    plan = _reduction_plan(x, planes, span, block)
+    parts = plan.chunks * plan.splits
+    part = torch.empty(3, c, parts, dtype=torch.float32, device=x.device)
+    _stats_partial[(c, plan.chunks, plan.splits)](
+        x, part, n, c, h * w, plan.planes, plan.span, BLOCK=plan.block,
+        num_warps=_warps(plan.block),
+    )  # fmt: skip
+    out = torch.empty(2 * c + 1, dtype=torch.float32, device=x.device)
+    count, mean, m2 = out[:1], out[1 : c + 1], out[c + 1 :]
+    _stats_combine[(c,)](
+        part, x, count, mean, m2, c, h * w, parts, BLOCK_P=triton.next_power_of_2(parts),
+    )  # fmt: skip
+    return count, mean, m2
+
+
+def bn_forward_triton(
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    gamma: torch.Tensor,
+    beta: torch.Tensor,
+    eps: float,
+    neuron: Any = None,
+    *,
+    span: int | None = None,
+    block: int | None = None,
+) -> torch.Tensor:
+    """`mpsnn.ops.batch_norm.bn_forward_portable`'s bits (no neuron, NONE or RELU)."""
+    x = x.contiguous()
+    n, c, h, w = x.shape
+    y = torch.empty_like(x)
+    relu, slope = _relu(neuron)
+    span, block, splits = _elementwise_plan(x, span, block)
+    p = [_per_channel(t, x) for t in (mean, var, gamma, beta)]
+    _forward[(n * c, splits)](
+        x, y, *p, c, h * w, span, float(eps), slope, RELU=relu, BLOCK=block,
+        num_warps=_warps(block), enable_fp_fusion=False,
+    )  # fmt: skip
+    return y
+
+
+def bn_gradient_sums_triton(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    gamma: torch.Tensor,
+    beta: torch.Tensor,
+    eps: float,
+    neuron: Any = None,
+    *,
+    planes: int | None = None,
+    span: int | None = None,
+    block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mpsnn.ops.batch_norm.bn_gradient_sums_portable`'s ``(Σ gy, Σ gy xhat)`` (float32;
+    equal up to summation order)."""
+    x, g = x.contiguous(), g.contiguous()
+    n, c, h, w = x.shape
+    relu, slope = _relu(neuron)
+    plan = _reduction_plan(x, planes, span, block)
+    parts = plan.chunks * plan.splits
+    part = torch.empty(2, c, parts, dtype=torch.float32, device=x.device)
+    p = [_per_channel(t, x) for t in (mean, var, gamma, beta)]
+    _gradient_sums_partial[(c, plan.chunks, plan.splits)](
+        g, x, part, *p, n, c, h * w, plan.planes, plan.span, float(eps), slope, RELU=relu,
+        BLOCK=plan.block, num_warps=_warps(plan.block), enable_fp_fusion=False,
+    )  # fmt: skip
+    sums = part.sum(dim=2)
+    return sums[0], sums[1]
+
+
+def bn_backward_triton(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    gamma: torch.Tensor,
+    beta: torch.Tensor,
+    eps: float,
+    sum_gy: torch.Tensor,
+    sum_gy_xhat: torch.Tensor,
+    count: torch.Tensor | float,
+    neuron: Any = None,
+    *,
+    span: int | None = None,
+    block: int | None = None,
+) -> torch.Tensor:
+    """`mpsnn.ops.batch_norm.bn_backward_portable`'s bits (no neuron, NONE or RELU)."""
+    x, g = x.contiguous(), g.contiguous()
+    n, c, h, w = x.shape
+    dx = torch.empty_like(x)
+    relu, slope = _relu(neuron)
+    span, block, splits = _elementwise_plan(x, span, block)
+    m = torch.as_tensor(count, dtype=torch.float32, device=x.device).reshape(-1).contiguous()
+    p = [_per_channel(t, x) for t in (mean, var, gamma, beta, sum_gy, sum_gy_xhat)]
+    _backward[(n * c, splits)](
+        g, x, dx, *p, m, 0 if m.numel() == 1 else 1, c, h * w, span, float(eps), slope,
+        RELU=relu, BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False,
+    )  # fmt: skip
+    return dx

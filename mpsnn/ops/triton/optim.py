@@ -1,0 +1,286 @@
+"""Optimizer updates (`mpsnn.ops.optim`) over a whole list of tensors in one launch (Triton).
+
+One program per chunk of ``BLOCK`` elements of one tensor. The lists' base addresses sit in an
+int64 table (one row per parameter: values, gradients, results, then the state vectors) and
+the chunks in another (tensor index, first element, end), both built once per list of tensors
+and kept on the device, so a step passes four device pointers and copies nothing from the
+host. Bytes moved: every tensor of the rule read once and written once (the gradients only
+read); the tables and the hyperparameters add a few bytes per chunk.
+
+The arithmetic follows the portable path operation by operation (float32, IEEE division and
+square root, no fused multiply-add), so both give the same float32 values up to Adam's
+``lr_t``, which each computes in float64 in its own way. Adam's step counter advances once
+per update: the program that arrives last (an atomic arrival counter kept beside the step)
+writes ``t + 1`` after every program has read ``t``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from mpsnn.ops.optim import RegularizationType, UpdateRule
+
+__all__ = ["BLOCK", "MultiTensorTables", "build_tables"]
+
+BLOCK = 2048  # elements per program: 16 per thread with 4 warps (four 16-byte accesses)
+_NUM_WARPS = 4
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+# rule and regularization codes as the kernel sees them (constexpr)
+_SGD = tl.constexpr(int(UpdateRule.SGD))
+_SGD_MOMENTUM = tl.constexpr(int(UpdateRule.SGD_MOMENTUM))
+_SGD_NESTEROV = tl.constexpr(int(UpdateRule.SGD_NESTEROV))
+_RMSPROP = tl.constexpr(int(UpdateRule.RMSPROP))
+_ADAM = tl.constexpr(int(UpdateRule.ADAM))
+_ADAM_AMSGRAD = tl.constexpr(int(UpdateRule.ADAM_AMSGRAD))
+_L1 = tl.constexpr(int(RegularizationType.L1))
+_L2 = tl.constexpr(int(RegularizationType.L2))
+
+
+@triton.jit
+def _powi(x, n):
+    """``x ** n`` for a float64 ``x`` and an integer ``n >= 0``, by repeated squaring (plain
+    multiplications: no pow/exp/log, which float64 lowers to library calls)."""
+    r = x * 0.0 + 1.0
+    while n > 0:
+        if n % 2 == 1:
+            r = r * x
+        x = x * x
+        n = n // 2
+    return r
+
+
+@triton.jit
+def _load(ptr, offs, mask, MASKED: tl.constexpr):
+    if MASKED:
+        v = tl.load(ptr + offs, mask=mask, other=0.0)
+    else:
+        v = tl.load(ptr + offs)
+    return v
+
+
+@triton.jit
+def _store(ptr, offs, v, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr + offs, v, mask=mask)
+    else:
+        tl.store(ptr + offs, v)
+
+
+@triton.jit
+def _sgd(w, g, m, lr, mu, RULE: tl.constexpr):
+    """Decrement and new momentum of the three SGD variants (MPS's two momentum definitions)."""
+    if RULE == _SGD_MOMENTUM:
+        m = mu * m + lr * g
+        d = m
+    elif RULE == _SGD_NESTEROV:
+        m = mu * m + g
+        d = lr * (g + mu * m)
+    else:
+        d = lr * g
+    return d, m
+
+
+@triton.jit
+def _rmsprop(g, s, lr, decay, eps):
+    s = decay * s + (g * g) * (1.0 - decay)
+    d = lr * tl.math.div_rn(g, tl.sqrt_rn(s) + eps)
+    return d, s
+
+
+@triton.jit
+def _adam(g, m, v, vmax, lr_t, beta1, beta2, eps, RULE: tl.constexpr):
+    m = beta1 * m + g * (1.0 - beta1)
+    v = beta2 * v + (g * g) * (1.0 - beta2)
+    if RULE == _ADAM_AMSGRAD:
+        vmax = tl.maximum(vmax, v, propagate_nan=tl.PropagateNan.ALL)
+        den = tl.sqrt_rn(vmax) + eps
+    else:
+        den = tl.sqrt_rn(v) + eps
+    d = lr_t * tl.math.div_rn(m, den)
+    return d, m, v, vmax
+
+
+@triton.jit
+def _chunk(
+    w_ptr, g_ptr, r_ptr, s0_ptr, s1_ptr, s2_ptr, offs, mask, hyper, lr_t,
+    RULE: tl.constexpr, CLIP: tl.constexpr, REG: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    w = _load(w_ptr, offs, mask, MASKED)
+    g = _load(g_ptr, offs, mask, MASKED).to(tl.float32)
+    # the gradient pipeline: clip, rescale, regularize (hyperparameters read as float32)
+    if CLIP:
+        lo = tl.load(hyper + 2).to(tl.float32)
+        hi = tl.load(hyper + 3).to(tl.float32)
+        g = tl.maximum(g, lo, propagate_nan=tl.PropagateNan.ALL)
+        g = tl.minimum(g, hi, propagate_nan=tl.PropagateNan.ALL)
+    g = g * tl.load(hyper + 1).to(tl.float32)
+    if REG == _L1:
+        reg = tl.load(hyper + 4).to(tl.float32)
+        g = g + reg * tl.where(w > 0, 1.0, tl.where(w < 0, -1.0, 0.0))  # sign(NaN) = 0
+    elif REG == _L2:
+        g = g + tl.load(hyper + 4).to(tl.float32) * w
+    a = tl.load(hyper + 5).to(tl.float32)
+    if RULE == _SGD:
+        d = tl.load(hyper).to(tl.float32) * g
+    elif RULE == _SGD_MOMENTUM or RULE == _SGD_NESTEROV:  # noqa: SIM109 (Triton: no `in`)
+        m = _load(s0_ptr, offs, mask, MASKED)
+        d, m = _sgd(w, g, m, tl.load(hyper).to(tl.float32), a, RULE)
+        _store(s0_ptr, offs, m, mask, MASKED)
+    elif RULE == _RMSPROP:
+        s = _load(s0_ptr, offs, mask, MASKED)
+        d, s = _rmsprop(g, s, tl.load(hyper).to(tl.float32), a, tl.load(hyper + 7).to(tl.float32))
+        _store(s0_ptr, offs, s, mask, MASKED)
+    else:
+        b = tl.load(hyper + 6).to(tl.float32)
+        eps = tl.load(hyper + 7).to(tl.float32)
+        m = _load(s0_ptr, offs, mask, MASKED)
+        v = _load(s1_ptr, offs, mask, MASKED)
+        if RULE == _ADAM_AMSGRAD:
+            vmax = _load(s2_ptr, offs, mask, MASKED)
+        else:
+            vmax = v
+        d, m, v, vmax = _adam(g, m, v, vmax, lr_t, a, b, eps, RULE)
+        _store(s0_ptr, offs, m, mask, MASKED)
+        _store(s1_ptr, offs, v, mask, MASKED)
+        if RULE == _ADAM_AMSGRAD:
+            _store(s2_ptr, offs, vmax, mask, MASKED)
+    _store(r_ptr, offs, w - d, mask, MASKED)
+
+
+@triton.jit
+def _ptr(base, k: tl.constexpr, dtype: tl.constexpr, ALIGNED: tl.constexpr):
+    p = tl.load(base + k).to(tl.pointer_type(dtype))
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)  # every base address is 16-byte aligned: vector accesses
+    return p
+
+
+@triton.jit
+def _multi_tensor_update(
+    ptrs, chunks, hyper, step,
+    RULE: tl.constexpr, N_LISTS: tl.constexpr, CLIP: tl.constexpr, REG: tl.constexpr,
+    G_DTYPE: tl.constexpr, ADVANCE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    ti = tl.load(chunks + pid * 3)
+    start = tl.multiple_of(tl.load(chunks + pid * 3 + 1), BLOCK)
+    end = tl.load(chunks + pid * 3 + 2)
+    base = ptrs + ti * N_LISTS
+    w_ptr = _ptr(base, 0, tl.float32, ALIGNED)
+    g_ptr = _ptr(base, 1, G_DTYPE, ALIGNED)
+    r_ptr = _ptr(base, 2, tl.float32, ALIGNED)
+    # rules with fewer state vectors never touch the missing ones (placeholders)
+    s0_ptr = w_ptr
+    s1_ptr = w_ptr
+    s2_ptr = w_ptr
+    if N_LISTS > 3:
+        s0_ptr = _ptr(base, 3, tl.float32, ALIGNED)
+    if N_LISTS > 4:
+        s1_ptr = _ptr(base, 4, tl.float32, ALIGNED)
+    if N_LISTS > 5:
+        s2_ptr = _ptr(base, 5, tl.float32, ALIGNED)
+    lr_t = 0.0
+    t = 0
+    if RULE == _ADAM or RULE == _ADAM_AMSGRAD:  # noqa: SIM109
+        # lr_t = lr sqrt(1 - beta2^t) / (1 - beta1^t) in float64, t read from device memory
+        t = tl.load(step) + 1
+        p1 = _powi(tl.load(hyper + 5), t)
+        p2 = _powi(tl.load(hyper + 6), t)
+        # (float64 sqrt and division are IEEE-rounded; only float32's default to approximate)
+        lr_t = (tl.load(hyper) * tl.sqrt(1.0 - p2) / (1.0 - p1)).to(tl.float32)
+    offs = start + tl.arange(0, BLOCK)
+    if end - start == BLOCK:  # a full chunk: no mask, so that accesses vectorize
+        _chunk(w_ptr, g_ptr, r_ptr, s0_ptr, s1_ptr, s2_ptr, offs, offs < end, hyper, lr_t,
+               RULE, CLIP, REG, False)  # fmt: skip
+    else:
+        _chunk(w_ptr, g_ptr, r_ptr, s0_ptr, s1_ptr, s2_ptr, offs, offs < end, hyper, lr_t,
+               RULE, CLIP, REG, True)  # fmt: skip
+    if ADVANCE:
+        # The last program to arrive advances the step, once every program has read it: the
+        # barrier orders this program's reads of t before its arrival, acq_rel orders the
+        # arrivals, and the counter is left at 0 for the next update.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(step + 1, 1, sem="acq_rel")
+        if arrived == tl.num_programs(0) - 1:
+            tl.store(step, t)
+            tl.store(step + 1, 0)
+
+
+class MultiTensorTables:
+    """The device tables of one list of tensors (see the module docstring), and the launch.
+
+    ``groups``: one chunk table per gradient dtype present (one launch each; almost always
+    one). ``ptrs``: (tensors, lists) int64 base addresses. Built by `build_tables`."""
+
+    __slots__ = ("aligned", "groups", "n_lists", "ptrs")
+
+    def __init__(
+        self, ptrs: torch.Tensor, groups: list[tuple[torch.Tensor, int, Any]], aligned: bool
+    ) -> None:
+        self.ptrs = ptrs
+        self.n_lists = ptrs.shape[1]
+        self.groups = groups
+        self.aligned = aligned
+
+    def launch(
+        self,
+        rule: UpdateRule,
+        hyper: torch.Tensor,
+        step: torch.Tensor | None,
+        clip: bool,
+        regularization: RegularizationType,
+    ) -> None:
+        """Run the update: one launch per gradient dtype; Adam's step advances in the last."""
+        adam = rule in (UpdateRule.ADAM, UpdateRule.ADAM_AMSGRAD)
+        last = len(self.groups) - 1
+        for k, (chunks, n_chunks, g_dtype) in enumerate(self.groups):
+            _multi_tensor_update[(n_chunks,)](
+                self.ptrs, chunks, hyper, step if adam else self.ptrs,
+                RULE=int(rule), N_LISTS=self.n_lists, CLIP=bool(clip), REG=int(regularization),
+                G_DTYPE=g_dtype, ADVANCE=adam and k == last, ALIGNED=self.aligned, BLOCK=BLOCK,
+                num_warps=_NUM_WARPS, enable_fp_fusion=False,
+            )  # fmt: skip
+
+
+def build_tables(lists: Sequence[Sequence[torch.Tensor]]) -> MultiTensorTables | None:
+    """Tables for ``lists`` = (values, gradients, results, *state lists), already checked:
+    CUDA, float32 (gradients float16/bfloat16/float32), contiguous, equal shapes per parameter.
+    None when there is no element to update. Copies the tables to the device, which cannot
+    happen while a CUDA graph is being captured: warm up first (`mpsnn.ops.optim`)."""
+    values, grads = lists[0], lists[1]
+    device = values[0].device
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "[optimizer update] the multi-tensor tables of this list of tensors are built at "
+            "its first update, which cannot be captured: run one update (same tensors, same "
+            "rule and options) before capturing a CUDA graph"
+        )
+    ptrs = np.array([[t.data_ptr() for t in lst] for lst in lists], dtype=np.int64).T
+    numels = [t.numel() for t in values]
+    order: dict[torch.dtype, list[int]] = {}
+    for i, g in enumerate(grads):
+        if numels[i]:
+            order.setdefault(g.dtype, []).append(i)
+    groups = []
+    for dtype, idx in order.items():
+        rows = []
+        for i in idx:
+            starts = np.arange(0, numels[i], BLOCK, dtype=np.int64)
+            ends = np.minimum(starts + BLOCK, numels[i])
+            rows.append(np.stack([np.full_like(starts, i), starts, ends], axis=1))
+        table = np.ascontiguousarray(np.concatenate(rows))
+        groups.append((torch.from_numpy(table).to(device), len(table), _TL_DTYPES[dtype]))
+    if not groups:
+        return None
+    aligned = bool((ptrs % 16 == 0).all())
+    return MultiTensorTables(
+        torch.from_numpy(np.ascontiguousarray(ptrs)).to(device), groups, aligned
+    )
