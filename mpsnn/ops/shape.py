@@ -71,7 +71,8 @@ class AxisAdjoint(NamedTuple):
     * ``window`` ``(first, rows, base, step, width, weights)``: targets ``first + j`` for
       ``j < rows`` sum the ``width`` consecutive positions from ``base + j step`` (an unfolded
       view: no index at all), weighted by the ``rows x width`` ``weights`` (0 on the positions
-      a target does not read; ``None`` when all are 1). Used for the regular interior of an
+      a target does not read, so a non-finite value there gives NaN, as in the backward of
+      ``F.interpolate``; ``None`` when all are 1). Used for the regular interior of an
       upsampling; ``None`` otherwise.
     * ``groups`` hold the other summed targets: per group ``(rows, width, index, weights)``,
       ``index`` a flattened ``rows x width`` table into ``gather`` (the positions of ``t`` the
@@ -131,11 +132,23 @@ def _find_window(
             a, b = start, i
         start = i + 1
     base = width = 0
-    for _ in range(8):  # drop the end rows whose window leaves t; a few rounds settle it
+    trimmed = [0, 0]
+    for _ in range(32):
         if b - a < 2:
             return None
-        base = min(contributions[i][0][0] - (i - a) * step for i in range(a, b))
-        width = max(contributions[i][-1][0] - (i - a) * step for i in range(a, b)) - base + 1
+        los = [contributions[i][0][0] - (i - a) * step for i in range(a, b)]
+        his = [contributions[i][-1][0] - (i - a) * step for i in range(a, b)]
+        base = min(los)
+        width = max(his) - base + 1
+        # An end row that alone widens every window (an edge that reads a few more
+        # positions) is cheaper as a table row: up to 4 from each end.
+        if trimmed[0] < 4 and (los[0] < min(los[1:]) or his[0] > max(his[1:])):
+            a, trimmed[0] = a + 1, trimmed[0] + 1
+            continue
+        if trimmed[1] < 4 and (los[-1] < min(los[:-1]) or his[-1] > max(his[:-1])):
+            b, trimmed[1] = b - 1, trimmed[1] + 1
+            continue
+        # Then the end rows whose window would leave t.
         na, nb = a, b
         while na < nb and base + (na - a) * step < 0:
             na += 1

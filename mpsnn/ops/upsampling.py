@@ -1,4 +1,4 @@
-"""Upsampling math (nearest, bilinear) as separable per-axis gathers.
+"""Upsampling math (nearest, bilinear) as separable per-axis slices and gathers.
 
 Destination pixel ``u`` (counted from the clip rect's origin) samples the source at
 
@@ -11,14 +11,17 @@ A tap outside the source reads 0 (ZERO) or the edge pixel (CLAMP). With CLAMP, o
 whole destination this is exactly ``torch.nn.functional.interpolate`` (nearest, bilinear, both
 align_corners values), which the standard case uses.
 
-Otherwise each axis is a gather of at most two taps per output: the taps are computed on the
-host in float64, taps that land on the same pixel (CLAMP) are merged (two taps of one output
-on one pixel weigh exactly 1) and taps of weight 0 are dropped. The forward is
-``y[u] = w0(u) x[i0(u)] + w1(u) x[i1(u)]`` per axis (nearest: a plain gather, exact); outputs
-with no tap are 0. The gradient is its exact transpose, ``dx[i] = sum of w g[u]`` over the
-taps ``(u, w)`` reading ``i``, as a deterministic gather-sum (`mpsnn.ops.shape.axis_adjoint`:
-no atomics, linear in the image size). Bilinear weights and every sum are in the accumulation
-dtype.
+Otherwise each axis samples at most two taps per output: the taps are computed on the host in
+float64, taps that land on the same pixel (CLAMP) are merged (two taps of one output on one
+pixel weigh exactly 1) and taps of weight 0 are dropped. The forward is
+``y[u] = w0(u) x[i0(u)] + w1(u) x[i1(u)]`` per axis (nearest: a copy, exact); outputs with no
+tap are 0. Where outputs ``u`` and ``u + s`` read one pixel apart with the same weights
+(nearest, and half-pixel bilinear away from the edges), each of the ``s`` phases is made from
+shifted slices of ``x``; the other outputs (align_corners, the edges) go through index_select.
+The gradient is the exact transpose, ``dx[i] = sum of w g[u]`` over the taps ``(u, w)`` reading
+``i``, as a deterministic gather-sum (`mpsnn.ops.shape.axis_adjoint`: no atomics, linear in the
+image size; the interior sums windows of ``g`` that move by ``s`` per pixel). Weights and sums
+are in the accumulation dtype; no matrix product is involved, so TF32 settings do not matter.
 """
 
 from __future__ import annotations
@@ -94,30 +97,33 @@ Phase = tuple[int, float, float]
 
 
 class _AxisPlan(NamedTuple):
-    """One axis of the forward. Outputs ``[lo, hi)`` have taps (the others are 0).
+    """One axis of the forward. Outputs ``[lo, hi)`` have taps (the others are 0): output
+    ``lo + k`` reads ``weight[0][k] x[index[0][k]] + weight[1][k] x[index[1][k]]`` (one tap
+    per output, ``weight`` ``None``, when every output reads one pixel with weight 1).
 
     ``regular`` ``(a, J, phases)``: the outputs ``a + j s + ph`` (``j < J``, scale ``s``) read
-    ``w0 x[c + j] + w1 x[c + j + 1]`` with ``(c, w0, w1) = phases[ph]`` (``w1 = 0``: one tap):
-    a few weighted slices per phase, no index (nearest, and bilinear with half-pixel centres,
-    away from the edges). ``gathered``: the ranges of the other outputs with taps, whose taps
-    ``index[t]``, ``weight[t]`` (concatenated over the ranges) go through index_select;
-    ``weight`` is ``None`` when each has one tap of weight 1. ``weighted``: some weight is not
-    1 (compute in the accumulation dtype). ``adjoint`` is the transpose's plan."""
+    ``w0 x[c + j] + w1 x[c + j + 1]`` with ``(c, w0, w1) = phases[ph]`` (``w1 = 0``: one tap),
+    so they can be made from shifted slices of ``x``, without an index (nearest, and bilinear
+    with half-pixel centres, away from the edges); ``None`` when no such run is two periods
+    long. ``weighted``: some weight is not 1 (compute in the accumulation dtype). ``adjoint``
+    is the transpose's plan."""
 
     count: int
     lo: int
     hi: int
-    regular: tuple[int, int, tuple[Phase, ...]] | None
-    gathered: tuple[tuple[int, int], ...]
     index: tuple[tuple[int, ...], ...]
     weight: tuple[tuple[float, ...], ...] | None
-    weighted: bool
+    regular: tuple[int, int, tuple[Phase, ...]] | None
     adjoint: AxisAdjoint
+
+    @property
+    def weighted(self) -> bool:
+        return self.weight is not None
 
 
 def _regular_run(norm: list[Phase | None], lo: int, hi: int, s: int) -> tuple[int, int] | None:
     """The longest ``[a, a + J s)`` in ``[lo, hi)`` where output ``k + s`` reads one pixel
-    further than output ``k`` with the same weights; ``None`` when shorter than two periods."""
+    further than output ``k`` with the same weights, as ``(a, J)``; ``None`` when ``J < 2``."""
 
     def next_period(k: int) -> bool:
         p, q = norm[k], norm[k + s]
@@ -138,7 +144,7 @@ def _regular_run(norm: list[Phase | None], lo: int, hi: int, s: int) -> tuple[in
             best = (start, k)
         start = k + 1
     a, b = best
-    periods = (b - a + s) // s  # ok on [a, b): outputs [a, b + s) are regular
+    periods = (b - a + s) // s  # next_period holds on [a, b): outputs [a, b + s) are regular
     return (a, periods) if b > a and periods >= 2 else None
 
 
@@ -149,6 +155,17 @@ def _axis_plan(a: AxisSampling, bilinear: bool, align_corners: bool) -> _AxisPla
     # The sample position grows with u, so the outputs with no tap (ZERO, wholly outside) are
     # a prefix and a suffix.
     lo, hi = (have[0], have[-1] + 1) if have else (0, 0)
+    inner = taps[lo:hi]
+    if all(len(t) == 1 and t[0][1] == 1.0 for t in inner):
+        index: tuple[tuple[int, ...], ...] = (tuple(t[0][0] for t in inner),)
+        weight = None
+    else:
+        # An output with one tap gets a second of weight 0 on the same pixel, as
+        # F.interpolate reads at the edge.
+        first = [t[0] for t in inner]
+        second = [t[1] if len(t) > 1 else (t[0][0], 0.0) for t in inner]
+        index = (tuple(i for i, _ in first), tuple(i for i, _ in second))
+        weight = (tuple(w for _, w in first), tuple(w for _, w in second))
     norm: list[Phase | None] = []
     for t in taps:
         if len(t) == 1:
@@ -159,37 +176,16 @@ def _axis_plan(a: AxisSampling, bilinear: bool, align_corners: bool) -> _AxisPla
             norm.append(None)
     run = _regular_run(norm, lo, hi, a.scale)
     regular = None
-    gathered = [(lo, hi)]
     if run is not None:
         start, periods = run
-        phases = []
-        for ph in range(a.scale):
-            c, w0, w1 = norm[start + ph]  # type: ignore[misc]
-            phases.append((c, w0, w1))
-        regular = (start, periods, tuple(phases))
-        gathered = [(lo, start), (start + periods * a.scale, hi)]
-    gathered = [(k0, k1) for k0, k1 in gathered if k1 > k0]
-    rest = [taps[k] for k0, k1 in gathered for k in range(k0, k1)]
-    if all(len(t) == 1 and t[0][1] == 1.0 for t in rest):
-        index: tuple[tuple[int, ...], ...] = (tuple(t[0][0] for t in rest),)
-        weight = None
-    else:
-        # An output with one tap gets a second of weight 0 on the same pixel, as
-        # F.interpolate reads at the edge.
-        first = [t[0] for t in rest]
-        second = [t[1] if len(t) > 1 else (t[0][0], 0.0) for t in rest]
-        index = (tuple(i for i, _ in first), tuple(i for i, _ in second))
-        weight = (tuple(w for _, w in first), tuple(w for _, w in second))
-    weighted = weight is not None or (
-        regular is not None and any((w0, w1) != (1.0, 0.0) for _, w0, w1 in regular[2])
-    )
+        regular = (start, periods, tuple(norm[start + ph] for ph in range(a.scale)))
     contributions: list[list[tuple[int, float]]] = [[] for _ in range(a.size)]
     for k, t in enumerate(taps):
         for i, w in t:
             contributions[i].append((k, w))
     # Each source pixel reads a window of outputs that moves by the scale per pixel.
     adjoint = axis_adjoint(contributions, a.count, step=a.scale)
-    return _AxisPlan(a.count, lo, hi, regular, tuple(gathered), index, weight, weighted, adjoint)
+    return _AxisPlan(a.count, lo, hi, index, weight, regular, adjoint)
 
 
 def _plans(geom: UpsampleGeometry) -> tuple[_AxisPlan, _AxisPlan]:
@@ -206,14 +202,17 @@ def _keys(geom: UpsampleGeometry) -> tuple[tuple[object, ...], tuple[object, ...
     )
 
 
-def _gather_taps(x: torch.Tensor, plan: _AxisPlan, dim: int, key: object) -> torch.Tensor:
-    """The gathered outputs (``plan.gathered``, concatenated) along ``dim``."""
+def _gather_taps(
+    x: torch.Tensor, plan: _AxisPlan, dim: int, key: object, k0: int, k1: int
+) -> torch.Tensor:
+    """Outputs ``[k0, k1)`` (within ``[lo, hi)``) along ``dim`` through index_select."""
+    at, n = k0 - plan.lo, k1 - k0
     taps = []
     for t, index in enumerate(plan.index):
         idx = device_constant(
             (key, "tap", t), torch.int64, x.device, lambda index=index: torch.tensor(index)
         )
-        taps.append(x.index_select(dim, idx))
+        taps.append(x.index_select(dim, idx.narrow(0, at, n)))
     if plan.weight is None:
         return taps[0]
     trailing = (1,) * (x.dim() - dim - 1)
@@ -223,23 +222,31 @@ def _gather_taps(x: torch.Tensor, plan: _AxisPlan, dim: int, key: object) -> tor
             x.dtype,
             x.device,
             lambda weight=weight: torch.tensor(weight, dtype=torch.float64),
-        ).view(-1, *trailing)
+        )
+        .narrow(0, at, n)
+        .view(-1, *trailing)
         for t, weight in enumerate(plan.weight)
     )
     return taps[0].mul_(w0).addcmul_(taps[1], w1)  # w0 x[i0] + w1 x[i1], in place
 
 
-def _sample_axis(x: torch.Tensor, plan: _AxisPlan, dim: int, key: object) -> torch.Tensor:
-    """The forward along ``dim``: ``plan.count`` outputs, in ``x``'s dtype."""
-    if plan.regular is None:  # gathers only: [lo, hi), then the zeros around
-        y = _gather_taps(x, plan, dim, key) if plan.hi > plan.lo else x.narrow(dim, 0, 0)
+def _sample_axis(
+    x: torch.Tensor, plan: _AxisPlan, dim: int, key: object, *, slices: bool
+) -> torch.Tensor:
+    """The forward along ``dim``: ``plan.count`` outputs, in ``x``'s dtype. ``slices``: make
+    the regular run from shifted slices (fast along rows; along the innermost dimension the
+    strided writes lose to index_select)."""
+    regular = plan.regular if slices else None
+    if regular is None:  # [lo, hi) gathered, then the zeros around
+        y = _gather_taps(x, plan, dim, key, plan.lo, plan.hi)
         if plan.hi - plan.lo == plan.count:
             return y
         pads = [0, 0] * (x.dim() - dim - 1) + [plan.lo, plan.count - plan.hi]
         return F.pad(y, pads)
-    start, periods, phases = plan.regular
+    start, periods, phases = regular
     scale = len(phases)
-    if periods * scale == plan.count and scale == 1 and phases[0][1:] == (1.0, 0.0):
+    stop = start + periods * scale
+    if scale == 1 and (start, stop) == (0, plan.count) and phases[0][1:] == (1.0, 0.0):
         return x.narrow(dim, phases[0][0], periods)  # a shifted copy: a view
     shape = list(x.shape)
     shape[dim] = plan.count
@@ -256,12 +263,9 @@ def _sample_axis(x: torch.Tensor, plan: _AxisPlan, dim: int, key: object) -> tor
         torch.mul(x.narrow(dim, c, periods), w0, out=dst)
         if w1 != 0.0:
             dst.add_(x.narrow(dim, c + 1, periods), alpha=w1)
-    if plan.gathered:
-        y = _gather_taps(x, plan, dim, key)
-        at = 0
-        for k0, k1 in plan.gathered:
-            out.narrow(dim, k0, k1 - k0).copy_(y.narrow(dim, at, k1 - k0))
-            at += k1 - k0
+    for k0, k1 in ((plan.lo, start), (stop, plan.hi)):  # the edges, through index_select
+        if k1 > k0:
+            out.narrow(dim, k0, k1 - k0).copy_(_gather_taps(x, plan, dim, key, k0, k1))
     return out
 
 
@@ -276,18 +280,16 @@ def upsample_forward(x: torch.Tensor, geom: UpsampleGeometry) -> torch.Tensor:
     ky, kx = _keys(geom)
     weighted = py.weighted or px.weighted
     t = x.to(acc_dtype(x.dtype)) if weighted else x  # plain copies need no widening
-    t = _sample_axis(t, px, 3, kx)
-    t = _sample_axis(t, py, 2, ky)
+    # Columns by index_select (strided writes of slices lose there), then rows by slices.
+    t = _sample_axis(t, px, 3, kx, slices=False)
+    t = _sample_axis(t, py, 2, ky, slices=True)
     return fresh(t.to(x.dtype), x)
 
 
 def upsample_backward(g: torch.Tensor, geom: UpsampleGeometry) -> torch.Tensor:
     """The transpose of `upsample_forward`: ``(N, C, y.count, x.count) -> (N, C, H, W)``."""
-    if geom.standard and not geom.bilinear:  # nearest: each source pixel's block sums
-        n, c = g.shape[:2]
-        sy, sx = geom.y.scale, geom.x.scale
-        blocks = g.reshape(n, c, geom.y.size, sy, geom.x.size, sx)
-        return blocks.sum((3, 5), dtype=acc_dtype(g.dtype)).to(g.dtype)
+    # The standard case too: for nearest its windows are the blocks, summed column by column
+    # (faster than one reduction over the two block dimensions).
     py, px = _plans(geom)
     ky, kx = _keys(geom)
     t = g.to(acc_dtype(g.dtype)) if py.adjoint.sums or px.adjoint.sums else g
