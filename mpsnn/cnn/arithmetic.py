@@ -19,7 +19,7 @@ import torch
 
 from mpsnn.core._checks import check_int
 from mpsnn.core.binary import BinaryKernel
-from mpsnn.core.descriptor import ImageDescriptor
+from mpsnn.core.descriptor import ImageDescriptor, _result_format
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import AxisWindow
@@ -323,7 +323,8 @@ class Arithmetic(BinaryKernel):
                 p.width if strides[0][2] else None,
                 s.width if strides[1][2] else None,
             )
-            desc = ImageDescriptor(p.feature_channel_format, w, h, channels, max(count, 1))
+            fmt = _result_format(p.feature_channel_format)
+            desc = ImageDescriptor(fmt, w, h, channels, max(count, 1))
             dshape = desc.shape
         else:
             self._check_destination(cb, dst, "destination_image", p, s)
@@ -401,8 +402,8 @@ def _command(record: ArithmeticRecord, p: Image, s: Image, state: Any) -> Callab
     clamps = lo > -FLT_MAX or hi < FLT_MAX
 
     def run(out: Image) -> None:
-        x = read_source(p._data()[pz : pz + count], record.reads[0])
-        y = read_source(s._data()[sz : sz + count], record.reads[1])
+        x = read_source(p._read()[pz : pz + count], record.reads[0])
+        y = read_source(s._read()[sz : sz + count], record.reads[1])
         z = apply_op(record.op, x, y, record.scales)
         if state is not None:
             state._mask = pack_bits((z > lo) & (z < hi)) if clamps else None
@@ -410,7 +411,7 @@ def _command(record: ArithmeticRecord, p: Image, s: Image, state: Any) -> Callab
             state._divisor = y.clone() if record.op == DIVIDE else None  # never an input alias
         if clamps:
             z = z.clamp(lo, hi)
-        z = torch.broadcast_to(z, (count, nc, ny, nx)).to(out._dtype)
+        z = torch.broadcast_to(z, (count, nc, ny, nx)).to(out._read_dtype)
         out._write_block(z.contiguous(), dz, c0, y0, x0, p._data())
 
     return run

@@ -32,7 +32,7 @@ from mpsnn.cnn.arithmetic import (
 )
 from mpsnn.core._checks import check_type
 from mpsnn.core.binary import GradientKernel
-from mpsnn.core.descriptor import ImageDescriptor
+from mpsnn.core.descriptor import ImageDescriptor, _result_format
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.image import Image
@@ -139,7 +139,8 @@ class ArithmeticGradient(GradientKernel):
                 f"[{who}] destination_gradient must have the {names[this]} source's shape "
                 f"{(n, c, h, w)}, got {dst._shape}"
             )
-        out = dst if dst is not None else ImageDescriptor._make(grad._fmt, w, h, c, n)
+        fmt = _result_format(grad._fmt)
+        out = dst if dst is not None else ImageDescriptor._make(fmt, w, h, c, n)
         z_this, z_other = (pz, sz)[this], (pz, sz)[sec]
         c0, nc, y0, ny, x0, nx = record.out
         ps, ss, _ = record.scales
@@ -147,11 +148,11 @@ class ArithmeticGradient(GradientKernel):
         this_read, other_read = record.reads[this], record.reads[1 - this]
 
         def run(out: Image) -> None:
-            g = grad._data()[dz : dz + count, c0 : c0 + nc, y0 : y0 + ny, x0 : x0 + nx]
+            g = grad._read()[dz : dz + count, c0 : c0 + nc, y0 : y0 + ny, x0 : x0 + nx]
             if state._mask is not None:
                 g = g * unpack_bits(state._mask, state._mask_shape).to(g.dtype)
             if needs_other:  # the other input, as the forward read it
-                v = read_source(other._data()[z_other : z_other + count], other_read)
+                v = read_source(other._read()[z_other : z_other + count], other_read)
                 if v.dtype != g.dtype:  # mixed formats: compute in the wider one
                     wide = torch.promote_types(g.dtype, v.dtype)
                     g, v = g.to(wide), v.to(wide)
@@ -165,7 +166,7 @@ class ArithmeticGradient(GradientKernel):
             else:
                 d = g * (ss if this else ps) * (-1.0 if (op == SUBTRACT and this) else 1.0)
             d = torch.broadcast_to(d, (count, nc, ny, nx))
-            dsrc = read_source_adjoint(d, this_read, c, acc_dtype(d.dtype)).to(out._dtype)
+            dsrc = read_source_adjoint(d, this_read, c, acc_dtype(d.dtype)).to(out._read_dtype)
             out._write_block(dsrc, z_this, 0, 0, 0, grad._data())
 
         return Encoding(run, (out,), (grad, other, state), (), {"_last": record}, batch)

@@ -33,7 +33,7 @@ import torch
 
 from mpsnn.core._checks import check_enum, check_type
 from mpsnn.core.cnn_kernel import CNNKernel
-from mpsnn.core.descriptor import FeatureChannelFormat, ImageDescriptor
+from mpsnn.core.descriptor import FeatureChannelFormat, ImageDescriptor, _result_format
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import RECT_NO_CLIP, Size
@@ -472,7 +472,8 @@ class Loss(CNNKernel):
                     f"[{who}] the destination must be {w}x{h}x{c} like the source, got "
                     f"{dst.width}x{dst.height}x{dst.feature_channels}"
                 )
-        grad_out = dst if dst is not None else ImageDescriptor._make(src._fmt, w, h, c, count)
+        gfmt = _result_format(src._fmt)
+        grad_out = dst if dst is not None else ImageDescriptor._make(gfmt, w, h, c, count)
         fmt = src._fmt if src._fmt is FeatureChannelFormat.FLOAT64 else FeatureChannelFormat.FLOAT32
         loss_desc = ImageDescriptor._make(fmt, lshape[2], lshape[1], lshape[0], count)
         params = self._params
@@ -481,7 +482,7 @@ class Loss(CNNKernel):
         dz = 0 if batch else self._clip.origin.z
 
         def run(grad: Image, loss: Image) -> None:
-            y = src._data()[first : first + count]
+            y = src._read()[first : first + count]
             if several:
                 t = torch.cat([lab._labels for lab in labels])
                 wt = torch.cat([lab._weights for lab in labels]) if has_weights else None

@@ -28,7 +28,7 @@ from mpsnn.cnn._pointwise import (
 )
 from mpsnn.cnn.neuron_descriptor import FusedNeuron, NeuronDescriptor, NeuronType
 from mpsnn.core.cnn_kernel import Records
-from mpsnn.core.descriptor import ImageDescriptor
+from mpsnn.core.descriptor import ImageDescriptor, _result_format
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import Window
@@ -215,7 +215,7 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
             )
         w = record.window
         out = dst if dst is not None else ImageDescriptor._make(
-            grad._fmt, shape[3], shape[2], shape[1], grad.number_of_images
+            _result_format(grad._fmt), shape[3], shape[2], shape[1], grad.number_of_images
         )  # fmt: skip
         state = states[0]
         region = (
@@ -226,7 +226,7 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
         )
 
         def run(out: Image) -> None:
-            dz = fused.backward(grad._data()[region], state._preactivation)
+            dz = fused.backward(grad._read()[region], state._preactivation)
             if dz.shape != out._shape:  # outside what the forward wrote: no gradient
                 full = dz.new_zeros(out._shape)
                 full[region] = dz

@@ -23,7 +23,7 @@ import torch
 
 from mpsnn.core._checks import check_enum, check_int, check_type
 from mpsnn.core.cnn_kernel import DEFAULT_PADDING_METHOD
-from mpsnn.core.descriptor import ImageDescriptor
+from mpsnn.core.descriptor import ImageDescriptor, _result_format
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import (
@@ -332,7 +332,7 @@ class GradientKernel(BinaryKernel):
         record = state._require_forward(type(self).__name__)
         self._last_record = record  # the geometry properties now report this forward
         n, c, h, w = record.source_shape
-        fmt = source_images[0].feature_channel_format
+        fmt = _result_format(source_images[0].feature_channel_format)
         return ImageDescriptor(fmt, w, h, c, n)
 
     # -- encode ---------------------------------------------------------------------------
@@ -470,7 +470,8 @@ class GradientKernel(BinaryKernel):
         out: Image | ImageDescriptor | None = dst
         if dst is None:
             if self._wants_data_gradient():
-                out = ImageDescriptor._make(grad._fmt, w, h, c, images if batch else n)
+                fmt = _result_format(grad._fmt)
+                out = ImageDescriptor._make(fmt, w, h, c, images if batch else n)
         else:
             dn, dc, dh, dw = dst._shape
             if (dh, dw) != (h, w) or dn < z_src + images or dc < self._dco + c:
@@ -529,21 +530,21 @@ def _backward_command(
     y0, ny, x0, nx = span
 
     def run(out: Image | None) -> None:
-        g = grad._data()[
+        g = grad._read()[
             z_dst : z_dst + n,
             fw.dst_channel : fw.dst_channel + fw.dst_channels,
             fw.dst_y : fw.dst_y + fw.y.count,
             fw.dst_x : fw.dst_x + fw.x.count,
         ]
         if secondary_is_result:
-            x = src._data()[
+            x = src._read()[
                 z_dst : z_dst + n,
                 fw.dst_channel : fw.dst_channel + fw.dst_channels,
                 fw.dst_y : fw.dst_y + fw.y.count,
                 fw.dst_x : fw.dst_x + fw.x.count,
             ]
         else:
-            x = src._data()[z_src : z_src + n, fw.src_channel : fw.src_channel + fw.src_channels]
+            x = src._read()[z_src : z_src + n, fw.src_channel : fw.src_channel + fw.src_channels]
         if g.dtype != x.dtype:  # mixed formats (MPS reads every format as float): compute wide
             wide = torch.promote_types(g.dtype, x.dtype)
             g, x = g.to(wide), x.to(wide)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from mpsnn.core._checks import check_enum, check_int, check_positive, check_type
-from mpsnn.core.descriptor import ImageDescriptor
+from mpsnn.core.descriptor import ImageDescriptor, _result_format
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import (
@@ -256,8 +256,9 @@ class CNNKernel(SharedProperties, Kernel):
     ) -> ImageDescriptor:
         """Apply the padding policy: set ``offset`` and return the destination descriptor.
 
-        Runs the default computation, then each source state's hook, then the padding object's
-        ``destination_image_descriptor`` when its method has the CUSTOM bit.
+        Runs the default computation (the source's format; FLOAT32 for a UNORM8 source), then
+        each source state's hook, then the padding object's ``destination_image_descriptor``
+        when its method has the CUSTOM bit.
         """
         if isinstance(source_images, Image):
             source_images = [source_images]
@@ -267,6 +268,9 @@ class CNNKernel(SharedProperties, Kernel):
         self, source_images: Sequence[Image], source_states: Any
     ) -> ImageDescriptor:
         desc, offset = self._policy(source_images, source_states)
+        fmt = _result_format(desc._fmt)  # a UNORM8 source gives a FLOAT32 destination
+        if fmt is not desc._fmt:
+            desc = ImageDescriptor._make(fmt, desc._w, desc._h, desc._c, desc._n)
         self._offset = offset
         for st in _as_list(source_states):
             if st is not None:
@@ -511,7 +515,7 @@ def _forward_command(forward: Forward, src: Image, w: Window) -> Callable[[Image
     whole = z0 == 0 and n == sn and c0 == 0 and nc == sc  # no slicing needed (common case)
 
     def run(dst: Image) -> None:
-        data = src._data()
+        data = src._read()
         x = data if whole else data[z0 : z0 + n, c0 : c0 + nc]
         dst._write_block(forward(x), dz, dc, dy, dx, data)
 

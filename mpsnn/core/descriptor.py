@@ -20,8 +20,15 @@ class FeatureChannelFormat(enum.IntEnum):
 
     FLOAT64 is an mpsnn extension for verification. Arithmetic on FLOAT16 and BFLOAT16 images
     accumulates in float32.
+
+    UNORM8 (MPS ``MPSImageFeatureChannelFormatUnorm8``, for input images) stores uint8 bytes ``k``
+    that read as ``k/255``: kernels read such an image as float32 ``k/255``, and a UNORM8
+    destination stores ``round(clamp(v, 0, 1) * 255)`` (round half to even). A destination made
+    from a source's format (the padding policy's, a returned gradient's) takes that format,
+    except UNORM8, which becomes FLOAT32.
     """
 
+    UNORM8 = 1
     FLOAT16 = 3
     FLOAT32 = 4
     BFLOAT16 = 5
@@ -40,17 +47,24 @@ class FeatureChannelFormat(enum.IntEnum):
         except KeyError:
             raise TypeError(
                 "[FeatureChannelFormat] the dtype must be float32, float16, bfloat16 or float64, "
-                f"got {dtype}"
+                f"got {dtype}; uint8 (UNORM8) is accepted too"
             ) from None
 
 
 _FORMAT_TO_DTYPE = {
+    FeatureChannelFormat.UNORM8: torch.uint8,
     FeatureChannelFormat.FLOAT16: torch.float16,
     FeatureChannelFormat.FLOAT32: torch.float32,
     FeatureChannelFormat.BFLOAT16: torch.bfloat16,
     FeatureChannelFormat.FLOAT64: torch.float64,
 }
 _DTYPE_TO_FORMAT = {v: k for k, v in _FORMAT_TO_DTYPE.items()}
+
+
+def _result_format(fmt: FeatureChannelFormat) -> FeatureChannelFormat:
+    """The format of a destination made from an image of format ``fmt``: ``fmt``, except
+    UNORM8 (an input format), which becomes FLOAT32."""
+    return FeatureChannelFormat.FLOAT32 if fmt is FeatureChannelFormat.UNORM8 else fmt
 
 
 class DataLayout(enum.IntEnum):

@@ -12,6 +12,11 @@ instead of copying it, so returning encodes cost no extra pass over memory. Touc
 A `TemporaryImage` belongs to one command buffer. Its ``read_count`` starts at 1 and drops by one
 at every encode that reads it; when it reaches 0 the storage is freed right after the command
 that read it last, and any later use raises `StaleResourceError`.
+
+A UNORM8 image stores uint8 bytes ``k`` that read as ``k/255``: kernels read it as float32 values
+(`Image._read`) and write ``round(clamp(v, 0, 1) * 255)`` into it (`Image._write_block`);
+``tensor`` and `Image.read_bytes` give the raw bytes (as MPS's ``readBytes``), `Image.numpy` the
+float32 values ``k/255``.
 """
 
 from __future__ import annotations
@@ -83,7 +88,8 @@ class Image:
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor, *, label: str | None = None) -> Image:
-        """Wrap a ``(C, H, W)`` or ``(N, C, H, W)`` tensor without copying it."""
+        """Wrap a ``(C, H, W)`` or ``(N, C, H, W)`` tensor without copying it (a uint8 tensor
+        makes a UNORM8 image)."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"[Image] tensor must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.dim() == 3:
@@ -160,6 +166,12 @@ class Image:
         return self._shape
 
     @property
+    def _read_dtype(self) -> torch.dtype:
+        """The dtype kernels read (`_read`) and compute blocks for `_write_block` in: the
+        storage's, float32 for UNORM8."""
+        return torch.float32 if self._fmt is FeatureChannelFormat.UNORM8 else self._dtype
+
+    @property
     def descriptor(self) -> ImageDescriptor:
         n, c, h, w = self._shape
         return ImageDescriptor(self._fmt, w, h, c, n)
@@ -175,7 +187,8 @@ class Image:
 
     @property
     def tensor(self) -> torch.Tensor:
-        """The backing tensor (allocated as zeros on first access if nothing wrote it yet).
+        """The backing tensor (allocated as zeros on first access if nothing wrote it yet; uint8
+        bytes for UNORM8).
 
         The contents are those of the last completed command buffer that wrote the image; on
         CUDA, torch work that reads the tensor on the queue's stream is ordered after it.
@@ -199,13 +212,25 @@ class Image:
             )
         return self._storage
 
+    def _read(self) -> torch.Tensor:
+        """The contents as kernels read a source, at execution: the storage, or for UNORM8 a new
+        float32 tensor ``k/255``."""
+        data = self._data()
+        if self._fmt is FeatureChannelFormat.UNORM8:
+            return data.float().div_(255)
+        return data
+
     def numpy(self) -> np.ndarray:
-        """The contents as an ``(N, C, H, W)`` array (bfloat16 is returned as float32).
+        """The contents as an ``(N, C, H, W)`` array (bfloat16 is returned as float32, UNORM8 as
+        the float32 values ``k/255``; `read_bytes` gives its raw bytes).
 
         Waits for a committed writer; raises if the writer was not committed.
         """
         self._sync_for_host("numpy")
-        return _to_numpy(self.tensor)
+        t = self.tensor
+        if self._fmt is FeatureChannelFormat.UNORM8:
+            t = t.float().div_(255)
+        return _to_numpy(t)
 
     # -- byte I/O -----------------------------------------------------------------------
 
@@ -219,7 +244,8 @@ class Image:
         """Copy a region of one image to a NumPy array.
 
         Returns ``(h, w, c)`` for HEIGHT_WIDTH_FEATURE_CHANNELS and ``(c, h, w)`` for
-        FEATURE_CHANNELS_HEIGHT_WIDTH; bfloat16 images come back as float32 (exactly).
+        FEATURE_CHANNELS_HEIGHT_WIDTH; bfloat16 images come back as float32 (exactly), UNORM8
+        images as their raw uint8 bytes (as MPS's ``readBytes``; `numpy` gives ``k/255``).
         """
         self._sync_for_host("read_bytes")
         view = self._io_view("read_bytes", data_layout, image_index, region, feature_channel_info)
@@ -233,7 +259,11 @@ class Image:
         region: Region | None = None,
         feature_channel_info: ImageReadWriteParams | None = None,
     ) -> None:
-        """Copy an array into a region of one image (the shape must match the region)."""
+        """Copy an array into a region of one image (the shape must match the region).
+
+        Into a UNORM8 image, uint8 data is written as is (the raw bytes, as MPS's
+        ``writeBytes``) and float data as ``round(clamp(v, 0, 1) * 255)``.
+        """
         self._sync_for_host("write_bytes")
         view = self._io_view("write_bytes", data_layout, image_index, region, feature_channel_info)
         data = torch.as_tensor(np.asarray(array))
@@ -242,6 +272,13 @@ class Image:
                 f"[{type(self).__name__}] write_bytes needs an array of shape {tuple(view.shape)} "
                 f"for this region and layout, got {tuple(data.shape)}"
             )
+        if self._fmt is FeatureChannelFormat.UNORM8 and data.dtype != torch.uint8:
+            if not data.is_floating_point():
+                raise TypeError(
+                    f"[{type(self).__name__}] write_bytes into a UNORM8 image needs uint8 (raw "
+                    f"bytes) or floating-point (values in [0, 1]) data, got {data.dtype}"
+                )
+            data = _to_unorm8(data)
         view.copy_(data.to(self._device.torch_device))
 
     def _io_view(
@@ -359,10 +396,13 @@ class Image:
 
         A freshly computed ``block`` that covers a still-unallocated image becomes its storage
         (no copy). A view, or the ``source`` tensor itself, is copied instead, so that a
-        destination never shares memory with an input.
+        destination never shares memory with an input. A UNORM8 image stores a floating-point
+        block as ``round(clamp(v, 0, 1) * 255)``.
         """
         root = self._root()
         z += self._index
+        if root._fmt is FeatureChannelFormat.UNORM8 and block.is_floating_point():
+            block = _to_unorm8(block)  # a new tensor: adopting it shares nothing
         if (
             root._storage is None
             and not (z or c or y or x)
@@ -522,6 +562,15 @@ class _TemporaryAllocator:
 
 _PERMANENT = _PermanentAllocator()
 _TEMPORARY = _TemporaryAllocator()
+
+
+def _to_unorm8(t: torch.Tensor) -> torch.Tensor:
+    """UNORM8 bytes of float values: ``round(clamp(v, 0, 1) * 255)`` (half to even), computed in
+    at least float32; a new tensor."""
+    v = t.clamp(0, 1)
+    if v.dtype not in (torch.float32, torch.float64):
+        v = v.float()
+    return v.mul_(255).round_().to(torch.uint8)
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:

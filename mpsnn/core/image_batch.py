@@ -31,7 +31,8 @@ class ImageBatch(Sequence[Image]):
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor, *, label: str | None = None) -> ImageBatch:
-        """Wrap an ``(N, C, H, W)`` tensor without copying."""
+        """Wrap an ``(N, C, H, W)`` tensor without copying (a uint8 tensor makes a UNORM8
+        batch)."""
         if isinstance(tensor, torch.Tensor) and tensor.dim() != 4:
             raise ValueError(
                 f"[ImageBatch] the tensor must have shape (N, C, H, W), got {tuple(tensor.shape)}"

@@ -206,11 +206,10 @@ class TensorConvolutionDataSource(ConvolutionDataSource):
                 st.weights.to(device), None if st.biases is None else st.biases.to(device)
             )
 
-    def _apply_optimizer(
-        self, cb: CommandBuffer | None, gradient_state: Any, source_state: Any
-    ) -> bool:
-        if self._optimizer is None:
-            return False
+    def _update_lists(self, gradient_state: Any, source_state: Any) -> tuple[Any, ...]:
+        """``(values, grads, results, optimizer state)`` of one update (``grads`` is read when
+        the update runs): what `update` hands the optimizer, and what a graph gathers to update
+        the layers that share an optimizer in one launch."""
         self._to(gradient_state.device.torch_device)
         src = self._state if source_state is None else source_state
         res = self._state
@@ -223,7 +222,14 @@ class TensorConvolutionDataSource(ConvolutionDataSource):
         def grads() -> list[torch.Tensor]:  # read when the update runs
             return [gradient_state._sum(0), gradient_state._sum(1)][: len(values)]
 
-        self._optimizer._update(cb, values, grads, results, self._optimizer_state)
+        return values, grads, results, self._optimizer_state
+
+    def _apply_optimizer(
+        self, cb: CommandBuffer | None, gradient_state: Any, source_state: Any
+    ) -> bool:
+        if self._optimizer is None:
+            return False
+        self._optimizer._update(cb, *self._update_lists(gradient_state, source_state))
         return True
 
     def update(

@@ -276,7 +276,7 @@ class BatchNormalizationStatistics(CNNKernel):
             )
 
         def run() -> None:
-            x = src._data()
+            x = src._read()
             if c0 or c != x.shape[1]:
                 x = x[:, c0 : c0 + c]
             state._accumulate(cb, bn_statistics(x), bn_merge, slot=_STATS)
@@ -433,6 +433,18 @@ class BatchNormalization(PointwiseKernel):
     ) -> BatchNormalizationState:
         self._check_command_buffer(command_buffer)
         return BatchNormalizationState(self._device, self, command_buffer=command_buffer)
+
+    def temporary_result_state_batch(
+        self,
+        command_buffer: CommandBuffer,
+        source_images: ImageBatch,
+        source_states: Any = None,
+        destination_images: Any = None,
+    ) -> StateBatch:
+        """One temporary state shared by the whole batch."""
+        self._check_command_buffer(command_buffer)
+        state = BatchNormalizationState(self._device, self, command_buffer=command_buffer)
+        return StateBatch([state] * len(source_images))
 
     _reused_across_batch = True
 

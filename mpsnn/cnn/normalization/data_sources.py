@@ -186,16 +186,20 @@ class _TensorGammaBeta:
                 self._gb.gamma.to(device), self._gb.beta.to(device)
             )
 
-    def _affine_update(self, cb: CommandBuffer | None, state: Any) -> bool:
-        if self._optimizer is None:
-            return False
+    def _affine_lists(self, state: Any) -> tuple[Any, ...]:
+        """``(values, grads, results, optimizer state)`` of one gamma/beta update."""
         self._to(state.device.torch_device)
         values = [state.gamma, state.beta]  # the values the kernel used (source state)
         results = [self._gb.gamma, self._gb.beta]
         if self._optimizer_state is None:
             self._optimizer_state = self._optimizer._init_state(results)
         grads = state._gamma_beta_gradients(self._who)  # read when the update runs
-        self._optimizer._update(cb, values, grads, results, self._optimizer_state)
+        return values, grads, results, self._optimizer_state
+
+    def _affine_update(self, cb: CommandBuffer | None, state: Any) -> bool:
+        if self._optimizer is None:
+            return False
+        self._optimizer._update(cb, *self._affine_lists(state))
         return True
 
     def update_gamma_and_beta(
