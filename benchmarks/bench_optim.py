@@ -96,8 +96,14 @@ def bench_adam(device: str, iters: int, trials: int, bw: float) -> list[dict]:
     nbytes = 7 * 4 * n  # read w, g, m, v; write w, m, v (float32)
     case = f"Adam step, resnet18 ({len(shapes)} tensors, {n / 1e6:.2f}M values)"
     rows = [
-        dict(case=case, impl=impl, ms=t * 1e3, bytes=nbytes, gbps=nbytes / t / 1e9,
-             floor_fraction=nbytes / bw / t)  # fmt: skip
+        dict(
+            case=case,
+            impl=impl,
+            ms=t * 1e3,
+            bytes=nbytes,
+            gbps=nbytes / t / 1e9,
+            floor_fraction=nbytes / bw / t,
+        )
         for impl, t in times.items()
     ]
     mine = times["mpsnn adam_update"]

@@ -1,9 +1,10 @@
 """The update math of MPS's optimizers (SGD, RMSProp, Adam) over lists of tensors.
 
 Optimizers as two small functions: `init_state` makes a parameter's state vectors once, and one
-update rule per optimizer is applied to a whole list of parameters by `apply_update` (on CUDA
-one Triton launch for the list, `mpsnn.ops.triton.optim`; elsewhere a few ``torch._foreach_*``
-operations per step). `sgd_update`, `rmsprop_update` and `adam_update` name the arguments.
+update rule per optimizer is applied to a whole list of parameters by `apply_update` (for
+contiguous float32 CUDA tensors one Triton launch for the whole list, one per gradient dtype
+present, `mpsnn.ops.triton.optim`; otherwise a few ``torch._foreach_*`` operations per step).
+`sgd_update`, `rmsprop_update` and `adam_update` name the arguments.
 
 Every gradient ``g`` of a value ``w`` goes through, in order (float32 arithmetic for float32
 values, float64 for float64; float16/bfloat16 gradients are read as float32):
@@ -51,12 +52,17 @@ What the options select (the rule, ``clip``, the regularization type) stays on t
 fixes them when it makes an optimizer; changing them needs a new capture.
 
 CUDA graphs: the first update of a list of tensors (same tensors, same rule and options) must
-run before capture: it checks the lists, builds the Triton kernel's tables (cached per list,
-keyed on the tensors' addresses, shapes and gradient dtypes) and compiles the kernel. Later
-updates copy nothing from the host and never wait for the device. The portable path needs
-no warm-up beyond PyTorch's own. After a cached check, tensors are assumed to keep the layout
-they had at their address (a non-contiguous view or a tensor of another dtype placed at the
-same address with the same shape is not noticed).
+run before capture (else the capture records the portable update, with a warning, since the
+tables cannot be copied to the device then): it checks the lists, builds the Triton kernel's
+tables (cached per list,
+keyed on the addresses of all tensors, the shapes of the values and the gradient dtypes; 64
+lists at most, least recently used out first) and compiles the kernel. Later updates copy
+nothing from the host and never wait for the device. (Gradients at new addresses at every
+step cost a check and a small copy of the address table at every step, outside graphs.) The
+portable path needs no warm-up beyond PyTorch's own. A cached check trusts what the key does
+not cover: a tensor placed at a checked address must have the layout and dtype of the one
+checked there (a non-contiguous view, or a gradient of another shape than its value, at such
+an address is not noticed).
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ from __future__ import annotations
 import enum
 import math
 import operator
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -269,6 +276,7 @@ def adam_update(
                  clip=clip, regularization=regularization)  # fmt: skip
 
 
+@torch.no_grad()
 def apply_update(
     rule: UpdateRule,
     values: Sequence[torch.Tensor],
@@ -309,7 +317,7 @@ def apply_update(
 # ---------------------------------------------------------------------------------------------
 # checks and the per-list cache
 
-_PLANS: OrderedDict[tuple, Any] = OrderedDict()
+_PLANS: OrderedDict[int, tuple[tuple, Any]] = OrderedDict()
 _MAX_PLANS = 64
 _data_ptr = torch.Tensor.data_ptr
 _shape = operator.attrgetter("shape")
@@ -317,26 +325,37 @@ _dtype = operator.attrgetter("dtype")
 
 
 def _plan(rule: UpdateRule, lists: tuple[Sequence[torch.Tensor], ...], hyper: torch.Tensor) -> Any:
-    """The Triton tables for ``lists``, or None for the portable path; the lists are checked
-    once per key (addresses, shapes, gradient dtypes) and the answer kept."""
+    """The Triton tables for ``lists``, or None for the portable path. The lists are checked
+    once per key and the answer kept. The key (it is built at every step, so it is lean): the
+    addresses of every tensor, the shapes of the values (the kernel's element counts), the
+    gradient dtypes; the shape of a gradient or state tensor is checked against its value's
+    when the key is new."""
     from mpsnn.ops import triton as fast_paths
 
     flat = [t for lst in lists for t in lst]
     key = (
-        fast_paths.enabled(),
-        len(lists),
-        hyper.device,
-        lists[0][0].dtype,
-        tuple(map(_data_ptr, flat)),  # map: this runs at every step, for every tensor
-        tuple(map(_shape, flat)),
-        tuple(map(_dtype, lists[1])),
-    )
-    if key in _PLANS:
-        _PLANS.move_to_end(key)
-        return _PLANS[key]
+        fast_paths.enabled(), len(lists), hyper.device, lists[0][0].dtype,
+        *map(_data_ptr, flat), *map(_shape, lists[0]), *map(_dtype, lists[1]),
+    )  # fmt: skip
+    h = hash(key)  # hashed once: a long tuple does not cache its hash
+    entry = _PLANS.get(h)
+    if entry is not None and entry[0] == key:
+        _PLANS.move_to_end(h)
+        return entry[1]
     _check_lists(rule, lists, hyper.device)
+    if hyper.is_cuda and torch.cuda.is_current_stream_capturing():
+        # New addresses inside a capture (tensors allocated in the captured region): the
+        # tables cannot be copied to the device now; the portable path is capturable.
+        warnings.warn(
+            "[apply_update] tensors not updated before this CUDA-graph capture: the graph "
+            "records the portable update instead of the one-launch Triton update (update the "
+            "same tensors once before capturing, e.g. with persistent gradient buffers)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return None  # not kept: outside a capture these lists get their tables
     plan = fast_paths.optimizer_tables(lists)
-    _PLANS[key] = plan
+    _PLANS[h] = (key, plan)
     if len(_PLANS) > _MAX_PLANS:
         _PLANS.popitem(last=False)
     return plan
@@ -415,6 +434,16 @@ def _axpy_(y: _TensorList, x: Sequence[torch.Tensor], a: _Scalar) -> None:
         torch._foreach_add_(y, x, alpha=a)
 
 
+def _add_(y: _TensorList, a: _Scalar) -> None:
+    """``y += a``."""
+    if isinstance(a, torch.Tensor):
+        # the 0-dim tensor overload of _foreach_add_ breaks CUDA-graph capture (PyTorch 2.11;
+        # that of _foreach_mul_ does not); a list of 0-dim tensors runs tensor by tensor
+        torch._foreach_add_(y, [a] * len(y))
+    else:
+        torch._foreach_add_(y, a)
+
+
 def _addcmul_(y: _TensorList, x1: _TensorList, x2: _TensorList, a: _Scalar) -> None:
     """``y += a (x1 x2)``."""
     if isinstance(a, torch.Tensor):
@@ -455,9 +484,13 @@ def _gradients(
     clip: bool,
     regularization: RegularizationType,
 ) -> _TensorList:
-    """Clipped, rescaled, regularized gradients: new tensors (the callers' are never written)."""
+    """Clipped, rescaled, regularized gradients, to be read only: new tensors, or on the CPU
+    the callers' own when nothing changes them (saves a copy; the callers' are never written)."""
     dt = values[0].dtype
     g = [x if x.dtype == dt else x.to(dt) for x in grads]
+    rescale = h[Hyper.GRADIENT_RESCALE]
+    if not (clip or regularization or isinstance(rescale, torch.Tensor)) and rescale == 1.0:
+        return g
     if clip:
         g = _clamped(g, h[Hyper.GRADIENT_CLIP_MIN], h[Hyper.GRADIENT_CLIP_MAX])
         torch._foreach_mul_(g, h[Hyper.GRADIENT_RESCALE])
@@ -471,7 +504,7 @@ def _gradients(
 
 
 # Each rule: (g, states, h, hyper, step) -> (x, den, c) with w_new = w - c x / den (den None:
-# w - c x; c None: w - x), updating the state in place; g is its own and may be overwritten.
+# w - c x; c None: w - x), updating the state in place; g is only read.
 _Step = tuple[_TensorList, _TensorList | None, _Scalar | None]
 
 
@@ -502,7 +535,7 @@ def _rmsprop(g: _TensorList, states, h, hyper, step) -> _Step:
     torch._foreach_mul_(s, decay)
     _addcmul_(s, g, g, 1 - decay)
     den = list(torch._foreach_sqrt(s))
-    torch._foreach_add_(den, h[Hyper.EPSILON])
+    _add_(den, h[Hyper.EPSILON])
     return g, den, h[Hyper.LEARNING_RATE]
 
 
@@ -524,7 +557,7 @@ def _adam(g: _TensorList, states, h, hyper, step) -> _Step:
         den = list(torch._foreach_sqrt(states[2]))
     else:
         den = list(torch._foreach_sqrt(v))
-    torch._foreach_add_(den, h[Hyper.EPSILON])
+    _add_(den, h[Hyper.EPSILON])
     return m, den, lr_t
 
 

@@ -132,6 +132,7 @@ def _run(rule, values, grad_dtypes, steps, clip, reg, in_place, device="cpu", up
     for k in range(steps):
         optim.set_hyper(hyper, learning_rate=LRS[k])
         grads = _grads(k, grad_dtypes, device, [tuple(v.shape) for v in values])
+        grads_before = [x.clone() for x in grads]
         if in_place:
             update(values, grads, values, states, hyper, step)
         else:
@@ -140,6 +141,8 @@ def _run(rule, values, grad_dtypes, steps, clip, reg, in_place, device="cpu", up
             for v, b in zip(values, before, strict=True):
                 assert torch.equal(v, b), "an out-of-place update wrote its input values"
             values, spare = spare, values
+        for x, b in zip(grads, grads_before, strict=True):
+            assert torch.equal(x, b), "an update wrote its gradients"
     return values, states, step
 
 
@@ -361,7 +364,9 @@ def _mps_run(rule, p, steps, reg=Reg.NONE, lrs=None):
         if lrs:
             optim.set_hyper(hyper, learning_rate=lrs[k])
         g = _grads(k, [torch.float64] * 2, shapes=SHAPES[:2])
+        before = [x.clone() for x in g]
         optim.apply_update(rule, values, g, values, states, hyper, step, regularization=reg)
+        assert all(torch.equal(x, b) for x, b in zip(g, before, strict=True))  # only read
     return values
 
 
@@ -488,6 +493,31 @@ def test_triton_update_equals_portable(rule, clip, reg, grads, device) -> None:
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_unaligned_tensors(device) -> None:
+    # views one element into a buffer: contiguous but not 16-byte aligned (no vector accesses)
+    buf = [torch.randn(n + 1, device=device) for n in (2 * triton_optim.BLOCK, 5)]
+    grads = [torch.randn(n, device=device) for n in (2 * triton_optim.BLOCK, 5)]
+    runs = []
+    for use_triton in (False, True):
+        values = [b.clone()[1:] for b in buf]
+        states = _states(Rule.ADAM, values)
+        hyper, step = _hyper(Rule.ADAM, device, 0.1), optim.make_step(device)
+        if use_triton:
+            tables = triton_optim.build_tables([values, grads, values, *states])
+            assert not tables.aligned
+            tables.launch(Rule.ADAM, hyper, step, False, Reg.NONE)
+        else:
+            fast_paths.set_enabled(False)
+            try:
+                optim.adam_update(values, grads, values, *states, None, hyper, step)
+            finally:
+                fast_paths.set_enabled(True)
+        runs.append(values + states[0] + states[1])
+    for i, (a, b) in enumerate(zip(*runs, strict=True)):
+        assert_close(a, b, f"tensor {i}", tol=2e-6)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_triton_tables(device) -> None:
     n = triton_optim.BLOCK
     v = [torch.zeros(s, device=device) for s in ((2 * n + 1,), (0,), (5,))]
@@ -524,6 +554,7 @@ def test_dispatch_picks_triton_only_where_it_applies() -> None:
 # CUDA only: the whole dispatch at a larger size, and CUDA-graph capture
 
 
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")  # the refused capture
 def test_cuda_update_and_graph_capture(monkeypatch) -> None:
     """On the CPU: an update reads learning rate and step from their tensors each time (what a
     captured graph relies on). On CUDA also: the dispatched Triton update equals the portable
@@ -558,41 +589,68 @@ def test_cuda_update_and_graph_capture(monkeypatch) -> None:
                 assert_close(ts[j][i], ps[j][i], f"{rule.name} state {j} {i}", tol=2e-6)
         assert tstep.tolist() == pstep.tolist()
 
-    # capture: warm up on a side stream, capture one update, replay with new learning rates
-    values = _params(torch.float32, "cuda", shapes[:3], seed=6)
-    grads = [torch.randn_like(x) for x in values]
-    ref = [x.double().cpu() for x in values]
-    ref_state = [[torch.zeros_like(x) for _ in range(2)] for x in ref]
-    m = [torch.zeros_like(x) for x in values]
-    v = [torch.zeros_like(x) for x in values]
-    hyper = optim.make_hyper("cuda", learning_rate=0.01, beta1=0.9, beta2=0.99, epsilon=1e-3)
-    step = optim.make_step("cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        optim.adam_update(values, grads, values, m, v, None, hyper, step)  # warm-up
-    torch.cuda.current_stream().wait_stream(side)
-    p = dict(learning_rate=0.01, slot5=0.9, beta2=0.99, epsilon=1e-3)
-    for i, x in enumerate(ref):
-        ref[i] = ref_update(Rule.ADAM, x, grads[i].double().cpu(), ref_state[i], p, 1)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        optim.adam_update(values, grads, values, m, v, None, hyper, step)
-    for k, lr in enumerate([0.02, -0.01, 0.005]):
-        optim.set_hyper(hyper, learning_rate=lr)
-        graph.replay()
-        p["learning_rate"] = lr
-        for i, x in enumerate(ref):
-            ref[i] = ref_update(Rule.ADAM, x, grads[i].double().cpu(), ref_state[i], p, k + 2)
-    torch.cuda.synchronize()
-    assert step.tolist() == [4, 0]
-    for i in range(3):
-        assert_close(values[i], ref[i], f"replayed value {i}", tol=2e-5)
-    # a list never updated before cannot build its tables inside a capture
+    # capture (the Triton path, then the portable one): warm up on a side stream, capture one
+    # AMSGrad update with clipping, replay it with new learning rates
+    for enabled in (True, False):
+        fast_paths.set_enabled(enabled)
+        try:
+            _capture_and_replay(shapes[:3])
+        finally:
+            fast_paths.set_enabled(True)
+    # a list first seen inside a capture: the portable update is captured (tables cannot be
+    # copied then), with a warning; building the tables there is refused
     monkeypatch.setattr(optim, "_PLANS", type(optim._PLANS)())
+    hyper = optim.make_hyper("cuda", learning_rate=0.5)
     fresh = [torch.zeros(8, device="cuda")]
+    ones = [torch.ones(8, device="cuda")]
+    graph = torch.cuda.CUDAGraph()
+    with pytest.warns(RuntimeWarning, match="portable update"), torch.cuda.graph(graph):
+        optim.sgd_update(fresh, ones, fresh, None, hyper)
     with (
         pytest.raises(RuntimeError, match="before capturing"),
         torch.cuda.graph(torch.cuda.CUDAGraph()),
     ):
-        optim.sgd_update(fresh, [torch.ones(8, device="cuda")], fresh, None, hyper)
+        triton_optim.build_tables([fresh, ones, fresh])
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert fresh[0].tolist() == [-1.0] * 8
+    assert len(optim._PLANS) == 0  # the fallback is not kept for use outside captures
+
+
+def _capture_and_replay(shapes) -> None:
+    rule = Rule.ADAM_AMSGRAD
+    values = _params(torch.float32, "cuda", shapes, seed=6)
+    grads = [torch.randn_like(x) for x in values]
+    ref = [x.double().cpu() for x in values]
+    ref_state = [[torch.zeros_like(x) for _ in range(3)] for x in ref]
+    states = _states(rule, values)
+    hyper = _hyper(rule, "cuda", 0.01)
+    step = optim.make_step("cuda")
+
+    def update() -> None:
+        optim.apply_update(rule, values, grads, values, states, hyper, step, clip=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        update()  # warm-up: checks, tables, compilation
+    torch.cuda.current_stream().wait_stream(side)
+    p = _ref_params(rule, 0.01)
+    for i, x in enumerate(ref):
+        g = ref_gradient(x, grads[i].double().cpu(), p, True, Reg.NONE)
+        ref[i] = ref_update(rule, x, g, ref_state[i], p, 1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        update()
+    for k, lr in enumerate([0.02, -0.01, 0.005]):
+        optim.set_hyper(hyper, learning_rate=lr)
+        graph.replay()
+        p = _ref_params(rule, lr)
+        for i, x in enumerate(ref):
+            g = ref_gradient(x, grads[i].double().cpu(), p, True, Reg.NONE)
+            ref[i] = ref_update(rule, x, g, ref_state[i], p, k + 2)
+    torch.cuda.synchronize()
+    assert step.tolist() == [4, 0]  # the replays advanced the step on the device
+    for i in range(len(shapes)):
+        assert_close(values[i], ref[i], f"replayed value {i}", tol=2e-5)
