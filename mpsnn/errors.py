@@ -7,7 +7,13 @@ catch them the usual way. The classes below cover what the built-ins do not say.
 
 from __future__ import annotations
 
-__all__ = ["CommandBufferError", "MpsnnError", "StaleResourceError", "UnsupportedError"]
+__all__ = [
+    "CheckpointError",
+    "CommandBufferError",
+    "MpsnnError",
+    "StaleResourceError",
+    "UnsupportedError",
+]
 
 
 class MpsnnError(Exception):
@@ -32,4 +38,13 @@ class CommandBufferError(MpsnnError, RuntimeError):
 
     The message names the image and the command that failed; the original exception is the
     ``__cause__``.
+    """
+
+
+class CheckpointError(MpsnnError, ValueError):
+    """A file that `mpsnn.load` rejects: not a safetensors file, truncated, a header or
+    structure that is not what `mpsnn.save` writes (another format version, an unknown type,
+    missing or extra tensors, tensors of the wrong shape or dtype, malformed fields).
+
+    The message reads ``[load] what must hold, got what``; nothing is built from such a file.
     """

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-.venv/bin/python -m pip install -q torch==2.13.0 "numpy>=1.24" "setuptools>=68"
+.venv/bin/python -m pip install -q torch==2.13.0 "numpy>=1.24" "safetensors>=0.4" "setuptools>=68"
 .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 if [ "${1:-}" = "--dev" ]; then
   .venv/bin/python -m pip install -q "pytest>=8" "ruff>=0.6" "triton>=3.0"
