@@ -51,18 +51,23 @@ updates done; the second entry is the Triton kernel's arrival counter and is 0 b
 What the options select (the rule, ``clip``, the regularization type) stays on the host: MPS
 fixes them when it makes an optimizer; changing them needs a new capture.
 
-CUDA graphs: the first update of a list of tensors (same tensors, same rule and options) must
-run before capture (else the capture records the portable update, with a warning, since the
-tables cannot be copied to the device then): it checks the lists, builds the Triton kernel's
-tables (cached per list,
-keyed on the addresses of all tensors, the shapes of the values and the gradient dtypes; 64
-lists at most, least recently used out first) and compiles the kernel. Later updates copy
-nothing from the host and never wait for the device. (Gradients at new addresses at every
-step cost a check and a small copy of the address table at every step, outside graphs.) The
-portable path needs no warm-up beyond PyTorch's own. A cached check trusts what the key does
-not cover: a tensor placed at a checked address must have the layout and dtype of the one
-checked there (a non-contiguous view, or a gradient of another shape than its value, at such
-an address is not noticed).
+CUDA graphs: updates can be captured and replayed. The first update of a list of tensors (same
+tensors, same rule and options) checks the lists and builds the Triton kernel's tables. Outside
+a capture the tables are cached per list, keyed on the addresses of all tensors, the shapes of
+the values and the gradient dtypes; the cache holds 64 lists at most, and the least recently
+used goes first. Later updates copy nothing from the host and never wait for the device.
+Gradients at new addresses at every step cost a check and a small copy of the address table at
+every step. A list first seen inside a capture gets tables staged through pinned host memory
+for that capture alone. Examples are gradients allocated in the captured region, as in a
+compiled training step. The graph copies those tables again at each replay, a few kilobytes,
+and they are not cached. Tables that a graph records, whether built there or taken from the
+cache, are kept alive for the graph: eviction from the cache does not free them. See
+`mpsnn.ops.triton.optim` for the lifetimes and `release_graph_tables`. Still run one update
+with the same rule and options before capturing, so that the Triton kernel is compiled outside
+the capture. The portable path needs no warm-up beyond PyTorch's own. A cached check trusts
+what the key does not cover. A tensor placed at a checked address must have the layout and
+dtype of the one checked there: a non-contiguous view at such an address, or a gradient of
+another shape than its value, is not noticed.
 """
 
 from __future__ import annotations
@@ -70,7 +75,6 @@ from __future__ import annotations
 import enum
 import math
 import operator
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -329,7 +333,12 @@ def _plan(rule: UpdateRule, lists: tuple[Sequence[torch.Tensor], ...], hyper: to
     once per key and the answer kept. The key (it is built at every step, so it is lean): the
     addresses of every tensor, the shapes of the values (the kernel's element counts), the
     gradient dtypes; the shape of a gradient or state tensor is checked against its value's
-    when the key is new."""
+    when the key is new.
+
+    CUDA graphs: tables built during a capture are that capture's own (their device contents
+    exist once a replay ran): returned, never cached. A cached table used during a capture is
+    kept for the graph, so that its eviction from the cache does not free what the graph reads
+    (`mpsnn.ops.triton.optim`)."""
     from mpsnn.ops import triton as fast_paths
 
     flat = [t for lst in lists for t in lst]
@@ -341,24 +350,25 @@ def _plan(rule: UpdateRule, lists: tuple[Sequence[torch.Tensor], ...], hyper: to
     entry = _PLANS.get(h)
     if entry is not None and entry[0] == key:
         _PLANS.move_to_end(h)
-        return entry[1]
+        plan = entry[1]
+        if plan is not None and _capturing(hyper):
+            plan.keep_for_graphs()  # this capture records the cached tables' addresses
+        return plan
     _check_lists(rule, lists, hyper.device)
-    if hyper.is_cuda and torch.cuda.is_current_stream_capturing():
-        # New addresses inside a capture (tensors allocated in the captured region): the
-        # tables cannot be copied to the device now; the portable path is capturable.
-        warnings.warn(
-            "[apply_update] tensors not updated before this CUDA-graph capture: the graph "
-            "records the portable update instead of the one-launch Triton update (update the "
-            "same tensors once before capturing, e.g. with persistent gradient buffers)",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        return None  # not kept: outside a capture these lists get their tables
-    plan = fast_paths.optimizer_tables(lists)
+    capturing = _capturing(hyper)
+    plan = fast_paths.optimizer_tables(lists, capturing=capturing)
+    if capturing and plan is not None:
+        return plan  # staged for this capture and kept for its graph; not for other uses
     _PLANS[h] = (key, plan)
     if len(_PLANS) > _MAX_PLANS:
         _PLANS.popitem(last=False)
     return plan
+
+
+def _capturing(hyper: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (CUDA tensors only: CPU
+    builds of PyTorch have no capture status)."""
+    return hyper.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _check_lists(

@@ -6,7 +6,9 @@ follows `set_hyper` without being rebuilt, and a captured CUDA graph follows it 
 
 from __future__ import annotations
 
+import gc
 import math
+import warnings
 
 import pytest
 import torch
@@ -17,6 +19,8 @@ from mpsnn.ops.optim import RegularizationType as Reg
 from mpsnn.ops.optim import UpdateRule as Rule
 from mpsnn.ops.triton import optim as triton_optim  # the dev setup installs Triton
 from tests.helpers import TRITON_DEVICES, assert_close
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 SHAPES = [(4, 3, 3, 3), (4,), (1,), (7, 5)]  # conv weight, bias, a single element, a matrix
 LRS = [0.1, 0.05, -0.02, 0.2, 0.01, 0.07]  # changed between steps, one negative
@@ -327,7 +331,9 @@ def test_lists_are_checked_once_per_list(monkeypatch) -> None:
     calls = []
     real = fast_paths.optimizer_tables
     monkeypatch.setattr(
-        fast_paths, "optimizer_tables", lambda lists: calls.append(1) or real(lists)
+        fast_paths,
+        "optimizer_tables",
+        lambda lists, capturing=None: calls.append(1) or real(lists, capturing),
     )
     w, g = [torch.randn(4), torch.randn(2, 2)], [torch.randn(4), torch.randn(2, 2)]
     hyper = optim.make_hyper("cpu", learning_rate=0.1)
@@ -531,6 +537,109 @@ def test_triton_tables(device) -> None:
     assert triton_optim.build_tables([v[1:2], g[1:2], v[1:2]]) is None
 
 
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_tables_staged_for_a_capture(device, monkeypatch) -> None:
+    """The tables built for a capture hold what the eager ones hold and give the same bits.
+    They are staged through host buffers (pinned on CUDA), copied without waiting, kept out of
+    the shared chunk cache, and kept for the graphs. ``capturing=True`` forces that route here:
+    on CUDA nothing is captured, and on the CPU nothing can be (the buffers are not pinned)."""
+    monkeypatch.setattr(triton_optim, "_CHUNKS", type(triton_optim._CHUNKS)())
+    monkeypatch.setattr(triton_optim, "_GRAPH_TABLES", {})
+    n = triton_optim.BLOCK
+    shapes = [(2 * n + 1,), (0,), (5,), (3, 4)]
+    dtypes = [torch.float16, torch.float32, torch.float32, torch.bfloat16]  # 3 chunk tables
+    values = _params(torch.float32, device, shapes, seed=9)
+    grads = _grads(2, dtypes, device, shapes)
+    states = _states(Rule.ADAM, values)
+    lists = [values, grads, values, *states]
+
+    staged = triton_optim.build_tables(lists, capturing=True)  # no chunk table cached yet
+    assert len(triton_optim._CHUNKS) == 0  # built for that capture alone
+    eager = triton_optim.build_tables(lists, capturing=False)
+    assert len(triton_optim._CHUNKS) == 1 and eager.staged == ()
+    again = triton_optim.build_tables(lists, capturing=True)  # the cached chunk tables
+    assert again.groups is eager.groups and len(again.staged) == 1  # only addresses staged
+    for t in (staged, again):
+        assert t.ptrs.device == eager.ptrs.device and torch.equal(t.ptrs, eager.ptrs)
+        assert t.aligned == eager.aligned and len(t.groups) == len(eager.groups) == 3
+        for (c, k, dt), (ce, ke, dte) in zip(t.groups, eager.groups, strict=True):
+            assert torch.equal(c, ce) and (k, dt) == (ke, dte)
+    # the staged buffers: host memory holding what the device tables received, not aliased
+    copies = [*(c for c, _, _ in staged.groups), staged.ptrs]
+    assert len(staged.staged) == len(copies)
+    for buf, table in zip(staged.staged, copies, strict=True):
+        assert buf.device.type == "cpu" and buf.is_pinned() == (device == "cuda")
+        assert buf.data_ptr() != table.data_ptr() and torch.equal(buf, table.cpu())
+    assert list(triton_optim._GRAPH_TABLES.values()) == [staged, again]  # kept for graphs
+
+    w0 = [v.clone() for v in values]
+    hyper = _hyper(Rule.ADAM, device, 0.1)
+    runs = []
+    for t in (eager, staged, again):  # the same update of the same tensors, three times
+        for v, x in zip(values, w0, strict=True):
+            v.copy_(x)
+        for s in states:
+            for x in s:
+                x.zero_()
+        step = optim.make_step(device)
+        for _ in range(2):
+            t.launch(Rule.ADAM, hyper, step, True, Reg.L1)
+        runs.append([x.clone() for x in (*values, *states[0], *states[1], step)])
+    for run in runs[1:]:
+        for i, (a, b) in enumerate(zip(run, runs[0], strict=True)):
+            assert torch.equal(a, b), f"tensor {i}"
+    assert triton_optim.release_graph_tables() == 2 and not triton_optim._GRAPH_TABLES
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_tables_first_seen_in_a_capture_are_not_cached(device, monkeypatch) -> None:
+    """`apply_update`'s cache around captures, which are simulated here by replacing the
+    capture status and the dispatch, so that this also runs on the CPU. Tables built during a
+    capture are used without a warning, kept for the graph, and not cached. A cached table used
+    during a capture is kept for the graph too. All of them update the same bits."""
+    monkeypatch.setattr(optim, "_PLANS", type(optim._PLANS)())
+    monkeypatch.setattr(triton_optim, "_GRAPH_TABLES", {})
+    capturing = [True]
+    monkeypatch.setattr(optim, "_capturing", lambda hyper: capturing[0])
+    built = []
+
+    def dispatch(lists, capturing=None):
+        built.append(capturing)
+        return triton_optim.build_tables(lists, capturing)
+
+    monkeypatch.setattr(fast_paths, "optimizer_tables", dispatch)
+    shapes = [(3, 5), (triton_optim.BLOCK + 7,)]
+    values = _params(torch.float32, device, shapes, seed=4)
+    grads = _grads(1, [torch.float32, torch.float16], device, shapes)
+    (momenta,) = _states(Rule.SGD_MOMENTUM, values)
+    hyper = _hyper(Rule.SGD_MOMENTUM, device, 0.05)
+    ref_values = [v.clone() for v in values]
+    ref_momenta = [m.clone() for m in momenta]
+    ref = triton_optim.build_tables([ref_values, grads, ref_values, ref_momenta], False)
+    kept = triton_optim._GRAPH_TABLES
+
+    def update() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            optim.sgd_update(values, grads, values, momenta, hyper)
+        ref.launch(Rule.SGD_MOMENTUM, hyper, None, False, Reg.NONE)
+
+    update()  # first seen during a capture: this capture's own tables
+    assert built == [True] and len(optim._PLANS) == 0 and len(kept) == 1
+    capturing[0] = False
+    update()  # outside: built again, eagerly, and cached
+    assert built == [True, False] and len(optim._PLANS) == 1 and len(kept) == 1
+    update()  # cached
+    assert built == [True, False] and len(kept) == 1
+    capturing[0] = True
+    update()  # cached, used by a capture: kept for its graph
+    assert built == [True, False] and len(kept) == 2
+    ((_, cached_plan),) = optim._PLANS.values()
+    assert cached_plan in kept.values()
+    for a, b in zip([*values, *momenta], [*ref_values, *ref_momenta], strict=True):
+        assert torch.equal(a, b)
+
+
 def test_dispatch_picks_triton_only_where_it_applies() -> None:
     cpu = [[torch.zeros(4)] for _ in range(3)]
     assert fast_paths.optimizer_tables(cpu) is None  # CPU tensors run the portable path
@@ -554,7 +663,6 @@ def test_dispatch_picks_triton_only_where_it_applies() -> None:
 # CUDA only: the whole dispatch at a larger size, and CUDA-graph capture
 
 
-@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")  # the refused capture
 def test_cuda_update_and_graph_capture(monkeypatch) -> None:
     """On the CPU: an update reads learning rate and step from their tensors each time (what a
     captured graph relies on). On CUDA also: the dispatched Triton update equals the portable
@@ -590,35 +698,36 @@ def test_cuda_update_and_graph_capture(monkeypatch) -> None:
         assert tstep.tolist() == pstep.tolist()
 
     # capture (the Triton path, then the portable one): warm up on a side stream, capture one
-    # AMSGrad update with clipping, replay it with new learning rates
+    # AMSGrad update with clipping, replay it with new learning rates. The graph records the
+    # cached tables of the warm-up; evicting them from the caches must not free them.
     for enabled in (True, False):
         fast_paths.set_enabled(enabled)
         try:
-            _capture_and_replay(shapes[:3])
+            _capture_and_replay(shapes[:3], monkeypatch)
         finally:
             fast_paths.set_enabled(True)
-    # a list first seen inside a capture: the portable update is captured (tables cannot be
-    # copied then), with a warning; building the tables there is refused
+
+
+def _own_caches(monkeypatch) -> None:
+    """Empty table caches and an empty list of tables kept for graphs, owned by this test."""
     monkeypatch.setattr(optim, "_PLANS", type(optim._PLANS)())
-    hyper = optim.make_hyper("cuda", learning_rate=0.5)
-    fresh = [torch.zeros(8, device="cuda")]
-    ones = [torch.ones(8, device="cuda")]
-    graph = torch.cuda.CUDAGraph()
-    with pytest.warns(RuntimeWarning, match="portable update"), torch.cuda.graph(graph):
-        optim.sgd_update(fresh, ones, fresh, None, hyper)
-    with (
-        pytest.raises(RuntimeError, match="before capturing"),
-        torch.cuda.graph(torch.cuda.CUDAGraph()),
-    ):
-        triton_optim.build_tables([fresh, ones, fresh])
-    graph.replay()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert fresh[0].tolist() == [-1.0] * 8
-    assert len(optim._PLANS) == 0  # the fallback is not kept for use outside captures
+    monkeypatch.setattr(triton_optim, "_CHUNKS", type(triton_optim._CHUNKS)())
+    monkeypatch.setattr(triton_optim, "_GRAPH_TABLES", {})
 
 
-def _capture_and_replay(shapes) -> None:
+def _drop_caches() -> list[torch.Tensor]:
+    """Evict everything from the table caches (the test's own: `_own_caches`) and collect.
+    Then fill freshly allocated device memory with -1. Had a graph's tables been freed with
+    their cache entries, that memory would now hold -1 "addresses". Returns the filler; keep
+    it until the replays are done."""
+    optim._PLANS.clear()
+    triton_optim._CHUNKS.clear()
+    gc.collect()
+    return [torch.full((n,), -1, dtype=torch.int64, device="cuda") for n in (4, 16, 64, 512, 4096)]
+
+
+def _capture_and_replay(shapes, monkeypatch) -> None:
+    _own_caches(monkeypatch)
     rule = Rule.ADAM_AMSGRAD
     values = _params(torch.float32, "cuda", shapes, seed=6)
     grads = [torch.randn_like(x) for x in values]
@@ -643,6 +752,7 @@ def _capture_and_replay(shapes) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         update()
+    filler = _drop_caches()
     for k, lr in enumerate([0.02, -0.01, 0.005]):
         optim.set_hyper(hyper, learning_rate=lr)
         graph.replay()
@@ -651,6 +761,119 @@ def _capture_and_replay(shapes) -> None:
             g = ref_gradient(x, grads[i].double().cpu(), p, True, Reg.NONE)
             ref[i] = ref_update(rule, x, g, ref_state[i], p, k + 2)
     torch.cuda.synchronize()
+    assert all((f == -1).all() for f in filler)
     assert step.tolist() == [4, 0]  # the replays advanced the step on the device
     for i in range(len(shapes)):
         assert_close(values[i], ref[i], f"replayed value {i}", tol=2e-5)
+
+
+# the gradients of a compiled training step: allocated inside the capture, refilled in place
+GRAPH_SHAPES = [(64, 3, 7, 7), (64,), (2 * triton_optim.BLOCK + 3,), (1,), (1000, 17)]
+GRAPH_GRADS = [torch.float32, torch.float16, torch.float32, torch.bfloat16, torch.float32]
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    ("rule", "chunks", "mode"),
+    [
+        (Rule.ADAM_AMSGRAD, "cached", "thread_local"),  # as `CommandBuffer.capture`
+        (Rule.ADAM, "built in the capture", "global"),  # torch.cuda.graph's default
+        (Rule.SGD_NESTEROV, "cached", "global"),
+        (Rule.RMSPROP, "built in the capture", "thread_local"),
+    ],
+    ids=lambda x: x.name if isinstance(x, Rule) else str(x).replace(" ", "-"),
+)
+def test_cuda_graph_with_gradients_allocated_in_the_capture(rule, chunks, mode, monkeypatch):
+    """A captured update whose gradients are allocated inside the captured region (first seen
+    there) runs the Triton update, with no warning. Replayed with new gradient values written
+    in place, it gives the bits of the eager Triton path over the same sequence. The chunk
+    tables come from the cache, or are built in the capture when the cache lacks them. After
+    the capture the caches are emptied: the graph needs nothing from them."""
+    steps, clip, reg = 4, True, Reg.L2
+    sources = [_grads(k, GRAPH_GRADS, "cuda", GRAPH_SHAPES, seed=300) for k in range(steps)]
+    _own_caches(monkeypatch)
+
+    def fresh():
+        values = _params(torch.float32, "cuda", GRAPH_SHAPES, seed=8)
+        hyper = _hyper(rule, "cuda", LRS[0])
+        return values, _states(rule, values), hyper, optim.make_step("cuda")
+
+    def update(values, grads, states, hyper, step):
+        optim.apply_update(
+            rule, values, grads, values, states, hyper, step, clip=clip, regularization=reg
+        )
+
+    # the eager Triton path; it also compiles every kernel variant the capture launches
+    eager = fresh()
+    for k in range(steps):
+        optim.set_hyper(eager[2], learning_rate=LRS[k])
+        update(eager[0], sources[k], *eager[1:])
+    assert len(optim._PLANS) == steps and all(plan for _, plan in optim._PLANS.values())
+    assert len(triton_optim._CHUNKS) == 1 and not triton_optim._GRAPH_TABLES
+    if chunks != "cached":
+        triton_optim._CHUNKS.clear()
+
+    values, states, hyper, step = fresh()
+    grads: list[torch.Tensor] = []
+    graph = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.cuda.graph(graph, capture_error_mode=mode):
+            grads += [
+                torch.empty(s, dtype=dt, device="cuda")
+                for s, dt in zip(GRAPH_SHAPES, GRAPH_GRADS, strict=True)
+            ]
+            update(values, grads, states, hyper, step)
+    assert len(optim._PLANS) == steps  # the capture's tables are not cached
+    (kept,) = triton_optim._GRAPH_TABLES.values()  # but kept for the graph
+    assert len(kept.staged) == (1 if chunks == "cached" else 1 + len(kept.groups))
+    assert all(t.is_pinned() for t in kept.staged)
+    assert len(triton_optim._CHUNKS) == (1 if chunks == "cached" else 0)
+    del kept
+    filler = _drop_caches()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for k in range(steps):
+            for g, src in zip(grads, sources[k], strict=True):
+                g.copy_(src)  # new gradient values, in place
+            optim.set_hyper(hyper, learning_rate=LRS[k])
+            graph.replay()
+    torch.cuda.synchronize()
+    assert all((f == -1).all() for f in filler)
+    got = [*values, *(x for s in states for x in s), step]
+    want = [*eager[0], *(x for s in eager[1] for x in s), eager[3]]
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"tensor {i} differs from the eager Triton path"
+    if rule in (Rule.ADAM, Rule.ADAM_AMSGRAD):
+        assert step.tolist() == [steps, 0]
+
+
+@needs_cuda
+def test_cuda_graph_tables_staged_with_pinned_copies_pending(monkeypatch) -> None:
+    """The staging works even when PyTorch's pinned-memory allocator has events left to
+    process: a pinned buffer freed after a non-blocking copy leaves one, as a data loader
+    with pinned memory does. Allocating a pinned buffer inside the capture must not query
+    that event. `build_tables` called directly inside a capture works too."""
+    _own_caches(monkeypatch)
+    hyper = optim.make_hyper("cuda", learning_rate=0.5)
+    warm = [[torch.zeros(8, device="cuda")] for _ in range(3)]
+    optim.sgd_update(*warm, None, hyper)  # compiles the kernel (SGD, no clip, float32)
+    host = torch.ones(1 << 16, pin_memory=True)
+    torch.empty(1 << 16, device="cuda").copy_(host, non_blocking=True)
+    del host  # freed with its copy's event recorded, processed by a later pinned allocation
+    fresh = [torch.zeros(8, device="cuda")]
+    other = [torch.zeros(8, device="cuda")]
+    ones = [torch.ones(8, device="cuda")]
+    graph = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            optim.sgd_update(fresh, ones, fresh, None, hyper)
+            tables = triton_optim.build_tables([other, ones, other])
+            tables.launch(Rule.SGD, hyper, None, False, Reg.NONE)
+    assert len(triton_optim._GRAPH_TABLES) == 2 and len(optim._PLANS) == 1  # the warm-up's
+    del tables
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert fresh[0].tolist() == [-1.0] * 8 and other[0].tolist() == [-1.0] * 8

@@ -145,11 +145,15 @@ def batch_norm_backward(
     return bn_backward_triton(g, x, *params, neuron)
 
 
-def optimizer_tables(lists: Sequence[Sequence[torch.Tensor]]) -> Any | None:
+def optimizer_tables(
+    lists: Sequence[Sequence[torch.Tensor]], capturing: bool | None = None
+) -> Any | None:
     """The Triton multi-tensor optimizer update for ``lists`` (values, gradients, results, then
     the state lists; checked by `mpsnn.ops.optim`) when it applies, else None: CUDA, float32
     values, results and state, float16/bfloat16/float32 gradients, every tensor contiguous.
-    The object returned keeps the lists' device tables; its ``launch`` runs an update."""
+    The object returned keeps the lists' device tables; its ``launch`` runs an update.
+    ``capturing``: whether a CUDA graph is being captured (None: detect it); the tables are
+    then staged for that capture (`mpsnn.ops.triton.optim.build_tables`)."""
     if not (lists and lists[0] and _runs(lists[0][0])):
         return None
     values, grads, *rest = lists
@@ -162,7 +166,7 @@ def optimizer_tables(lists: Sequence[Sequence[torch.Tensor]]) -> Any | None:
             return None
     from mpsnn.ops.triton.optim import build_tables
 
-    return build_tables(lists)
+    return build_tables(lists, capturing)
 
 
 _OPTIM_GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -14,6 +14,46 @@ same bits over 40 Adam steps of ResNet-18's parameters. Adam's step counter adva
 update: the program that arrives last (an atomic arrival counter kept beside the step) writes
 ``t + 1`` after every program has read ``t``. Base addresses that are all 16-byte aligned
 (fresh allocations are) let full chunks use vector accesses.
+
+CUDA graphs. A graph records the device addresses of the tables its update kernel reads, so
+those tables must hold the right values at every replay and must outlive the graph. Tables are
+immutable once built. How they reach the device depends on when they are built:
+
+* Outside a capture: copied from pageable host memory by a synchronous copy, so they hold
+  their values before any later capture or replay. The chunk tables are shared between lists
+  of the same sizes and gradient dtypes (``_CHUNKS``).
+* During a capture (a list first seen there, e.g. gradients allocated in the captured region):
+  a synchronous copy cannot be captured. The table is written on the host into a **pinned**
+  buffer and copied into a device table allocated in the capture (from the graph's memory
+  pool) with a non-blocking copy. The capture records that copy as a memcpy node, ordered
+  before the update kernel on the capturing stream, and the node reads the pinned buffer again
+  at every replay. Tensors allocated inside a capture keep their addresses at every replay, so
+  a table built at capture time stays valid. The cost is one copy of a few kilobytes per
+  replay, in place of the portable update (about ten times slower). The device table holds
+  the right values only after that copy has run in a replay. So tables built in a capture are
+  never shared: a missing chunk table is built in the same way for this list alone (not
+  entered in ``_CHUNKS``), and `mpsnn.ops.optim` does not cache the result, so neither eager
+  code nor another capture uses it. This needs PyTorch's pinned-memory allocator to work
+  during a capture: it must skip its event queries there. Older versions could fail when
+  earlier pinned copies left events to process. The CUDA tests check this.
+  Alternatives considered: allocating the device table before the capture is impossible,
+  because the addresses exist only inside it. A copy from pageable memory is not reliably
+  capturable. Writing the table with kernels whose arguments hold the addresses would add
+  several launches per replay, each specialized by Triton on its argument values.
+
+Lifetime rule: a table that a graph reads must outlive every replay of that graph. This covers
+the device tables read by the kernel and the pinned buffers read by the memcpy nodes. Neither
+may be freed (PyTorch's allocators would reuse the memory) or written again. There is no hook
+for a graph's destruction, so every `MultiTensorTables` built during a capture, or taken from
+the cache by a capture, is kept in ``_GRAPH_TABLES`` (`MultiTensorTables.keep_for_graphs`).
+The cache of `mpsnn.ops.optim` and ``_CHUNKS`` may then evict it freely: a table holds its
+pinned buffers (``staged``) and its chunk tables (``groups``), so keeping the table keeps all
+of them. Kept tables are never written: pinned buffers are filled once, before their copy is
+recorded. Memory kept for a table built in a capture: 8 bytes per tensor and list on the device,
+and as much pinned (rounded up to a power of two). The device table also keeps its segment of
+the graph's pool (2 MiB) from being released when the graph is destroyed.
+`release_graph_tables` drops everything kept. Call it only once no graph that recorded an
+optimizer update will be replayed again.
 """
 
 from __future__ import annotations
@@ -29,7 +69,7 @@ import triton.language as tl
 
 from mpsnn.ops.optim import RegularizationType, UpdateRule
 
-__all__ = ["BLOCK", "MultiTensorTables", "build_tables"]
+__all__ = ["BLOCK", "MultiTensorTables", "build_tables", "release_graph_tables"]
 
 BLOCK = 2048  # elements per program: 16 per thread with 4 warps (four 16-byte accesses)
 _NUM_WARPS = 4
@@ -221,9 +261,11 @@ class MultiTensorTables:
     """The device tables of one list of tensors (see the module docstring), and the launch.
 
     ``groups``: one chunk table per gradient dtype present (one launch each; almost always
-    one). ``ptrs``: (tensors, lists) int64 base addresses. Built by `build_tables`."""
+    one). ``ptrs``: (tensors, lists) int64 base addresses. ``staged``: for tables built during a
+    CUDA-graph capture, the pinned host buffers that the graph's copy nodes read at every replay
+    (empty otherwise). Built by `build_tables`."""
 
-    __slots__ = ("aligned", "block", "groups", "n_lists", "ptrs")
+    __slots__ = ("aligned", "block", "groups", "n_lists", "ptrs", "staged")
 
     def __init__(
         self,
@@ -231,12 +273,14 @@ class MultiTensorTables:
         groups: list[tuple[torch.Tensor, int, Any]],
         aligned: bool,
         block: int,
+        staged: tuple[torch.Tensor, ...] = (),
     ) -> None:
         self.ptrs = ptrs
         self.n_lists = ptrs.shape[1]
         self.groups = groups
         self.aligned = aligned
         self.block = block  # the chunk size the chunk tables were made with
+        self.staged = staged
 
     def launch(
         self,
@@ -257,61 +301,139 @@ class MultiTensorTables:
                 num_warps=_NUM_WARPS, enable_fp_fusion=False,
             )  # fmt: skip
 
+    def keep_for_graphs(self) -> None:
+        """Keep these tables, with their chunk tables and staged buffers, until
+        `release_graph_tables`. Call it when a CUDA graph records a launch of them: the graph
+        reads them at every replay (see the lifetime rule in the module docstring)."""
+        _GRAPH_TABLES[id(self)] = self
 
-def build_tables(lists: Sequence[Sequence[torch.Tensor]]) -> MultiTensorTables | None:
+
+# The tables CUDA graphs may read at replay, by id; see the lifetime rule in the module
+# docstring. Kept until `release_graph_tables`.
+_GRAPH_TABLES: dict[int, MultiTensorTables] = {}
+
+
+def release_graph_tables() -> int:
+    """Drop the tables kept for CUDA graphs; returns how many there were. Call it only when
+    no graph that recorded an optimizer update will be replayed again (all were destroyed or
+    reset): a later replay could read freed memory, or memory reused by something else."""
+    n = len(_GRAPH_TABLES)
+    _GRAPH_TABLES.clear()
+    return n
+
+
+def build_tables(
+    lists: Sequence[Sequence[torch.Tensor]], capturing: bool | None = None
+) -> MultiTensorTables | None:
     """Tables for ``lists`` = (values, gradients, results, *state lists), already checked:
     CUDA, float32 (gradients float16/bfloat16/float32), contiguous, equal shapes per parameter.
-    None when there is no element to update. Copies the address table to the device (and the
-    chunk tables, the first time these sizes and gradient dtypes are seen), which cannot
-    happen while a CUDA graph is being captured: warm up first (`mpsnn.ops.optim`)."""
+    None when there is no element to update.
+
+    ``capturing``: whether a CUDA graph is being captured on the current stream. None means
+    detect it. Outside a capture the address table is copied to the device (and the chunk
+    tables too, the first time these sizes and gradient dtypes are seen), and nothing is kept
+    for graphs. If a graph later records a launch of the result, the caller keeps the result
+    alive as long as the graph, for example with `MultiTensorTables.keep_for_graphs`. During
+    a capture the tables are staged through pinned memory, recorded as copies, and kept for
+    the graph (see the module docstring). Such tables belong to that capture: their device
+    contents exist only once a replay has run.
+    """
     values, grads = lists[0], lists[1]
     device = values[0].device
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "[optimizer update] the multi-tensor tables of this list of tensors are built at "
-            "its first update, which cannot be captured: run one update (same tensors, same "
-            "rule and options) before capturing a CUDA graph"
-        )
+    if capturing is None:
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     numels = tuple(t.numel() for t in values)
     g_dtypes = tuple(g.dtype for g in grads)
-    groups = _chunk_tables(device, numels, g_dtypes)
+    groups, staged = _chunk_tables(device, numels, g_dtypes, capturing)
     if not groups:
         return None
-    ptrs = np.array([[t.data_ptr() for t in lst] for lst in lists], dtype=np.int64).T
-    aligned = bool((ptrs % 16 == 0).all())
-    return MultiTensorTables(
-        torch.from_numpy(np.ascontiguousarray(ptrs)).to(device), groups, aligned, BLOCK
+    host = _address_table(lists)
+    ptrs, staged_ptrs = _upload(host, device, capturing)
+    tables = MultiTensorTables(
+        ptrs, groups, bool((host % 16 == 0).all()), BLOCK, (*staged, *staged_ptrs)
     )
+    if capturing:
+        tables.keep_for_graphs()
+    return tables
+
+
+def _address_table(lists: Sequence[Sequence[torch.Tensor]]) -> np.ndarray:
+    """The host address table: int64, one row per parameter, one column per list."""
+    ptrs = np.array([[t.data_ptr() for t in lst] for lst in lists], dtype=np.int64).T
+    return np.ascontiguousarray(ptrs)
+
+
+def _chunk_rows(
+    numels: Sequence[int], g_dtypes: Sequence[torch.dtype], block: int = BLOCK
+) -> list[tuple[np.ndarray, torch.dtype]]:
+    """The host chunk tables: one per gradient dtype present, in order of first appearance.
+    Each table has a row ``(tensor index, first element, end)`` for every chunk of ``block``
+    elements of a non-empty tensor."""
+    order: dict[torch.dtype, list[int]] = {}
+    for i, dtype in enumerate(g_dtypes):
+        if numels[i]:
+            order.setdefault(dtype, []).append(i)
+    out = []
+    for dtype, idx in order.items():
+        rows = []
+        for i in idx:
+            starts = np.arange(0, numels[i], block, dtype=np.int64)
+            ends = np.minimum(starts + block, numels[i])
+            rows.append(np.stack([np.full_like(starts, i), starts, ends], axis=1))
+        out.append((np.ascontiguousarray(np.concatenate(rows)), dtype))
+    return out
+
+
+def _upload(
+    host: np.ndarray, device: torch.device, capturing: bool
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """``host`` as a device table, and the staged host buffers a capture's copy reads.
+
+    Outside a capture: a synchronous copy from pageable memory (nothing staged). During one:
+    ``host`` is written into a new pinned buffer (a plain CPU buffer when ``device`` is the CPU,
+    where nothing is captured). Then it is copied with ``non_blocking=True`` into a new device
+    table, which the capture records as a memcpy node that reads the buffer at every replay.
+    The buffer is new, written here once, and never written again.
+    """
+    src = torch.from_numpy(host)
+    if not capturing:
+        return src.to(device), ()
+    staged = torch.empty(src.shape, dtype=src.dtype, pin_memory=device.type == "cuda")
+    staged.copy_(src)  # host to host, now
+    table = torch.empty(src.shape, dtype=src.dtype, device=device)
+    table.copy_(staged, non_blocking=True)  # captured: repeated at every replay
+    return table, (staged,)
 
 
 # Chunk tables depend on the sizes and gradient dtypes only: shared by every list of tensors
 # of the same sizes (new gradient tensors at new addresses rebuild only the address table).
+# Only tables built outside a capture enter it.
 _CHUNKS: OrderedDict[tuple, list[tuple[torch.Tensor, int, Any]]] = OrderedDict()
 _MAX_CHUNKS = 16
 
 
 def _chunk_tables(
-    device: torch.device, numels: tuple[int, ...], g_dtypes: tuple[torch.dtype, ...]
-) -> list[tuple[torch.Tensor, int, Any]]:
+    device: torch.device,
+    numels: tuple[int, ...],
+    g_dtypes: tuple[torch.dtype, ...],
+    capturing: bool,
+) -> tuple[list[tuple[torch.Tensor, int, Any]], tuple[torch.Tensor, ...]]:
+    """The device chunk tables (``groups`` of `MultiTensorTables`) and what was staged for
+    them. A cached table was copied before any later capture, so a capture may use it. A table
+    built during a capture is for that capture alone and is not cached."""
     key = (device, numels, g_dtypes, BLOCK)
     groups = _CHUNKS.get(key)
     if groups is not None:
         _CHUNKS.move_to_end(key)
-        return groups
-    order: dict[torch.dtype, list[int]] = {}
-    for i, dtype in enumerate(g_dtypes):
-        if numels[i]:
-            order.setdefault(dtype, []).append(i)
-    groups = []
-    for dtype, idx in order.items():
-        rows = []
-        for i in idx:
-            starts = np.arange(0, numels[i], BLOCK, dtype=np.int64)
-            ends = np.minimum(starts + BLOCK, numels[i])
-            rows.append(np.stack([np.full_like(starts, i), starts, ends], axis=1))
-        table = np.ascontiguousarray(np.concatenate(rows))
-        groups.append((torch.from_numpy(table).to(device), len(table), _TL_DTYPES[dtype]))
+        return groups, ()
+    groups, staged = [], []
+    for table, dtype in _chunk_rows(numels, g_dtypes):
+        dev, st = _upload(table, device, capturing)
+        groups.append((dev, len(table), _TL_DTYPES[dtype]))
+        staged += st
+    if capturing:
+        return groups, tuple(staged)
     _CHUNKS[key] = groups
     if len(_CHUNKS) > _MAX_CHUNKS:
         _CHUNKS.popitem(last=False)
-    return groups
+    return groups, ()
