@@ -243,6 +243,7 @@ class LossLabels(State):
             check_type(who, "loss_image_size", loss_image_size, Size)
         self._loss_size = loss_image_size
         self._loss: Image | None = None
+        self._classes: int | None = None  # the predictions' channels at the last encode
 
     def _check_weights(self, wt: torch.Tensor, single: bool) -> torch.Tensor:
         """Weights as ``(N, C, H, W)`` (or ``(N, H, W)`` per pixel for index labels)."""
@@ -296,6 +297,56 @@ class LossLabels(State):
 
     def resources(self) -> list[torch.Tensor]:
         return [t for t in (self._labels, self._weights) if t is not None]
+
+    # -- refilling in place (what a compiled graph step reads) ----------------------------
+
+    def _static_copy(self) -> LossLabels:
+        """Permanent labels of the same layout (values written by `_refill`)."""
+        copy = LossLabels.__new__(LossLabels)
+        State.__init__(copy, self._device, label=self.label)
+        copy._index = self._index
+        copy._max_index = self._max_index
+        copy._labels = torch.empty_like(self._labels)
+        copy._weights = None if self._weights is None else torch.empty_like(self._weights)
+        copy._loss_size = self._loss_size
+        copy._loss = None
+        copy._classes = None
+        return copy
+
+    def _check_refill(self, who: str, other: Any) -> None:
+        """Raise unless ``other``'s values can be copied into these labels."""
+        if not isinstance(other, LossLabels):
+            raise TypeError(f"[{who}] labels must be LossLabels, got {type(other).__name__}")
+        other._check_live(who)
+        if (
+            other._index != self._index
+            or other._labels.shape != self._labels.shape
+            or (other._weights is None) != (self._weights is None)
+            or (other._weights is not None and other._weights.shape != self._weights.shape)
+        ):
+            raise ValueError(
+                f"[{who}] labels must have the recorded step's layout ({self._layout()}), "
+                f"got {other._layout()}"
+            )
+        classes = getattr(self, "_classes", None)
+        if self._index and classes is not None and other._max_index >= classes:
+            raise ValueError(
+                f"[{who}] class indices must be < the {classes} channels of the predictions, "
+                f"got {other._max_index}"
+            )
+
+    def _layout(self) -> str:
+        kind = "class indices" if self._index else "float labels"
+        weights = "no weights" if self._weights is None else f"weights {tuple(self._weights.shape)}"
+        return f"{kind} {tuple(self._labels.shape)}, {weights}"
+
+    def _refill(self, other: LossLabels) -> None:
+        """Copy ``other``'s labels and weights into this state's tensors (on the current
+        stream)."""
+        self._labels.copy_(other._labels, non_blocking=True)
+        if self._weights is not None:
+            self._weights.copy_(other._weights, non_blocking=True)
+        self._max_index = max(self._max_index, other._max_index)
 
     def _free_storage(self) -> None:
         self._weights = None
@@ -445,6 +496,7 @@ class Loss(CNNKernel):
                         f"[{who}] class indices must be < the {c} channels of the predictions, "
                         f"got {lab._max_index}"
                     )
+                lab._classes = c  # what a refilled copy must stay below (compiled steps)
             elif t.shape[1] < c or t.shape[2:] != (h, w):
                 raise ValueError(
                     f"[{who}] labels must be {w}x{h} with at least the predictions' {c} channels, "

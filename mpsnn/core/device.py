@@ -329,6 +329,24 @@ class CommandBuffer:
         else:
             self._pending_releases.append(resource)
 
+    def _mark(self) -> tuple[Any, ...]:
+        """Where the recorded work stands now (for `_rollback`)."""
+        last = self._commands[-1] if self._commands else None
+        releases = len(last.releases) if last is not None and last.releases else 0
+        return (len(self._commands), len(self._hooks), len(self._pending_releases),
+                len(self._handlers), last, releases)  # fmt: skip
+
+    def _rollback(self, mark: tuple[Any, ...]) -> None:
+        """Forget everything recorded since ``mark``: a multi-kernel encode (a graph) that
+        fails halfway leaves the buffer as it was."""
+        commands, hooks, pending, handlers, last, releases = mark
+        del self._commands[commands:]
+        del self._hooks[hooks:]
+        del self._pending_releases[pending:]
+        del self._handlers[handlers:]
+        if last is not None and last.releases:
+            del last.releases[releases:]
+
     def _on_enqueued(self, hook: Callable[[], Any]) -> None:
         """Internal bookkeeping to run once every command is enqueued (stream order makes
         releasing storage safe then, before the device has run the work)."""

@@ -194,12 +194,19 @@ class Image:
         CUDA, torch work that reads the tensor on the queue's stream is ordered after it.
 
         Raises:
+            ValueError: the command buffer that writes the image is not committed yet.
             CommandBufferError: the command buffer that writes the image failed.
         """
         self._check_live(None)
         writer = self._root()._writer
-        if writer is not None and writer.error is not None:
-            self._raise_failed(writer)
+        if writer is not None:
+            if writer._status is CommandBufferStatus.NOT_ENQUEUED:
+                raise ValueError(
+                    f"[{type(self).__name__}] reading {self._describe()} needs the command buffer "
+                    "that writes it to be committed first, got status NOT_ENQUEUED"
+                )
+            if writer.error is not None:
+                self._raise_failed(writer)
         return self._data()
 
     def _data(self) -> torch.Tensor:

@@ -127,7 +127,7 @@ def test_adjoint_of_the_gradient_in_float64() -> None:
 
 def test_inference_mode_and_running_statistics() -> None:
     dev = m.Device("cpu")
-    x, g, gamma, beta = _data(seed=5)
+    x, _g, gamma, beta = _data(seed=5)
     mean0, var0 = torch.randn(3, dtype=torch.float64), torch.rand(3, dtype=torch.float64) + 0.5
     ds, stats, bn, *_ = _kernels(dev, 3, gamma, beta, mean=mean0, variance=var0, momentum=0.25)
     q = dev.new_command_queue()
@@ -181,14 +181,14 @@ def test_constant_and_large_mean_channels(dtype) -> None:
     truth = xs.double().var((0, 2, 3), unbiased=False)
     rel = ((state.variance.double() - truth).abs() / truth.clamp(min=1e-30))[1:]
     assert (rel < 1e-3).all(), rel
-    ry, rdx, _, _ = _torch_reference(xs.double(), g.double(), gamma, beta, F.relu)
+    ry, _rdx, _, _ = _torch_reference(xs.double(), g.double(), gamma, beta, F.relu)
     assert_close(y.double()[:, 2], ry[:, 2], "a regular channel", tol=TOL[dtype] * 4)
 
 
 def test_batch_normalization_errors() -> None:
     dev = m.Device("cpu")
     x, g, gamma, beta = _data(n=2, seed=7)
-    ds, stats, bn, sgrad, grad = _kernels(dev, 3, gamma, beta)
+    _ds, stats, bn, sgrad, grad = _kernels(dev, 3, gamma, beta)
     cb = dev.new_command_queue().command_buffer()
     xb, gb = m.ImageBatch.from_tensor(x), m.ImageBatch.from_tensor(g)
     state = bn.result_state(xb[0])

@@ -37,11 +37,14 @@ def test_encode_is_deferred_until_commit(device: str) -> None:
     dev = m.Device(device)
     conv = _conv(dev)
     x = torch.ones(1, 1, 2, 2, device=device)
-    dst = m.Image.from_tensor(torch.zeros(1, 1, 2, 2, device=device))
+    storage = torch.zeros(1, 1, 2, 2, device=device)
+    dst = m.Image.from_tensor(storage)
     cb = dev.new_command_queue().command_buffer()
     conv.encode(cb, m.Image.from_tensor(x), dst)
     assert len(cb) == 1 and cb.status is m.CommandBufferStatus.NOT_ENQUEUED
-    assert dst.tensor.abs().sum() == 0  # nothing ran yet
+    assert storage.abs().sum() == 0  # nothing ran yet
+    with pytest.raises(ValueError, match=r"\[Image\] reading .* committed first, got status"):
+        dst.tensor  # noqa: B018 - the read itself is what is tested
     x.fill_(3.0)  # the command reads its source when it runs
     cb.commit()
     cb.wait_until_completed()

@@ -170,13 +170,14 @@ def test_the_three_update_paths_give_identical_weights_and_train() -> None:
 
 
 def test_data_source_weights_are_the_memory_the_optimizer_writes() -> None:
-    ds, conv, grad, opt = _layer("gpu")
+    ds, conv, grad, _opt = _layer("gpu")
     held = ds.weights()
     x = m.ImageBatch.from_tensor(torch.randn(2, 3, 1, 1, dtype=torch.float64))
     cb = CPU.new_command_queue().command_buffer()
     st = conv.result_state_batch(x)
     y = conv.encode_batch(cb, x, destination_states=st)
-    grad.encode_batch(cb, m.ImageBatch.from_tensor(torch.ones_like(y.tensor) * 0.5), x, st)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    grad.encode_batch(cb, m.ImageBatch.from_tensor(g), x, st)
     state = ds.update(cb, st[0], None)
     run(cb)
     assert state is ds.state and held.data_ptr() == ds.weights().data_ptr()

@@ -196,6 +196,8 @@ def _nothing() -> None:
 
 
 def _group_by_state(states: list[Any]) -> list[tuple[Any, list[int]]]:
+    if states and states.count(states[0]) == len(states):  # one shared state: a C-level check
+        return [(states[0], list(range(len(states))))]
     groups: dict[int, tuple[Any, list[int]]] = {}
     for i, s in enumerate(states):
         groups.setdefault(id(s), (s, []))[1].append(i)

@@ -50,11 +50,13 @@ class ConvolutionGradientState(AccumulatorState):
     def gradient_for_weights(self) -> torch.Tensor:
         """dL/dW in the OHWI layout ``[O][kH][kW][I / groups]`` (a view of the sum; zeros
         before any gradient ran, which later gradients add into)."""
+        self._check_live(None)
         return self._sum(0).permute(0, 2, 3, 1)
 
     @property
     def gradient_for_biases(self) -> torch.Tensor:
         """dL/db, ``(O,)`` (zeros before any gradient ran, which later gradients add into)."""
+        self._check_live(None)
         return self._sum(1)
 
     def _zeros(self) -> list[torch.Tensor]:

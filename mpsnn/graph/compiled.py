@@ -1,0 +1,230 @@
+"""`CompiledGraph`: one training (or inference) step of a `Graph`, recorded once as a CUDA
+graph and replayed for every later batch (made by `Graph.compile`).
+
+Why: a small network's step is a few hundred small kernels; encoding them costs host time
+(Python, validation, launches) that can exceed the GPU time. A replay launches the whole
+recorded step with one call.
+
+How a call runs:
+
+1. First call: an ordinary eager step (``encode_batch`` + commit) that also initializes the
+   libraries (cuDNN, cuBLAS, Triton) and the one-time constants a capture must not create.
+2. Second call: the graph's inputs are copied into **static** images and labels owned by the
+   compiled graph, the step is encoded on a command buffer that is *captured*
+   (`CommandBuffer.capture`) instead of committed, and the recording is replayed once.
+3. Later calls: the new batch is copied into the static inputs in place (on the queue's
+   stream) and the recording is replayed.
+
+Every call is exactly one training step, so eager and compiled training give the same
+weights: everything that changes between steps is kept on the device — dropout keys, the
+optimizers' step counts and learning rates, the master weights and their low-precision
+copies, the gradient accumulators — and advances at each replay. The result image and the
+loss images are the same storage at every replay: read (or copy) them before the next call.
+
+On the CPU there is nothing to record: every call is an eager step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+from mpsnn.core.device import CapturedCommandBuffer, CommandQueue
+from mpsnn.core.image import Image
+from mpsnn.core.image_batch import ImageBatch
+from mpsnn.core.state import State
+
+__all__ = ["CompiledGraph"]
+
+
+class CompiledGraph:
+    """A graph step recorded once and replayed (see the module docstring).
+
+    Args:
+        graph: the `Graph`.
+        command_queue: the queue the steps run on (None: a new queue of the graph's device).
+
+    Call it like ``Graph.encode_batch`` without a command buffer: ``compiled(source_images,
+    source_states=None)`` runs one step and returns the result batch (None when the graph's
+    result is not needed). The batch shape, formats and label layout are fixed by the second
+    call (the capture); a later batch that differs raises ``ValueError`` — compile one graph
+    per batch shape (a last, smaller batch can go through the eager ``encode_batch``).
+    """
+
+    def __init__(self, graph: Any, command_queue: CommandQueue | None = None) -> None:
+        if not hasattr(graph, "_order") or not hasattr(graph, "encode_batch"):  # a Graph
+            raise TypeError(f"[CompiledGraph] graph must be a Graph, got {type(graph).__name__}")
+        queue = command_queue or graph.device.new_command_queue()
+        if not isinstance(queue, CommandQueue):
+            raise TypeError(
+                f"[CompiledGraph] command_queue must be a CommandQueue, got {type(queue).__name__}"
+            )
+        if queue.device != graph.device:
+            raise ValueError(
+                f"[CompiledGraph] the command queue must be on {graph.device}, got one on "
+                f"{queue.device}"
+            )
+        self._graph = graph
+        self._queue = queue
+        self._captured: CapturedCommandBuffer | None = None
+        self._images: list[ImageBatch] = []  # the static inputs (after the capture)
+        self._states: list[list[State]] = []
+        self._result: ImageBatch | None = None
+        self._last_states: list[list[State]] = []
+        self._last_eager: Any = None
+        self.steps = 0
+
+    @property
+    def graph(self) -> Any:
+        return self._graph
+
+    @property
+    def is_captured(self) -> bool:
+        """Whether the step is recorded (after the second call on CUDA)."""
+        return self._captured is not None
+
+    @property
+    def replays(self) -> int:
+        """How many steps ran as replays."""
+        return 0 if self._captured is None else self._captured.replays
+
+    @property
+    def source_states(self) -> list[list[State]]:
+        """The source states of the last step (after a replay: the compiled graph's static
+        labels, whose ``loss_image`` holds the last step's loss)."""
+        return self._last_states
+
+    def __call__(
+        self, source_images: Sequence[ImageBatch], source_states: Sequence[Any] | None = None
+    ) -> ImageBatch | None:
+        """Run one step on ``source_images`` / ``source_states`` (see the class docstring)."""
+        graph = self._graph
+        if self._captured is not None:
+            self._refill(source_images, source_states)
+            self._captured.replay()
+            self.steps += 1
+            return self._result
+        if self.steps == 0 or self._queue._stream is None:  # warm-up, or the CPU: eager
+            cb = self._queue.command_buffer()
+            out = graph.encode_batch(cb, source_images, source_states)
+            cb.commit()
+            self._last_eager = cb
+            self._last_states = [_as_list(s) for s in (source_states or [])]
+            self.steps += 1
+            return out
+        # the capture: static copies of the inputs, the step recorded, then replayed once
+        batches = _batches(source_images)
+        states = [_static_states(s, i) for i, s in enumerate(source_states or [])]
+        ctx = self._queue._enter_stream()  # the copies are ordered before the recorded step
+        with ctx if ctx is not None else contextlib.nullcontext():
+            self._images = [_static_batch(b, i) for i, b in enumerate(batches)]
+            for new, static in zip(source_states or [], states, strict=True):
+                for a, b in zip(_as_list(new), static, strict=True):
+                    b._refill(a)
+        self._states = states
+        cb = self._queue.command_buffer()
+        cb.label = "compiled step"
+        self._result = graph.encode_batch(cb, self._images, self._states)
+        self._captured = cb.capture()
+        self._last_states = self._states
+        self._captured.replay()
+        self.steps += 1
+        return self._result
+
+    def wait_until_completed(self) -> None:
+        """Wait for the last step."""
+        if self._captured is not None:
+            self._captured.wait_until_completed()
+        elif self._last_eager is not None:
+            self._last_eager.wait_until_completed()
+
+    def _refill(
+        self, source_images: Sequence[ImageBatch], source_states: Sequence[Any] | None
+    ) -> None:
+        """Copy a new batch into the static inputs (checked first: nothing is copied when
+        any of it does not match the recorded step)."""
+        who = "CompiledGraph"
+        batches = _batches(source_images)
+        states = [_as_list(s) for s in (source_states or [])]
+        if len(batches) != len(self._images) or len(states) != len(self._states):
+            raise ValueError(
+                f"[{who}] a step needs {len(self._images)} image batches and "
+                f"{len(self._states)} state batches, got {len(batches)} and {len(states)}"
+            )
+        for i, (new, old) in enumerate(zip(batches, self._images, strict=True)):
+            if new.shape != old.shape or new.feature_channel_format != old.feature_channel_format:
+                raise ValueError(
+                    f"[{who}] source_images[{i}] must match the recorded step "
+                    f"({old.shape} {old.feature_channel_format.name}), got {new.shape} "
+                    f"{new.feature_channel_format.name}; compile a graph per batch shape"
+                )
+            if new.device != old.device:
+                raise ValueError(
+                    f"[{who}] source_images[{i}] must be on {old.device}, got {new.device}"
+                )
+        for i, (new, old) in enumerate(zip(states, self._states, strict=True)):
+            if len(new) != len(old):
+                raise ValueError(
+                    f"[{who}] source_states[{i}] must hold {len(old)} states (the recorded "
+                    f"step's), got {len(new)}"
+                )
+            for a, b in zip(new, old, strict=True):
+                b._check_refill(who, a)
+        ctx = self._queue._enter_stream()
+        with ctx if ctx is not None else contextlib.nullcontext():
+            self._copy(batches, states)
+
+    def _copy(self, batches: list[ImageBatch], states: list[list[State]]) -> None:
+        if self._captured is not None:
+            self._captured.wait_until_completed()  # the last replay read the static inputs
+        for new, old in zip(batches, self._images, strict=True):
+            if new.image is not old.image:
+                old.tensor.copy_(new.tensor, non_blocking=True)
+        for new, old in zip(states, self._states, strict=True):
+            for a, b in zip(new, old, strict=True):
+                if a is not b:
+                    b._refill(a)
+
+    def __repr__(self) -> str:
+        mode = f"captured, {self.replays} replays" if self._captured else "not captured"
+        return f"<CompiledGraph of {self._graph!r}: {self.steps} steps, {mode}>"
+
+
+def _batches(source_images: Sequence[Any]) -> list[ImageBatch]:
+    out = []
+    for i, b in enumerate(source_images):
+        if not isinstance(b, ImageBatch):
+            raise TypeError(
+                f"[CompiledGraph] source_images[{i}] must be an ImageBatch, got {type(b).__name__}"
+            )
+        out.append(b)
+    return out
+
+
+def _static_batch(batch: ImageBatch, index: int) -> ImageBatch:
+    """A permanent copy of ``batch``: the storage the recorded step reads."""
+    image = Image(batch.device, batch.image.descriptor, label=f"compiled source {index}")
+    image._data().copy_(batch.tensor, non_blocking=True)
+    return ImageBatch(image)
+
+
+def _as_list(value: Any) -> list[State]:
+    if isinstance(value, State):
+        return [value]
+    return list(value)
+
+
+def _static_states(value: Any, index: int) -> list[State]:
+    """Permanent copies of the source states (labels) the recorded step reads."""
+    states = _as_list(value)
+    out = []
+    for j, st in enumerate(states):
+        copy = getattr(st, "_static_copy", None)
+        if copy is None:
+            raise TypeError(
+                f"[CompiledGraph] source_states[{index}][{j}] must be LossLabels (states a "
+                f"compiled step can refill), got {type(st).__name__}"
+            )
+        out.append(copy())  # same layout; the values are copied on the queue's stream
+    return out

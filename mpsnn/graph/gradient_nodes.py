@@ -1,0 +1,215 @@
+"""Gradient nodes: one per gradient kernel, all from `GradientFilterNode` (MPS
+``MPSCNNConvolutionGradientNode``, ``MPSCNNPoolingMaxGradientNode``, ...,
+``MPSNNArithmeticGradientNode``, ``MPSNNConcatenationGradientNode``).
+
+A gradient node reads the incoming gradient, the forward image its kernel needs (the forward
+source; the forward result for softmax and log-softmax) and the forward node's state, and makes
+the gradient with respect to the forward input. Trainable ones (convolutions, normalizations)
+register their layer's update with the step; a frozen forward node (``trainable = False``)
+computes the data gradient only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mpsnn.graph.forward_nodes as fwd
+import mpsnn.graph.normalization_nodes as nn_nodes
+from mpsnn.cnn.convolution import ConvolutionGradientOption
+from mpsnn.core.device import Device
+from mpsnn.graph.nodes import FilterNode, GradientFilterNode, ImageNode, register_gradient_nodes
+from mpsnn.graph.step import _Step
+
+__all__ = [
+    "ArithmeticGradientNode",
+    "BatchNormalizationGradientNode",
+    "ConcatenationGradientNode",
+    "UnaryGradientNode",
+]
+
+
+class UnaryGradientNode(GradientFilterNode):
+    """The gradient of a one-source forward node: ``(incoming gradient, forward image)``."""
+
+    _reads_result = False  # the gradient kernel reads the forward result (softmax families)
+
+    def __init__(self, source_gradient: ImageNode, forward: FilterNode) -> None:
+        secondary = forward.result_image if self._reads_result else forward.source_images[0]
+        super().__init__([source_gradient, secondary], forward, forward.result_state)
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the layer's weights are trained (the forward node's ``trainable``)."""
+        return self._forward.trainable and isinstance(self._forward, fwd._TrainableNode)
+
+    def _make_kernel(self, device: Device) -> Any:
+        return self._forward._gradient_kernel(device)
+
+    def _run(self, step: _Step, kernel: Any) -> None:
+        if not hasattr(kernel, "encode_batch"):  # the gradient of a neuron fused into a
+            step.alias(self.result_image, self._sources[0])  # batch normalization: passed on
+            return
+        g = step.image(self._sources[0])
+        x = step.image(self._sources[1])
+        states = step.state(self._state)
+        dx = kernel.encode_batch(step.cb, g, x, states)
+        if dx is not None:
+            step.set_image(self.result_image, dx)
+        if self.trainable:
+            step.updates.append((self, step.graph._kernels[self._forward._id], states))
+
+
+class _ConvolutionGradientNode(UnaryGradientNode):
+    """Convolution family: no data gradient when nobody needs it; no weight gradient when the
+    layer is frozen."""
+
+    def _make_kernel(self, device: Device) -> Any:
+        k = super()._make_kernel(device)
+        option = ConvolutionGradientOption.ALL
+        if not self.trainable:
+            option = ConvolutionGradientOption.GRADIENT_WITH_DATA
+        if getattr(self, "_data_unneeded", False):
+            option = ConvolutionGradientOption.GRADIENT_WITH_WEIGHTS_AND_BIAS
+        k.gradient_option = option
+        return k
+
+
+class BatchNormalizationGradientNode(UnaryGradientNode):
+    """The gradient of batch normalization (MPS ``MPSCNNBatchNormalizationGradientNode``): the
+    statistics gradient over the batch, then the input gradient."""
+
+    def _reads(self) -> list[tuple[ImageNode, int]]:
+        return [(self._sources[0], 2), (self._sources[1], 2)]
+
+    def _run(self, step: _Step, kernels: Any) -> None:
+        sgrad, grad = kernels
+        g, x = step.image(self._sources[0]), step.image(self._sources[1])
+        state = step.state(self._state)[0]
+        sgrad.encode_batch(step.cb, g, x, state)
+        step.set_image(self.result_image, grad.encode_batch(step.cb, g, x, state))
+        if self.trainable:
+            step.updates.append((self, step.graph._kernels[self._forward._id], [state]))
+
+
+class ArithmeticGradientNode(GradientFilterNode):
+    """One input's gradient of an arithmetic node (MPS ``MPSNNArithmeticGradientNode``):
+    ``is_secondary_source_filter`` selects the input. Add and subtract read the input they
+    differentiate, multiply and divide the other one."""
+
+    def __init__(self, source_gradient: ImageNode, forward: Any, secondary: bool) -> None:
+        reads_other = forward._kernel_class.__name__ in ("Multiply", "Divide")
+        which = (not secondary) if reads_other else secondary
+        super().__init__(
+            [source_gradient, forward.source_images[int(which)]], forward, forward.result_state
+        )
+        self.is_secondary_source_filter = secondary
+
+    def _make_kernel(self, device: Device) -> Any:
+        return self._forward._gradient_kernel(device, self.is_secondary_source_filter)
+
+    def _run(self, step: _Step, kernel: Any) -> None:
+        g, x = step.image(self._sources[0]), step.image(self._sources[1])
+        step.set_image(
+            self.result_image, kernel.encode_batch(step.cb, g, x, step.state(self._state))
+        )
+
+
+class ConcatenationGradientNode(GradientFilterNode):
+    """The gradient of one input of a concatenation (MPS ``MPSNNConcatenationGradientNode``):
+    the input's channel range of the incoming gradient."""
+
+    def __init__(self, source_gradient: ImageNode, forward: Any, index: int) -> None:
+        super().__init__([source_gradient], forward, None)
+        self.index = index
+
+    def _make_kernel(self, device: Device) -> Any:
+        from mpsnn.cnn.shape import Slice
+
+        return Slice(device)
+
+    def _run(self, step: _Step, kernel: Any) -> None:
+        offsets = step.states[self._forward._id]  # recorded by the concatenation's forward
+        start, count = offsets[self.index]
+        kernel.source_feature_channel_offset = start
+        kernel.source_feature_channel_max_count = count
+        g = step.image(self._sources[0])
+        step.set_image(self.result_image, kernel.encode_batch(step.cb, g))
+
+
+def _unary(node_class: type) -> Any:
+    """The factory of a one-input forward node's gradient node: one incoming gradient."""
+
+    def factory(forward: FilterNode, incoming: list[ImageNode]) -> list[Any]:
+        if len(incoming) != 1:
+            raise ValueError(
+                f"[{type(forward).__name__}] a one-input filter takes one incoming gradient, "
+                f"got {len(incoming)}"
+            )
+        return [node_class(incoming[0], forward)]
+
+    return factory
+
+
+def _named(name: str, base: type, doc: str, **attrs: Any) -> type:
+    return type(name, (base,), {"__doc__": doc, **attrs})
+
+
+# One named gradient node class per one-input forward node class.
+for _fwd, _name, _base, _attrs in (
+    (fwd.ConvolutionNode, "ConvolutionGradientNode", _ConvolutionGradientNode, {}),
+    (fwd.FullyConnectedNode, "FullyConnectedGradientNode", _ConvolutionGradientNode, {}),
+    (
+        fwd.ConvolutionTransposeNode,
+        "ConvolutionTransposeGradientNode",
+        _ConvolutionGradientNode,
+        {},
+    ),
+    (fwd.PoolingMaxNode, "PoolingMaxGradientNode", UnaryGradientNode, {}),
+    (fwd.PoolingAverageNode, "PoolingAverageGradientNode", UnaryGradientNode, {}),
+    (fwd.PoolingL2NormNode, "PoolingL2NormGradientNode", UnaryGradientNode, {}),
+    (fwd.DilatedPoolingMaxNode, "DilatedPoolingMaxGradientNode", UnaryGradientNode, {}),
+    (fwd.NeuronNode, "NeuronGradientNode", UnaryGradientNode, {}),
+    (fwd.SoftMaxNode, "SoftMaxGradientNode", UnaryGradientNode, {"_reads_result": True}),
+    (fwd.LogSoftMaxNode, "LogSoftMaxGradientNode", UnaryGradientNode, {"_reads_result": True}),
+    (fwd.DropoutNode, "DropoutGradientNode", UnaryGradientNode, {}),
+    (fwd.UpsamplingNearestNode, "UpsamplingNearestGradientNode", UnaryGradientNode, {}),
+    (fwd.UpsamplingBilinearNode, "UpsamplingBilinearGradientNode", UnaryGradientNode, {}),
+    (fwd.SliceNode, "SliceGradientNode", UnaryGradientNode, {}),
+    (fwd.ReshapeNode, "ReshapeGradientNode", UnaryGradientNode, {}),
+    (fwd.PadNode, "PadGradientNode", UnaryGradientNode, {}),
+    (
+        nn_nodes.InstanceNormalizationNode,
+        "InstanceNormalizationGradientNode",
+        UnaryGradientNode,
+        {},
+    ),
+    (nn_nodes.GroupNormalizationNode, "GroupNormalizationGradientNode", UnaryGradientNode, {}),
+    (nn_nodes.SpatialNormalizationNode, "SpatialNormalizationGradientNode", UnaryGradientNode, {}),
+    (
+        nn_nodes.LocalContrastNormalizationNode,
+        "LocalContrastNormalizationGradientNode",
+        UnaryGradientNode,
+        {},
+    ),
+    (
+        nn_nodes.CrossChannelNormalizationNode,
+        "CrossChannelNormalizationGradientNode",
+        UnaryGradientNode,
+        {},
+    ),
+):
+    _cls = _named(
+        _name, _base, f"The gradient node of `{_fwd.__name__}` (MPS ``MPSCNN{_name}``).", **_attrs
+    )
+    globals()[_name] = _cls
+    __all__.append(_name)
+    register_gradient_nodes(_fwd, _unary(_cls))
+register_gradient_nodes(nn_nodes.BatchNormalizationNode, _unary(BatchNormalizationGradientNode))
+register_gradient_nodes(
+    fwd.ConcatenationNode,
+    lambda f, g: [ConcatenationGradientNode(g[0], f, i) for i in range(len(f.source_images))],
+)
+register_gradient_nodes(
+    fwd._ArithmeticNode,
+    lambda f, g: [ArithmeticGradientNode(g[0], f, secondary) for secondary in (False, True)],
+)

@@ -1,0 +1,399 @@
+"""`Graph` (MPS ``MPSNNGraph``): a node graph bound to a device, planned once, encoded per step.
+
+Planning (at construction): walk back from the results over image and state edges (what no
+result needs is never reached), order the filters, bind a kernel to each filter node, fuse a
+neuron into the convolution or batch normalization before it when nothing else reads that
+result, decide which forward filters run in training mode (their state is read by a gradient
+node of this graph), and count the readers of every image and state.
+
+One encode (`encode_batch`, or `encode` for one image) runs the filters in order on one
+command buffer. Intermediates are temporary images in the graph's ``format`` (a node's own
+``format`` wins), each released after the last node that reads it ran — the caching allocator
+then reuses the storage for later intermediates; results and exported images are permanent.
+After every gradient, the trainable layers' updates run (`mpsnn.graph.updates`): GPU style on
+the command buffer, or CPU style after completion, once per ``encode_batch``, from the
+pre-update weights' gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from mpsnn.core.descriptor import FeatureChannelFormat, ImageDescriptor
+from mpsnn.core.device import CommandBuffer, CommandQueue, Device
+from mpsnn.core.image import Image, TemporaryImage
+from mpsnn.core.image_batch import ImageBatch
+from mpsnn.core.state import State
+from mpsnn.graph.nodes import ImageNode
+from mpsnn.graph.step import _HELD, _Step, nbytes
+from mpsnn.graph.updates import encode_updates
+
+if TYPE_CHECKING:
+    from mpsnn.graph.compiled import CompiledGraph
+
+__all__ = ["Graph"]
+
+
+class Graph:
+    """A node graph bound to a device (MPS ``MPSNNGraph``).
+
+    Args:
+        device: where it runs.
+        result_image: the `ImageNode` ``encode`` returns.
+        result_image_is_needed: False when the result is not wanted (a training graph whose
+            last gradient only feeds weight updates): ``encode`` then returns None and work
+            that only served the result is skipped (the first layer's data gradient).
+
+    Attributes:
+        format: storage of intermediate images (FLOAT32 default; FLOAT16, BFLOAT16, FLOAT64);
+            a node's own ``format`` wins.
+        destination_image_allocator: how the result image is allocated (None: permanent).
+    """
+
+    def __init__(
+        self, device: Device, result_image: ImageNode, result_image_is_needed: bool = True
+    ) -> None:
+        self._init(device, [result_image], [result_image_is_needed])
+
+    @classmethod
+    def from_results(
+        cls,
+        device: Device,
+        result_images: Sequence[ImageNode],
+        results_are_needed: Sequence[bool] | None = None,
+    ) -> Graph:
+        """A graph with several results (MPS ``initWithDevice:resultImages:
+        resultsAreNeeded:``): the first is returned by ``encode``, the others are kept in
+        ``intermediate_images``."""
+        graph = cls.__new__(cls)
+        needed = [True] * len(result_images) if results_are_needed is None else results_are_needed
+        graph._init(device, list(result_images), list(needed))
+        return graph
+
+    # -- planning --------------------------------------------------------------------------
+
+    def _init(self, device: Device, results: list[ImageNode], needed: list[bool]) -> None:
+        from mpsnn.graph.plan import plan_graph  # the planner uses the node modules
+
+        if not isinstance(device, Device):
+            raise TypeError(f"[Graph] device must be a Device, got {type(device).__name__}")
+        if not results:
+            raise ValueError("[Graph] a graph needs at least one result image, got none")
+        for r in results:
+            if not isinstance(r, ImageNode):
+                raise TypeError(f"[Graph] result images must be ImageNodes, got {type(r).__name__}")
+        if len(needed) != len(results):
+            raise ValueError(
+                f"[Graph] results_are_needed must have one flag per result ({len(results)}), "
+                f"got {len(needed)}"
+            )
+        self._device = device
+        self._results = results
+        self._needed = [bool(n) for n in needed]
+        self.format = FeatureChannelFormat.FLOAT32
+        self.destination_image_allocator: Any = None
+        self.label: str | None = None
+        plan_graph(self)  # sets _order, _sources, _state_sources, _kernels, _training, ...
+        self._last_plan_report: dict[str, Any] | None = None
+        self._intermediates: list[Any] = []
+
+    @property
+    def device(self) -> Device:
+        return self._device
+
+    @property
+    def source_image_handles(self) -> list[Any]:
+        """The handles of the input images, in ``encode``'s order."""
+        return [n.handle for n in self._sources]
+
+    @property
+    def source_state_handles(self) -> list[Any]:
+        """The handles of the input states (the loss nodes' labels), in ``encode``'s order."""
+        return [n.handle for n in self._state_sources]
+
+    @property
+    def result_handle(self) -> Any:
+        return self._results[0].handle
+
+    @property
+    def result_image_is_needed(self) -> bool:
+        return self._needed[0]
+
+    @property
+    def intermediate_image_handles(self) -> list[Any]:
+        """Handles of the exported images and the extra results, in the order
+        ``intermediate_images`` lists them."""
+        return [n.handle for n in self._exported]
+
+    @property
+    def intermediate_images(self) -> list[Any]:
+        """The exported images (and extra results) of the last encode."""
+        return list(self._intermediates)
+
+    def read_count_for_source_image(self, index: int) -> int:
+        """How many times one encode reads source image ``index`` (MPS
+        ``readCountForSourceImageAtIndex:``)."""
+        if not 0 <= index < len(self._sources):
+            raise ValueError(f"[Graph] index must be in [0, {len(self._sources)}), got {index}")
+        return self._source_reads[index]
+
+    def read_count_for_source_state(self, index: int) -> int:
+        if not 0 <= index < len(self._state_sources):
+            raise ValueError(
+                f"[Graph] index must be in [0, {len(self._state_sources)}), got {index}"
+            )
+        return self._state_source_reads[index]
+
+    def reload_from_data_sources(self) -> None:
+        """Every kernel with a data source reads it again now (MPS
+        ``reloadFromDataSources``). Work already committed keeps the values it ran with (the
+        copies are ordered on the current stream)."""
+        for node in self._order:
+            kernel = self._kernels[node._id]
+            for k in kernel if isinstance(kernel, tuple) else (kernel,):
+                for name in (
+                    "reload_weights_and_biases_from_data_source",
+                    "reload_gamma_and_beta_from_data_source",
+                    "reload_mean_and_variance_from_data_source",
+                ):
+                    reload = getattr(k, name, None)
+                    if reload is not None:
+                        reload()
+
+    # -- allocation (called by the kernels' allocators) -------------------------------------
+
+    def _allocate(self, cb: CommandBuffer, node: ImageNode, desc: ImageDescriptor) -> Image:
+        fmt = node.format or self.format
+        desc = ImageDescriptor(fmt, desc.width, desc.height, desc.feature_channels,
+                               desc.number_of_images)  # fmt: skip
+        if node._id in self._permanent:
+            alloc = node.image_allocator or (
+                self.destination_image_allocator if node is self._results[0] else None
+            )
+            image = alloc.image(cb, desc, None) if alloc is not None else Image(self._device, desc)
+        elif node.image_allocator is not None:
+            image = node.image_allocator.image(cb, desc, None)
+            if image.is_temporary:
+                image.read_count = _HELD  # the graph releases it after its last reader
+        else:
+            image = TemporaryImage(cb, desc)
+            image.read_count = _HELD
+        step = self._current
+        if step is not None:
+            step.bytes += nbytes(image)
+            step.peak = max(step.peak, step.bytes)
+        return image
+
+    # -- encode --------------------------------------------------------------------------------
+
+    def encode_batch(
+        self,
+        command_buffer: CommandBuffer,
+        source_images: Sequence[ImageBatch],
+        source_states: Sequence[Any] | None = None,
+    ) -> ImageBatch | None:
+        """Encode one step: one `ImageBatch` per source image handle, one `StateBatch` (one
+        `LossLabels` per image, or one for the batch) per source state handle. Returns the
+        result batch (None when the result is not needed). Trainable layers are updated."""
+        who = "Graph"
+        if not isinstance(command_buffer, CommandBuffer):
+            raise TypeError(
+                f"[{who}] command_buffer must be a CommandBuffer, got "
+                f"{type(command_buffer).__name__}"
+            )
+        command_buffer.check_encodable(who)
+        if command_buffer.device != self._device:
+            raise ValueError(
+                f"[{who}] the command buffer must be on {self._device}, got one on "
+                f"{command_buffer.device}"
+            )
+        images = list(source_images)
+        if len(images) != len(self._sources):
+            raise ValueError(
+                f"[{who}] encode_batch needs one ImageBatch per source image handle "
+                f"({len(self._sources)}: {self.source_image_handles}), got {len(images)}"
+            )
+        for i, b in enumerate(images):
+            if not isinstance(b, ImageBatch):
+                raise TypeError(
+                    f"[{who}] source_images[{i}] must be an ImageBatch, got {type(b).__name__}"
+                )
+            if b.device != self._device:
+                raise ValueError(
+                    f"[{who}] source_images[{i}] must be on {self._device}, got {b.device}"
+                )
+        n = len(images[0]) if images else 0
+        for i, b in enumerate(images):
+            if len(b) != n:
+                raise ValueError(
+                    f"[{who}] every source ImageBatch must hold the same number of images "
+                    f"({n}), got {len(b)} in source_images[{i}]"
+                )
+        states = list(source_states or [])
+        if len(states) != len(self._state_sources):
+            raise ValueError(
+                f"[{who}] encode_batch needs one state batch per source state handle "
+                f"({len(self._state_sources)}), got {len(states)}"
+            )
+        step = _Step(self, command_buffer, n)
+        for node, value in zip(self._sources, images, strict=True):
+            step.set_image(node, value)
+        checked = [_labels_batch(self, value, n, i) for i, value in enumerate(states)]
+        for node, value in zip(self._state_sources, checked, strict=True):
+            step.set_state(node, value)
+        self._current = step
+        mark = command_buffer._mark()
+        try:
+            for node in self._order:
+                node._run(step, self._kernels[node._id])
+                step.done(node)
+            encode_updates(self, step)
+        except BaseException:
+            # a shape only known at run time (e.g. a concatenation of mismatched inputs)
+            # raised halfway: the buffer is left as it was before this encode
+            command_buffer._rollback(mark)
+            raise
+        finally:
+            self._current = None
+        self._intermediates = [step.images.get(x._id) for x in self._exported]
+        self._last_plan_report = {"peak_bytes": step.peak, "total_bytes": self._total(step)}
+        if not self._needed[0]:
+            return None
+        return step.image(self._results[0])
+
+    def encode(
+        self,
+        command_buffer: CommandBuffer,
+        source_images: Sequence[Image],
+        source_states: Sequence[Any] | None = None,
+    ) -> Image | None:
+        """Like `encode_batch` for single (possibly multi-image) images."""
+        for i, im in enumerate(source_images):
+            if not isinstance(im, Image):
+                raise TypeError(
+                    f"[Graph] source_images[{i}] must be an Image, got {type(im).__name__}"
+                )
+        batches = [ImageBatch(im) for im in source_images]
+        states = (
+            None
+            if source_states is None
+            else [[s] if isinstance(s, State) else s for s in source_states]
+        )
+        out = self.encode_batch(command_buffer, batches, states)
+        return None if out is None else out.image
+
+    def compile(self, command_queue: CommandQueue | None = None) -> CompiledGraph:
+        """This graph's step recorded once and replayed (a `CompiledGraph`): call it with each
+        batch, ``compiled(source_images, source_states)``. The first call runs eagerly, the
+        second records the step as a CUDA graph, later calls refill the inputs in place and
+        replay it; on the CPU every call runs eagerly."""
+        from mpsnn.graph.compiled import CompiledGraph
+
+        return CompiledGraph(self, command_queue)
+
+    def execute_async(
+        self, source_images: Sequence[Image], completion_handler: Any = None
+    ) -> Image | None:
+        """Encode on a private queue and command buffer, commit, and return the result (valid
+        once ``completion_handler(result, error)`` ran or the result is read)."""
+        cb = self._device.new_command_queue().command_buffer()
+        out = self.encode(cb, source_images)
+        if completion_handler is not None:
+            cb.add_completed_handler(lambda c: completion_handler(out, c.error))
+        cb.commit()
+        return out
+
+    _current: _Step | None = None
+
+    def _total(self, step: _Step) -> int:
+        images = {  # fused and passed-on nodes share their image: count it once
+            id(v.image._root()): v.image._root()
+            for key, v in step.images.items()
+            if isinstance(v, ImageBatch) and key not in self._source_ids
+        }
+        return sum(nbytes(im) for im in images.values())
+
+    # -- introspection -----------------------------------------------------------------------
+
+    def debug_description(self) -> str:
+        """A readable listing: the planned kernels in order, what each reads and makes, which
+        run in training mode, the fused neurons, and (after an encode) the intermediates' peak
+        memory against their total."""
+        lines = [f"Graph on {self._device} ({len(self._order)} filters, format {self.format.name})"]
+        names = {}
+        for i, n in enumerate(self._sources):
+            names[n._id] = f"in{i}" + (f"({n.handle!r})" if n.handle is not None else "")
+        for i, node in enumerate(self._order):
+            names[node.result_image._id] = f"t{i}"
+        for i, node in enumerate(self._order):
+            kernel = self._kernels[node._id]
+            kname = (
+                "+".join(type(k).__name__ for k in kernel)
+                if isinstance(kernel, tuple)
+                else type(kernel).__name__
+            )
+            reads = ", ".join(names.get(s._id, "?") for s in node.source_images)
+            extra = []
+            if node._id in self._training:
+                extra.append("training")
+            if node._id in self._fused:
+                extra.append(f"fused {self._fused[node._id]}")
+            last = [
+                names.get(k, "state")
+                for k in self._reads_by[node._id]
+                if self._readers.get(k) and self._last_reader.get(k) == node._id
+            ]
+            if last:
+                extra.append("frees " + ", ".join(last))
+            label = f" {node.label!r}" if node.label else ""
+            lines.append(
+                f"  {i:3d} {type(node).__name__}{label} [{kname}] ({reads}) -> t{i}"
+                + (f"  ({'; '.join(extra)})" if extra else "")
+            )
+        if self._updates_planned:
+            lines.append(f"  updates after the gradients: {', '.join(self._updates_planned)}")
+        if self._last_plan_report:
+            r = self._last_plan_report
+            lines.append(
+                f"  intermediates: peak {r['peak_bytes'] / 2**20:.2f} MiB of "
+                f"{r['total_bytes'] / 2**20:.2f} MiB allocated in the last encode"
+            )
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<Graph on {self._device}: {len(self._order)} filters>"
+
+
+def _labels_batch(graph: Graph, value: Any, n: int, index: int) -> list[Any]:
+    """Source state ``index`` as a list of states, checked before anything is encoded: loss
+    labels must cover the batch's ``n`` images, on the graph's device."""
+    from mpsnn.cnn.loss import LossLabels
+
+    who = "Graph"
+    if isinstance(value, State):
+        states = [value]
+    elif isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        states = list(value)
+    else:
+        raise TypeError(
+            f"[{who}] source_states[{index}] must be a StateBatch (one LossLabels per image) or "
+            f"one LossLabels for the batch, got {type(value).__name__}"
+        )
+    for j, st in enumerate(states):
+        if not isinstance(st, State):
+            raise TypeError(
+                f"[{who}] source_states[{index}][{j}] must be a state, got {type(st).__name__}"
+            )
+        if st.device != graph.device:
+            raise ValueError(
+                f"[{who}] source_states[{index}][{j}] must be on {graph.device}, got {st.device}"
+            )
+    if all(isinstance(st, LossLabels) for st in states):
+        total = sum(st.number_of_images for st in states)
+        if total != n:
+            raise ValueError(
+                f"[{who}] the labels of source state {index} must hold one image per source "
+                f"image ({n}), got {total} in {len(states)} LossLabels"
+            )
+    return states

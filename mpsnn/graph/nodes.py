@@ -1,0 +1,286 @@
+"""Graph nodes (MPS ``MPSNNImageNode``, ``MPSNNStateNode``, ``MPSNNLabelsNode``,
+``MPSNNFilterNode``, ``MPSNNGradientFilterNode``).
+
+A node graph is a recipe: image nodes are edges, filter nodes are kernels-to-be. It holds no
+tensors and no device: a `Graph` binds it to a device (making one kernel per filter node) and
+encodes it. One recipe can serve several graphs (a training graph and an inference graph that
+share data sources).
+
+Every filter node knows three things the graph needs:
+
+* ``_make_kernel(device)``: the kernel(s) it encodes with;
+* ``_reads()``: how many reads each input image takes per encode (what the graph sets as the
+  read counts of temporary images);
+* ``_run(step, kernel)``: the encode, reading its inputs from and writing its results to the
+  ``step`` (one `encode_batch` of a graph).
+
+and, for the automatic training graph, ``gradient_filters(sources)``: the gradient node(s) that
+differentiate it, found in the node-level forward → gradient table (`register_gradient_nodes`,
+filled by `mpsnn.graph.gradient_nodes`; this module imports no node family, so the families
+import it and never each other in a circle).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from mpsnn.core.descriptor import FeatureChannelFormat
+from mpsnn.core.kernel import Kernel
+
+if TYPE_CHECKING:
+    from mpsnn.graph.step import _Step
+
+__all__ = [
+    "FilterNode",
+    "GradientFilterNode",
+    "ImageNode",
+    "LabelsNode",
+    "NodeHandler",
+    "StateNode",
+    "register_gradient_nodes",
+]
+
+_ids = itertools.count()
+
+#: forward node class -> ``factory(forward_node, incoming_gradients) -> gradient nodes``.
+_GRADIENT_FACTORIES: dict[type, Callable[[Any, list[Any]], list[Any]]] = {}
+#: the automatic training graph (`mpsnn.graph.training` installs it when it is imported).
+_TRAINING_GRAPH: list[Callable[..., list[Any]]] = []
+
+
+def register_gradient_nodes(
+    forward_class: type, factory: Callable[[Any, list[Any]], list[Any]]
+) -> None:
+    """Make ``factory(forward_node, incoming_gradients)`` the gradient nodes of
+    ``forward_class`` (and of its subclasses without their own entry)."""
+    _GRADIENT_FACTORIES[forward_class] = factory
+
+
+#: ``node_handler(gradient_node, inference_node, inference_source, gradient_source)``.
+NodeHandler = Callable[[Any, Any, Any, Any], None]
+
+
+class ImageNode:
+    """An image flowing between filters (MPS ``MPSNNImageNode``).
+
+    Args:
+        handle: any object naming the image (a graph's ``source_image_handles`` lists the
+            handles of its inputs in ``encode`` order).
+
+    Attributes:
+        format: the image's storage (a `FeatureChannelFormat`; None: the graph's ``format``).
+        export_from_graph: keep the image and return it in ``intermediate_images``.
+        stop_gradient: the automatic training graph does not propagate past this image.
+        image_allocator: how the graph allocates it (None: a temporary image for intermediates,
+            a permanent one for results and exported images).
+    """
+
+    def __init__(self, handle: Any = None) -> None:
+        self.handle = handle
+        self.format: FeatureChannelFormat | None = None
+        self.export_from_graph = False
+        self.stop_gradient = False
+        self.image_allocator: Any = None
+        self._producer: FilterNode | None = None
+        self._id = next(_ids)
+
+    @classmethod
+    def exported(cls, handle: Any = None) -> ImageNode:
+        """An image node kept by the graph (MPS ``exportedNodeWithHandle:``)."""
+        node = cls(handle)
+        node.export_from_graph = True
+        return node
+
+    @property
+    def producer(self) -> FilterNode | None:
+        """The filter that makes this image (None: a graph input)."""
+        return self._producer
+
+    def __repr__(self) -> str:
+        name = f" {self.handle!r}" if self.handle is not None else ""
+        made = f" from {type(self._producer).__name__}" if self._producer else " (source)"
+        return f"<ImageNode{name}{made}>"
+
+
+class StateNode:
+    """A state flowing from a forward filter to its gradient (MPS ``MPSNNStateNode``); made
+    by filter nodes (``result_state``), never by hand."""
+
+    def __init__(self, producer: FilterNode | None, handle: Any = None) -> None:
+        self.handle = handle
+        self.export_from_graph = False
+        self._producer = producer
+        self._id = next(_ids)
+
+    @property
+    def producer(self) -> FilterNode | None:
+        return self._producer
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} of {type(self._producer).__name__}>"
+
+
+class LabelsNode(StateNode):
+    """The labels of a loss node (MPS ``MPSNNLabelsNode``): a graph source state; one
+    `LossLabels` per image (or one for the batch) in ``encode_batch``'s ``source_states``."""
+
+    def __init__(self, handle: Any = None) -> None:
+        super().__init__(None, handle)
+
+
+class FilterNode:
+    """Base of the filter nodes (MPS ``MPSNNFilterNode``).
+
+    Attributes:
+        result_image: the `ImageNode` it makes.
+        result_state: the `StateNode` its gradient reads (None for filters without one).
+        padding_policy: the kernel's padding policy (None: the kernel's default).
+        label: a name (used in ``debug_description``).
+    """
+
+    _has_state = True  # filters whose gradient reads a state
+
+    def __init__(self, sources: Sequence[ImageNode]) -> None:
+        who = type(self).__name__
+        for i, s in enumerate(sources):
+            if not isinstance(s, ImageNode):
+                raise TypeError(
+                    f"[{who}] source {i} must be an ImageNode (a node's result_image), "
+                    f"got {type(s).__name__}"
+                )
+        self._sources = list(sources)
+        self.result_image = ImageNode()
+        self.result_image._producer = self
+        self.result_state: StateNode | None = StateNode(self) if self._has_state else None
+        self.padding_policy: Any = None
+        self.label: str | None = None
+        self._id = next(_ids)
+
+    @property
+    def source_images(self) -> list[ImageNode]:
+        return list(self._sources)
+
+    @property
+    def source_states(self) -> list[StateNode]:
+        """States this filter reads (forward filters: none; labels for a loss)."""
+        return []
+
+    # -- binding to a device (the graph calls these) ---------------------------------------
+
+    def _make_kernel(self, device: Any) -> Any:
+        raise NotImplementedError
+
+    def _configure(self, kernel: Any) -> None:
+        """Apply node properties (padding policy) to a fresh kernel."""
+        if self.padding_policy is not None and isinstance(kernel, Kernel):
+            kernel.padding = self.padding_policy
+
+    def _reads(self) -> list[tuple[ImageNode, int]]:
+        """``(input image, reads per encode)``: one read per distinct source by default."""
+        seen: dict[int, ImageNode] = {}
+        for s in self._sources:
+            seen.setdefault(s._id, s)
+        return [(s, 1) for s in seen.values()]
+
+    def _run(self, step: _Step, kernel: Any) -> None:
+        raise NotImplementedError
+
+    # -- training graph ----------------------------------------------------------------------
+
+    @property
+    def trainable(self) -> bool:
+        """False freezes a trainable layer (no weight gradient, no update); True otherwise."""
+        return getattr(self, "_trainable", True)
+
+    @trainable.setter
+    def trainable(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"[{type(self).__name__}] trainable must be a bool, got {value!r}")
+        self._trainable = value
+
+    def gradient_filter(self, source: ImageNode) -> GradientFilterNode:
+        """The gradient node of this filter for the incoming gradient ``source`` (MPS
+        ``gradientFilterWithSource:``); filters with several inputs use `gradient_filters`."""
+        nodes = self.gradient_filters([source])
+        if len(nodes) != 1:
+            raise ValueError(
+                f"[{type(self).__name__}] a filter with {len(self._sources)} inputs has "
+                f"{len(nodes)} gradient filters: use gradient_filters, got gradient_filter"
+            )
+        return nodes[0]
+
+    def gradient_filters(self, sources: Sequence[ImageNode]) -> list[GradientFilterNode]:
+        """The gradient nodes for the incoming gradient(s) ``sources``: one per input this
+        filter has (MPS ``gradientFiltersWithSources:``)."""
+        for cls in type(self).__mro__:
+            factory = _GRADIENT_FACTORIES.get(cls)
+            if factory is not None:
+                incoming = list(sources)
+                for i, g in enumerate(incoming):
+                    if not isinstance(g, ImageNode):
+                        raise TypeError(
+                            f"[{type(self).__name__}] incoming gradient {i} must be an "
+                            f"ImageNode, got {type(g).__name__}"
+                        )
+                return factory(self, incoming)
+        raise ValueError(
+            f"[{type(self).__name__}] this filter has no gradient (it is not differentiable "
+            "in mpsnn), got a request for its gradient filters"
+        )
+
+    def training_graph(
+        self, source_gradient: ImageNode | None = None, node_handler: NodeHandler | None = None
+    ) -> list[GradientFilterNode]:
+        """The gradient graph of everything that leads to this node (MPS
+        ``trainingGraphWithSourceGradient:nodeHandler:``); returns the terminal gradient
+        nodes. See `mpsnn.graph.training.training_graph`."""
+        (training_graph,) = _TRAINING_GRAPH  # installed by mpsnn.graph (always imported)
+        return training_graph(self, source_gradient, node_handler)
+
+    def __repr__(self) -> str:
+        label = f" {self.label!r}" if self.label else ""
+        return f"<{type(self).__name__}{label}>"
+
+
+class GradientFilterNode(FilterNode):
+    """Base of every gradient node (MPS ``MPSNNGradientFilterNode``).
+
+    Sources: the incoming gradient first, then the forward images the gradient kernel reads;
+    it reads the forward node's ``result_state``. Gradient nodes have no gradients themselves
+    (no second-order training graphs, as in MPS).
+    """
+
+    _has_state = False
+
+    def __init__(
+        self,
+        sources: Sequence[ImageNode],
+        forward: FilterNode,
+        state: StateNode | None,
+    ) -> None:
+        super().__init__(sources)
+        self._forward = forward
+        self._state = state
+
+    @property
+    def inference_node(self) -> FilterNode:
+        """The forward filter this node differentiates."""
+        return self._forward
+
+    @property
+    def source_states(self) -> list[StateNode]:
+        return [self._state] if self._state is not None else []
+
+    def gradient_filters(self, sources: Sequence[ImageNode]) -> list[GradientFilterNode]:
+        raise ValueError(
+            f"[{type(self).__name__}] gradient nodes have no gradient filters (no second-order "
+            "training graphs), got a request for one"
+        )
+
+    def training_graph(self, source_gradient: Any = None, node_handler: Any = None) -> Any:
+        raise ValueError(
+            f"[{type(self).__name__}] a training graph starts at a forward node (a loss), "
+            "got a gradient node"
+        )

@@ -1,0 +1,279 @@
+"""Planning a `Graph`: the filters its results need, in order; its sources; which forward
+filters train; who reads what (for releases); the kernels and their allocators; fusion.
+
+Fusion: a neuron node whose source is made by a convolution-family or batch-normalization
+node, with no other reader and not exported, runs inside that node's kernel (the convolution's
+fused neuron, applied after the bias; batch normalization's, after gamma and beta). Its
+gradient follows: after a convolution, `NeuronGradient` differentiates the fused neuron from
+the convolution's state; after batch normalization, the batch-normalization gradient kernels
+apply the neuron's gradient first and the neuron's gradient node passes its input on.
+
+Aliases: a fused neuron's result, an inference dropout's result (the identity) and a gradient
+passed on hold the image of another node; they share its read-count key, and a kept alias
+(a result, an exported image) makes the producer allocate that image as the kept node's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mpsnn.cnn.neuron_descriptor import FusedNeuron, NeuronType
+from mpsnn.core.kernel import TrainingStyle
+from mpsnn.graph.nodes import FilterNode, GradientFilterNode, ImageNode, StateNode
+from mpsnn.graph.step import _NodeAllocator
+
+__all__ = ["plan_graph"]
+
+
+def _order(results: list[ImageNode]) -> tuple[list[FilterNode], list[ImageNode], list[StateNode]]:
+    """Filters producers-first (depth first, inputs in order), the source images and the
+    source states in the order the walk meets them."""
+    order: list[FilterNode] = []
+    sources: list[ImageNode] = []
+    state_sources: list[StateNode] = []
+    mark: dict[int, int] = {}
+
+    def visit(node: FilterNode, path: list[FilterNode]) -> None:
+        if mark.get(node._id) == 2:
+            return
+        if mark.get(node._id) == 1:
+            names = " -> ".join(type(n).__name__ for n in [*path, node])
+            raise ValueError(f"[Graph] the node graph must have no cycle, got {names}")
+        mark[node._id] = 1
+        for img in node.source_images:
+            if img.producer is None:
+                if all(s is not img for s in sources):
+                    sources.append(img)
+            else:
+                visit(img.producer, [*path, node])
+        for st in node.source_states:
+            if st.producer is None:
+                if all(s is not st for s in state_sources):
+                    state_sources.append(st)
+            else:
+                visit(st.producer, [*path, node])
+        mark[node._id] = 2
+        order.append(node)
+
+    for r in results:
+        if r.producer is None:
+            raise ValueError(
+                f"[Graph] a result image must be made by a filter node, got a source {r!r}"
+            )
+        visit(r.producer, [])
+    return order, sources, state_sources
+
+
+def _fusible(node: FilterNode, readers: dict[int, list[FilterNode]], keep: set[int]) -> Any:
+    """The node a neuron node fuses into, or None."""
+    from mpsnn.graph.forward_nodes import ConvolutionNode, NeuronNode
+    from mpsnn.graph.normalization_nodes import BatchNormalizationNode
+
+    if not isinstance(node, NeuronNode) or node.descriptor.neuron_type is NeuronType.PRELU:
+        return None
+    src = node.source_images[0]
+    prev = src.producer
+    if not isinstance(prev, ConvolutionNode | BatchNormalizationNode):
+        return None
+    if isinstance(prev, ConvolutionNode):
+        desc = prev.data_source.descriptor()
+        if getattr(desc, "fused_neuron_descriptor", None) is not None:
+            return None  # the data source fuses a neuron already
+    forward_readers = [r for r in readers.get(src._id, []) if not isinstance(r, GradientFilterNode)]
+    gradient_readers = [r for r in readers.get(src._id, []) if isinstance(r, GradientFilterNode)]
+    if forward_readers != [node] or src._id in keep or src.image_allocator is not None:
+        return None
+    # the source's only gradient readers may be the neuron's own gradient node
+    if any(g.inference_node is not node for g in gradient_readers):
+        return None
+    return prev
+
+
+def plan_graph(graph: Any) -> None:
+    """Set the graph's plan attributes (see the module docstring)."""
+    from mpsnn.graph.forward_nodes import ConvolutionNode, DropoutNode
+
+    order, sources, state_sources = _order(graph._results)
+    graph._order, graph._sources, graph._state_sources = order, sources, state_sources
+    graph._source_ids = {s._id for s in sources}
+    in_graph = {n._id for n in order}
+    graph._training = {
+        st.producer._id
+        for n in order
+        if isinstance(n, GradientFilterNode)
+        for st in n.source_states
+        if st.producer is not None and st.producer._id in in_graph
+    }
+    exported = [n.result_image for n in order if n.result_image.export_from_graph]
+    graph._exported = [r for r in graph._results[1:]] + [
+        e for e in exported if all(e is not r for r in graph._results)
+    ]
+    keep = {r._id for r in graph._results} | {e._id for e in graph._exported}
+    graph._permanent = set(keep)  # image ids the allocator makes permanent (never aliased)
+    # who reads what: release an image or state after its last reader (never a kept one)
+    readers: dict[int, list[FilterNode]] = {}
+    for n in order:
+        for img in n.source_images:
+            readers.setdefault(img._id, []).append(n)
+    fused: dict[int, str] = {}
+    graph._fused_into = {}
+    for n in order:
+        target = _fusible(n, readers, keep)
+        if target is not None:
+            graph._fused_into[n._id] = target
+            fused[target._id] = n.descriptor.neuron_type.name
+    graph._fused = fused
+    # fused neurons and passed-on gradients hold their input's value: one key for both
+    canon: dict[int, int] = {}
+    for n in order:
+        target = graph._fused_into.get(n._id)
+        if target is not None:
+            canon[target.result_image._id] = n.result_image._id
+            if target.result_state is not None and n.result_state is not None:
+                canon[n.result_state._id] = target.result_state._id
+    for n in order:
+        fwd = getattr(n, "inference_node", None)
+        if fwd is not None and isinstance(graph._fused_into.get(fwd._id), _bn_node()):
+            src = n.source_images[0]._id
+            canon[n.result_image._id] = canon.get(src, src)
+        # an inference dropout is the identity (its result is its source's image): without
+        # one key for both, the source was freed at the dropout and its readers read a stale
+        # image
+        if isinstance(n, DropoutNode) and n._id not in graph._training:
+            canon[n.result_image._id] = n.source_images[0]._id
+
+    def key(k: int) -> int:
+        while k in canon:
+            k = canon[k]
+        return k
+
+    # the image node a filter allocates its result for: the kept node that shows that image
+    # (a fused neuron's or an inference dropout's result, which must be permanent and take the
+    # result's allocator and format), else its own result
+    shown: dict[int, ImageNode] = {}
+    for img in [*graph._results, *graph._exported]:
+        shown.setdefault(key(img._id), img)
+    graph._alloc_nodes = {
+        n.result_image._id: shown.get(key(n.result_image._id), n.result_image) for n in order
+    }
+    keep = {key(k) for k in keep}
+    graph._reads_by = {}
+    graph._readers = {}
+    graph._last_reader = {}
+    trainable_states = set()
+    for n in order:
+        keys = [s._id for s in n.source_images] + [s._id for s in n.source_states]
+        keys = list(dict.fromkeys(key(k) for k in keys))
+        graph._reads_by[n._id] = [k for k in keys if k not in keep and k not in graph._source_ids]
+        for k in graph._reads_by[n._id]:
+            graph._readers[k] = graph._readers.get(k, 0) + 1
+            graph._last_reader[k] = n._id
+        if isinstance(n, GradientFilterNode) and getattr(n, "trainable", False):
+            trainable_states.update(key(s._id) for s in n.source_states)
+    # states a layer update reads are released after the updates, not by their last node
+    for n_id, keys in graph._reads_by.items():
+        graph._reads_by[n_id] = [k for k in keys if k not in trainable_states]
+    for k in trainable_states:
+        graph._readers.pop(k, None)
+    graph._update_states = trainable_states
+    graph._source_reads = [
+        sum(c for n in order for img, c in n._reads() if img is s) for s in sources
+    ]
+    graph._state_source_reads = [
+        sum(1 for n in order if any(x is s for x in n.source_states)) for s in state_sources
+    ]
+    # kernels: one per filter node, with the graph's allocator on the one that makes the result
+    graph._kernels = {}
+    for n in order:
+        if n._id in graph._fused_into:
+            graph._kernels[n._id] = _Fused(graph._fused_into[n._id])
+            continue
+        fwd = getattr(n, "inference_node", None)
+        if isinstance(n, ConvolutionNode | _bn_node()) and n._id in fused:
+            neuron = _neuron_of(order, graph._fused_into, n)
+            kernel = _make_fused(n, neuron, graph._device)
+        elif isinstance(fwd, _bn_node()) and fwd._id in fused:  # its gradient fuses it too
+            neuron = _neuron_of(order, graph._fused_into, fwd)
+            saved, fwd._neuron = fwd._neuron, neuron
+            try:
+                kernel = n._make_kernel(graph._device)
+            finally:
+                fwd._neuron = saved
+        else:
+            kernel = n._make_kernel(graph._device)
+        graph._kernels[n._id] = kernel
+        last = kernel[-1] if isinstance(kernel, tuple) else kernel
+        if hasattr(last, "destination_image_allocator"):
+            last.destination_image_allocator = _NodeAllocator(
+                graph, graph._alloc_nodes[n.result_image._id]
+            )
+    # the neuron gradient after a fused batch normalization passes its gradient on
+    for n in order:
+        fwd = getattr(n, "inference_node", None)
+        if fwd is not None and fwd._id in graph._fused_into:
+            target = graph._fused_into[fwd._id]
+            if isinstance(target, _bn_node()):
+                graph._kernels[n._id] = _PassGradient()
+    # a result that is not needed: the first layer's data gradient is skipped
+    if not graph._needed[0]:
+        producer = graph._results[0].producer
+        k = graph._kernels.get(producer._id)
+        if hasattr(k, "gradient_option"):
+            from mpsnn.cnn.convolution import ConvolutionGradientOption
+
+            k.gradient_option = ConvolutionGradientOption.GRADIENT_WITH_WEIGHTS_AND_BIAS
+    graph._updates_planned = [
+        type(n.inference_node).__name__
+        for n in order
+        if isinstance(n, GradientFilterNode) and getattr(n, "trainable", False)
+    ]
+    graph._cpu_updates = {
+        n.inference_node._id
+        for n in order
+        if isinstance(n, GradientFilterNode)
+        and getattr(n, "trainable", False)
+        and getattr(n.inference_node, "training_style", None) is TrainingStyle.UPDATE_ON_CPU
+    }
+
+
+def _bn_node() -> type:
+    from mpsnn.graph.normalization_nodes import BatchNormalizationNode
+
+    return BatchNormalizationNode
+
+
+def _neuron_of(order: list[FilterNode], fused_into: dict[int, Any], target: FilterNode) -> Any:
+    for n in order:
+        if fused_into.get(n._id) is target:
+            return n.descriptor
+    raise AssertionError("a fused target has its neuron")  # pragma: no cover
+
+
+def _make_fused(node: Any, neuron: Any, device: Any) -> Any:
+    """The node's kernel with ``neuron`` fused (a convolution after its bias, batch
+    normalization after gamma and beta)."""
+    from mpsnn.graph.normalization_nodes import BatchNormalizationNode
+
+    if isinstance(node, BatchNormalizationNode):
+        node_neuron, node._neuron = node._neuron, neuron
+        try:
+            return node._make_kernel(device)
+        finally:
+            node._neuron = node_neuron
+    kernel = node._make_kernel(device)
+    kernel._neuron = FusedNeuron.of(type(kernel).__name__, neuron)
+    kernel._descriptor.fused_neuron_descriptor = neuron
+    return kernel
+
+
+class _Fused:
+    """The kernel slot of a neuron node fused into ``target``: its result is the target's."""
+
+    def __init__(self, target: FilterNode) -> None:
+        self.target = target
+
+
+class _PassGradient:
+    """The kernel slot of a neuron gradient whose neuron batch normalization fused: the
+    batch-normalization gradient applies the neuron's gradient, so this node passes its
+    incoming gradient on."""

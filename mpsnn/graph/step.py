@@ -1,0 +1,139 @@
+"""One encode of a graph (`_Step`) and the allocator a graph installs on its kernels.
+
+Kept apart from `mpsnn.graph.graph` so that node modules can name the step without importing
+the graph (imports point one way: nodes → step, graph → nodes).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from mpsnn.core.descriptor import FeatureChannelFormat, ImageDescriptor
+from mpsnn.core.device import CommandBuffer
+from mpsnn.core.image import Image, TemporaryImage
+from mpsnn.core.image_batch import ImageBatch
+from mpsnn.core.state import GradientState, State, StateBatch
+
+
+class _Node(Protocol):
+    """What the step needs of a node: its id in the graph (the step does not import the node
+    classes, which import the step)."""
+
+    _id: int
+
+
+__all__ = ["itemsize", "nbytes"]
+
+_HELD = 1 << 30  # read count of a graph-held temporary: the graph releases it itself
+
+
+class _NodeAllocator:
+    """The allocator a graph installs on a node's kernel: the node's format, a temporary image
+    (released by the graph after its last reader) or a permanent one (results, exports)."""
+
+    def __init__(self, graph: Any, node: _Node) -> None:
+        self._graph = graph
+        self._node = node
+
+    def image(self, cb: CommandBuffer, descriptor: ImageDescriptor, kernel: Any) -> Image:
+        return self._graph._allocate(cb, self._node, descriptor)
+
+    def image_batch(
+        self, cb: CommandBuffer, descriptor: ImageDescriptor, kernel: Any, count: int
+    ) -> Image:
+        return self._graph._allocate(cb, self._node, descriptor)
+
+
+class _Step:
+    """One encode of a graph: the command buffer, the value of every node, what to release."""
+
+    def __init__(self, graph: Any, cb: CommandBuffer, n: int) -> None:
+        self.graph = graph
+        self.cb = cb
+        self.n = n
+        self.images: dict[int, Any] = {}
+        self.states: dict[int, Any] = {}
+        self.updates: list[tuple[Any, Any, Any]] = []  # (gradient node, kernel, state batch)
+        self.gamma_beta_reloads: list[tuple[Any, Any]] = []
+        self.remaining = dict(graph._readers)  # node id -> consumers still to run
+        self.bytes = 0
+        self.peak = 0
+
+    def image(self, node: _Node) -> ImageBatch:
+        try:
+            return self.images[node._id]
+        except KeyError:
+            raise ValueError(
+                f"[Graph] {node!r} has no value in this encode (its producer did not run), got "
+                "a read of it"
+            ) from None
+
+    def set_image(self, node: _Node, value: ImageBatch) -> None:
+        self.images[node._id] = value
+
+    def state(self, node: _Node) -> Any:
+        try:
+            return self.states[node._id]
+        except KeyError:
+            raise ValueError(
+                f"[Graph] {node!r} has no value in this encode, got a read of it"
+            ) from None
+
+    def set_state(self, node: _Node, value: Any) -> None:
+        self.states[node._id] = value
+
+    def training(self, node: _Node) -> bool:
+        """Whether ``node`` runs in training mode (its state is read by a gradient node)."""
+        return node._id in self.graph._training
+
+    def states_for(self, node: _Node, kernel: Any, source: ImageBatch) -> StateBatch:
+        """States for a training forward: temporary and held by the graph until it releases
+        them; permanent for a layer updated on the CPU after completion."""
+        if node._id in self.graph._cpu_updates:
+            return kernel.result_state_batch(source)
+        if getattr(kernel, "_gradient_state_class", None) is GradientState:
+            # A plain gradient state holds only the forward record, which one batch encode
+            # makes identical for every image: one state repeated serves the batch (and saves
+            # a Python object per image per layer per step).
+            batch = StateBatch([GradientState(self.graph.device, command_buffer=self.cb)] * self.n)
+        else:
+            batch = kernel.temporary_result_state_batch(self.cb, source)
+        for st in batch.unique():
+            st.read_count = _HELD
+        return batch
+
+    def alias(self, node: _Node, same_as: _Node) -> None:
+        """``node`` holds the same image as ``same_as`` (fusion, pass-through)."""
+        self.images[node._id] = self.image(same_as)
+
+    def done(self, node: _Node) -> None:
+        """``node`` ran: release the images and states it was the last reader of."""
+        for key in self.graph._reads_by[node._id]:
+            left = self.remaining[key] - 1
+            self.remaining[key] = left
+            if left == 0:
+                self._release(key)
+
+    def _release(self, key: int) -> None:
+        value = self.images.get(key)
+        if value is not None:
+            root = value.image._root() if isinstance(value, ImageBatch) else value._root()
+            if isinstance(root, TemporaryImage) and root._released_by is None:
+                root.read_count = 0  # freed after the last command that reads it
+                self.bytes -= nbytes(root)
+            return
+        states = self.states.get(key)
+        if states is not None:
+            for st in StateBatch(states if isinstance(states, list) else [states]).unique():
+                if isinstance(st, State) and st.is_temporary and st._released_by is None:
+                    st.read_count = 0
+
+
+def nbytes(image: Image) -> int:
+    n, c, h, w = image.shape
+    return n * c * h * w * itemsize(image.feature_channel_format)
+
+
+def itemsize(fmt: FeatureChannelFormat) -> int:
+    return {FeatureChannelFormat.FLOAT64: 8, FeatureChannelFormat.FLOAT32: 4,
+            FeatureChannelFormat.UNORM8: 1}.get(fmt, 2)  # fmt: skip

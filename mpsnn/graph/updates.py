@@ -1,0 +1,146 @@
+"""The trainable layers' updates inside one ``encode_batch`` of a training graph.
+
+After every gradient node ran (so every layer's gradient state holds the whole batch's sums,
+and every data gradient used the pre-update weights), each trainable layer is updated once:
+
+* ``TrainingStyle.UPDATE_ON_GPU`` (the default): the data source's ``update`` is encoded on
+  the command buffer and the state it returns is reloaded into the layer's kernel. Layers whose
+  data sources are mpsnn's ``Tensor*DataSource`` s sharing one optimizer are updated together:
+  one optimizer update (one multi-tensor launch on the GPU, one time step for Adam) per step;
+* ``TrainingStyle.UPDATE_ON_CPU``: after completion, the data source's ``update_on_cpu`` runs
+  and the kernel reloads from the data source (mpsnn's data sources sharing one optimizer are
+  again updated together: CPU and GPU styles give the same weights).
+
+Batch normalization also updates its running statistics (``update_mean_and_variance``). The
+graph owns the gradient states and releases them after the updates.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mpsnn.core.state import State, StateBatch
+
+__all__ = ["encode_updates"]
+
+
+def encode_updates(graph: Any, step: Any) -> None:
+    from mpsnn.cnn.convolution import TensorConvolutionDataSource
+    from mpsnn.graph.normalization_nodes import BatchNormalizationNode
+
+    cb = step.cb
+    groups: dict[int, tuple[Any, list[Any]]] = {}  # optimizer -> [(ds, lists), ...]
+    reloads: list[tuple[Any, Any]] = []
+    cpu: list[tuple[Any, Any, Any]] = []
+    for gnode, fkernel, states in step.updates:
+        fnode = gnode.inference_node
+        ds = fnode.data_source
+        state = StateBatch(states).unique()[0]
+        if fnode._id in graph._cpu_updates:
+            cpu.append((fnode, fkernel, state))
+            continue
+        if isinstance(fnode, BatchNormalizationNode):
+            bn = fkernel[1]
+            _gamma_beta(step, ds, bn, state, groups)
+            mv = ds.update_mean_and_variance(cb, state)
+            if mv is not None:
+                bn.reload_mean_and_variance(cb, mv)
+            continue
+        if hasattr(fkernel, "reload_weights_and_biases"):  # the convolution family
+            if isinstance(ds, TensorConvolutionDataSource) and ds.optimizer is not None:
+                lists = ds._update_lists(state, None)
+                groups.setdefault(id(ds.optimizer), (ds.optimizer, []))[1].append(lists)
+                reloads.append((fkernel, ds))
+                continue
+            new = ds.update(cb, state, fkernel.export_weights_and_biases(cb, True))
+            if new is not None:
+                fkernel.reload_weights_and_biases(cb, new)
+            else:
+                cpu.append((fnode, fkernel, state))
+            continue
+        _gamma_beta(step, ds, fkernel, state, groups)  # instance and group normalization
+    _update_groups(cb, groups)
+    for kernel, ds in reloads:
+        kernel.reload_weights_and_biases(cb, ds.state)
+    for kernel, ds in step.gamma_beta_reloads:
+        kernel.reload_gamma_and_beta(cb, ds._gb)
+    if cpu:
+        cb.add_completed_handler(_cpu_updates(cpu))
+    for gnode, _, states in step.updates:  # the graph owns the states: release them
+        if gnode.inference_node._id in graph._cpu_updates:
+            continue
+        for st in StateBatch(states).unique():
+            if isinstance(st, State) and st.is_temporary and st._released_by is None:
+                st.read_count = 0
+
+
+def _update_groups(cb: Any, groups: dict[int, tuple[Any, list[Any]]]) -> None:
+    """One optimizer update per optimizer for all its layers (``cb`` None: now)."""
+    for optimizer, members in groups.values():
+        values, results, grads, states = [], [], [], None
+        for v, g, r, s in members:
+            values += v
+            results += r
+            grads.append(g)
+            if states is None:
+                states = [list(x) for x in s]
+            else:
+                states = [a + list(b) for a, b in zip(states, s, strict=True)]
+
+        def all_grads(parts: list[Any] = grads) -> list[Any]:
+            return [t for part in parts for t in part()]
+
+        optimizer._update(cb, values, all_grads, results, states or [])
+
+
+def _gamma_beta(step: Any, ds: Any, kernel: Any, state: Any, groups: dict) -> None:
+    """A normalization layer's gamma/beta: grouped with its optimizer for mpsnn's data
+    sources, else through the data source's GPU update."""
+    from mpsnn.cnn.normalization.data_sources import _TensorGammaBeta
+
+    if isinstance(ds, _TensorGammaBeta) and ds.optimizer is not None:
+        lists = ds._affine_lists(state)
+        groups.setdefault(id(ds.optimizer), (ds.optimizer, []))[1].append(lists)
+        step.gamma_beta_reloads.append((kernel, ds))
+        return
+    new = ds.update_gamma_and_beta(step.cb, state)
+    if new is not None:
+        kernel.reload_gamma_and_beta(step.cb, new)
+
+
+def _cpu_updates(layers: list[tuple[Any, Any, Any]]) -> Any:
+    """The completed handler of the CPU-style layers: update, then reload the kernels."""
+
+    from mpsnn.cnn.convolution import TensorConvolutionDataSource
+    from mpsnn.cnn.normalization.data_sources import _TensorGammaBeta
+
+    def handler(_cb: Any) -> None:
+        # mpsnn's data sources sharing an optimizer are updated together, as on the GPU path:
+        # one update per optimizer (one Adam time step per step, not one per layer)
+        groups: dict[int, tuple[Any, list[Any]]] = {}
+        reloads: list[Any] = []
+        for fnode, kernel, state in layers:
+            ds = fnode.data_source
+            last = (kernel if isinstance(kernel, tuple) else (kernel,))[-1]
+            if hasattr(ds, "update_on_cpu"):
+                if isinstance(ds, TensorConvolutionDataSource) and ds.optimizer is not None:
+                    lists = ds._update_lists(state, None)
+                    groups.setdefault(id(ds.optimizer), (ds.optimizer, []))[1].append(lists)
+                    reloads.append(last.reload_weights_and_biases_from_data_source)
+                elif ds.update_on_cpu(state, None):
+                    last.reload_weights_and_biases_from_data_source()
+                continue
+            if isinstance(ds, _TensorGammaBeta) and ds.optimizer is not None:
+                lists = ds._affine_lists(state)
+                groups.setdefault(id(ds.optimizer), (ds.optimizer, []))[1].append(lists)
+                reloads.append(last.reload_gamma_and_beta_from_data_source)
+            elif ds.update_gamma_and_beta_on_cpu(state):
+                last.reload_gamma_and_beta_from_data_source()
+            running = getattr(ds, "update_mean_and_variance_on_cpu", None)
+            if running is not None and running(state):
+                last.reload_mean_and_variance_from_data_source()
+        _update_groups(None, groups)
+        for reload in reloads:
+            reload()
+
+    return handler

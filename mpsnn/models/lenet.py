@@ -1,0 +1,78 @@
+"""LeNet-5 for 28×28×1 images (Fashion-MNIST, MNIST).
+
+conv 5×5 1→6 (SAME) + ReLU, max pool 2, conv 5×5 6→16 (VALID) + ReLU, max pool 2,
+fully connected 5×5×16→120 + ReLU, 120→84 + ReLU, 84→classes. 61,706 parameters for 10
+classes. ReLU replaces the original's tanh/sigmoid, max pooling its subsampling.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpsnn.cnn.convolution import ConvolutionDescriptor
+from mpsnn.core.device import Device
+from mpsnn.core.geometry import DefaultPadding, PaddingMethod
+from mpsnn.graph import (
+    ConvolutionNode,
+    FullyConnectedNode,
+    ImageNode,
+    NeuronReLUNode,
+    PoolingMaxNode,
+)
+from mpsnn.models.base import Model, conv_source, seeded
+
+__all__ = ["LeNet5"]
+
+_VALID = DefaultPadding(PaddingMethod.SIZE_VALID_ONLY)
+
+
+class LeNet5(Model):
+    """LeNet-5 (see the module docstring).
+
+    Args:
+        device: where the weights live.
+        optimizer: the optimizer every layer's data source holds (None: no updates).
+        seed: seeds the initial weights (PyTorch's default initializers).
+        dtype: the weights' dtype (float32; float64 for verification).
+        classes: the number of logits.
+    """
+
+    name = "lenet5"
+    input_shape = (1, 28, 28)
+
+    def __init__(
+        self,
+        device: Device,
+        optimizer: Any = None,
+        *,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        classes: int = 10,
+    ) -> None:
+        super().__init__(device)
+        self.classes = classes
+        self.twin = seeded(seed, lambda: nn.Sequential(
+            nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+            nn.Linear(400, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(),
+            nn.Linear(84, classes),
+        ))  # fmt: skip
+        c = ConvolutionDescriptor
+        t = self.twin
+        specs = [(t[0], c(5, 5, 1, 6)), (t[3], c(5, 5, 6, 16)), (t[7], c(5, 5, 16, 120)),
+                 (t[9], c(1, 1, 120, 84)), (t[11], c(1, 1, 84, classes))]  # fmt: skip
+        self.layers = [(mod, conv_source(mod, d, device, optimizer, dtype)) for mod, d in specs]
+
+    def recipe(self, image: ImageNode, *, training: bool) -> ImageNode:
+        conv1, conv2, fc1, fc2, fc3 = self.data_sources
+        h = NeuronReLUNode(ConvolutionNode(image, conv1).result_image).result_image
+        h = PoolingMaxNode(h, 2).result_image
+        node = ConvolutionNode(h, conv2)
+        node.padding_policy = _VALID
+        h = PoolingMaxNode(NeuronReLUNode(node.result_image).result_image, 2).result_image
+        h = NeuronReLUNode(FullyConnectedNode(h, fc1).result_image).result_image
+        h = NeuronReLUNode(FullyConnectedNode(h, fc2).result_image).result_image
+        return FullyConnectedNode(h, fc3).result_image

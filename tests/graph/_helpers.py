@@ -1,0 +1,174 @@
+"""Shared pieces of the graph tests: seeded float64 data sources, one-step runners, and the
+PyTorch side of the comparisons (the same network written with ``torch.nn.functional``).
+
+Weight gradients are read through an SGD optimizer of learning rate 1 in the data sources:
+after one step ``w_before - w_after`` is the gradient (exact up to one rounding in float64).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import mpsnn as m
+from tests.helpers import assert_close
+
+DEV = m.Device("cpu")
+F64 = m.FeatureChannelFormat.FLOAT64
+F32 = m.FeatureChannelFormat.FLOAT32
+F16 = m.FeatureChannelFormat.FLOAT16
+TOL = 1e-10  # float64 against float64 (relative norm)
+
+__all__ = [
+    "DEV",
+    "F16",
+    "F32",
+    "F64",
+    "TOL",
+    "TorchConv",
+    "assert_close",
+    "ce_loss",
+    "ce_reference",
+    "conv_ds",
+    "encode",
+    "gen",
+    "mse_loss",
+    "mse_reference",
+    "new_cb",
+    "peak_and_total",
+    "rand",
+    "sgd1",
+    "training",
+]
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def rand(g: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
+
+
+def sgd1() -> m.SGD:
+    """Plain SGD with learning rate 1: one step subtracts the gradient."""
+    return m.SGD(DEV, descriptor=m.OptimizerDescriptor(learning_rate=1.0))
+
+
+def conv_ds(
+    g: torch.Generator,
+    kw: int,
+    kh: int,
+    cin: int,
+    cout: int,
+    optimizer: Any = None,
+    *,
+    bias: bool = True,
+    dtype: torch.dtype = torch.float64,
+) -> m.TensorConvolutionDataSource:
+    """A data source with random OHWI weights and biases (never all ones)."""
+    desc = m.ConvolutionDescriptor(kw, kh, cin, cout)
+    fan_in = kw * kh * cin
+    w = rand(g, *desc.weights_shape, scale=1.0 / fan_in**0.5).to(dtype)
+    b = rand(g, cout, scale=0.1).to(dtype) if bias else None
+    return m.TensorConvolutionDataSource(desc, w, b, optimizer=optimizer)
+
+
+class TorchConv:
+    """The PyTorch twin of a convolution data source: OIHW weights and biases (leaf tensors
+    with gradients, unless frozen), captured when made."""
+
+    def __init__(self, ds: m.TensorConvolutionDataSource, *, requires_grad: bool = True) -> None:
+        self.ds = ds
+        self.w = ds.weights().permute(0, 3, 1, 2).detach().clone().requires_grad_(requires_grad)
+        b = ds.bias_terms()
+        self.b = None if b is None else b.detach().clone().requires_grad_(requires_grad)
+
+    def __call__(self, x: torch.Tensor, padding: int | None = None) -> torch.Tensor:
+        k = self.w.shape[-1]
+        return F.conv2d(x, self.w, self.b, padding=k // 2 if padding is None else padding)
+
+    def fc(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(x, self.w, self.b)
+
+    def params(self) -> list[torch.Tensor]:
+        return [self.w] if self.b is None else [self.w, self.b]
+
+    def check_step(self, what: str, lr: float = 1.0, tol: float = TOL) -> None:
+        """The data source's values moved by ``-lr * grad`` (the PyTorch gradient)."""
+        after_w = self.ds.weights().permute(0, 3, 1, 2)
+        assert_close((self.w.detach() - after_w) / lr, self.w.grad, f"{what} weight gradient", tol)
+        if self.b is not None:
+            after_b = self.ds.bias_terms()
+            assert_close(
+                (self.b.detach() - after_b) / lr, self.b.grad, f"{what} bias gradient", tol
+            )
+
+    def check_unchanged(self, what: str) -> None:
+        assert torch.equal(self.ds.weights().permute(0, 3, 1, 2), self.w.detach()), what
+        if self.b is not None:
+            assert torch.equal(self.ds.bias_terms(), self.b.detach()), what
+
+
+def ce_loss(source: m.ImageNode, n: int) -> m.LossNode:
+    """Softmax cross entropy, summed per image, weight 1/n (the batch mean)."""
+    desc = m.LossDescriptor(m.LossType.SOFTMAX_CROSS_ENTROPY, m.ReductionType.SUM, weight=1.0 / n)
+    return m.LossNode(source, desc)
+
+
+def ce_reference(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    n = logits.shape[0]
+    return F.cross_entropy(logits.reshape(n, -1), labels.reshape(n), reduction="sum") / n
+
+
+def mse_loss(source: m.ImageNode, weight: float = 0.5) -> m.LossNode:
+    desc = m.LossDescriptor(m.LossType.MEAN_SQUARED_ERROR, m.ReductionType.SUM, weight=weight)
+    return m.LossNode(source, desc)
+
+
+def mse_reference(y: torch.Tensor, target: torch.Tensor, weight: float = 0.5) -> torch.Tensor:
+    return weight * ((y - target) ** 2).sum()
+
+
+def training(
+    loss: m.LossNode,
+    *,
+    needed: bool = True,
+    fmt: m.FeatureChannelFormat = F64,
+    handler: Any = None,
+) -> tuple[m.Graph, list[Any]]:
+    """The training graph of ``loss`` (one terminal gradient node expected) as a `Graph`."""
+    terminals = loss.training_graph(None, handler)
+    assert len(terminals) == 1, terminals
+    graph = m.Graph(DEV, terminals[0].result_image, needed)
+    graph.format = fmt
+    return graph, terminals
+
+
+def new_cb() -> m.CommandBuffer:
+    return DEV.new_command_queue().command_buffer()
+
+
+def encode(
+    graph: m.Graph, images: Sequence[torch.Tensor], states: Sequence[Any] | None = None
+) -> m.ImageBatch | None:
+    """One ``encode_batch`` on a fresh command buffer, committed and waited for."""
+    cb = new_cb()
+    out = graph.encode_batch(cb, [m.ImageBatch.from_tensor(t) for t in images], states)
+    cb.commit()
+    cb.wait_until_completed()
+    return out
+
+
+_PEAK = re.compile(r"intermediates: peak ([0-9.]+) MiB of ([0-9.]+) MiB")
+
+
+def peak_and_total(graph: m.Graph) -> tuple[float, float]:
+    """The peak and total intermediate memory ``debug_description`` reports (MiB)."""
+    found = _PEAK.search(graph.debug_description())
+    assert found is not None, graph.debug_description()
+    return float(found.group(1)), float(found.group(2))
