@@ -529,24 +529,28 @@ def _backward_command(
     z_src, z_dst, n = images
     y0, ny, x0, nx = span
 
+    # mixed formats (MPS reads every format as float): compute in the wider one; a UNORM8
+    # image is read as k/255 directly in that dtype
+    wide = torch.promote_types(grad._read_dtype, src._read_dtype)
+
     def run(out: Image | None) -> None:
-        g = grad._read()[
+        g = grad._read(wide)[
             z_dst : z_dst + n,
             fw.dst_channel : fw.dst_channel + fw.dst_channels,
             fw.dst_y : fw.dst_y + fw.y.count,
             fw.dst_x : fw.dst_x + fw.x.count,
         ]
         if secondary_is_result:
-            x = src._read()[
+            x = src._read(wide)[
                 z_dst : z_dst + n,
                 fw.dst_channel : fw.dst_channel + fw.dst_channels,
                 fw.dst_y : fw.dst_y + fw.y.count,
                 fw.dst_x : fw.dst_x + fw.x.count,
             ]
         else:
-            x = src._read()[z_src : z_src + n, fw.src_channel : fw.src_channel + fw.src_channels]
-        if g.dtype != x.dtype:  # mixed formats (MPS reads every format as float): compute wide
-            wide = torch.promote_types(g.dtype, x.dtype)
+            c0, nc = fw.src_channel, fw.src_channels
+            x = src._read(wide)[z_src : z_src + n, c0 : c0 + nc]
+        if g.dtype != x.dtype:
             g, x = g.to(wide), x.to(wide)
         dx = backward(g, x)
         if dx is None or out is None:

@@ -515,8 +515,12 @@ def _forward_command(forward: Forward, src: Image, w: Window) -> Callable[[Image
     whole = z0 == 0 and n == sn and c0 == 0 and nc == sc  # no slicing needed (common case)
 
     def run(dst: Image) -> None:
-        data = src._read()
+        # mixed formats: the math runs in the wider of the source's and the destination's
+        wide = dst._dtype if dst._dtype.itemsize > src._read_dtype.itemsize else None
+        data = src._read(wide)
         x = data if whole else data[z0 : z0 + n, c0 : c0 + nc]
+        if wide is not None and x.dtype != wide:
+            x = x.to(wide)
         dst._write_block(forward(x), dz, dc, dy, dx, data)
 
     return run

@@ -219,12 +219,12 @@ class Image:
             )
         return self._storage
 
-    def _read(self) -> torch.Tensor:
+    def _read(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The contents as kernels read a source, at execution: the storage, or for UNORM8 a new
-        float32 tensor ``k/255``."""
+        tensor ``k/255`` (float32, or ``dtype`` when a kernel computes in a wider one)."""
         data = self._data()
         if self._fmt is FeatureChannelFormat.UNORM8:
-            return data.float().div_(255)
+            return data.to(dtype or torch.float32).div_(255)
         return data
 
     def numpy(self) -> np.ndarray:

@@ -265,6 +265,12 @@ class GradientFilterNode(FilterNode):
         self._state = state
 
     @property
+    def trainable(self) -> bool:
+        """Whether this gradient node's layer is updated (False: it has no weights; the
+        gradient nodes of trainable layers answer their forward node's ``trainable``)."""
+        return False
+
+    @property
     def inference_node(self) -> FilterNode:
         """The forward filter this node differentiates."""
         return self._forward

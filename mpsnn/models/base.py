@@ -48,10 +48,11 @@ def conv_source(
         d.kernel_width,
     )  # fmt: skip
     bias = None if module.bias is None else module.bias.detach()
+    # copies: the data source's values are trained in place, the twin keeps the initial ones
     return TensorConvolutionDataSource(
         d,
-        w.permute(0, 2, 3, 1).to(device.torch_device, dtype),
-        None if bias is None else bias.to(device.torch_device, dtype),
+        w.permute(0, 2, 3, 1).to(device.torch_device, dtype, copy=True),
+        None if bias is None else bias.to(device.torch_device, dtype, copy=True),
         optimizer,
     )
 
@@ -61,12 +62,12 @@ def batch_norm_source(
 ) -> TensorBatchNormalizationDataSource:
     """A batch-normalization data source holding ``module``'s gamma, beta and statistics."""
     t = device.torch_device
-    return TensorBatchNormalizationDataSource(
+    return TensorBatchNormalizationDataSource(  # copies, as for convolutions
         module.num_features,
-        gamma=module.weight.detach().to(t, dtype),
-        beta=module.bias.detach().to(t, dtype),
-        mean=module.running_mean.detach().to(t, dtype),
-        variance=module.running_var.detach().to(t, dtype),
+        gamma=module.weight.detach().to(t, dtype, copy=True),
+        beta=module.bias.detach().to(t, dtype, copy=True),
+        mean=module.running_mean.detach().to(t, dtype, copy=True),
+        variance=module.running_var.detach().to(t, dtype, copy=True),
         epsilon=module.eps,
         momentum=module.momentum,
         optimizer=optimizer,
@@ -119,6 +120,7 @@ class Model:
         """The training graph: one ``encode_batch(cb, [images], [labels])`` runs the forward
         pass, the loss, every gradient and the data sources' updates. Nobody reads the
         gradient of the input images, so the first layer computes its weight gradient only.
+        The logits are exported: ``graph.intermediate_images[0]`` after a step.
 
         The default loss is softmax cross-entropy averaged over a batch of ``batch_size``
         images: MPS reductions are per image, so the batch mean is SUM with weight
@@ -129,7 +131,9 @@ class Model:
         loss = loss or LossDescriptor(
             LossType.SOFTMAX_CROSS_ENTROPY, ReductionType.SUM, weight=1.0 / batch_size
         )
-        loss_node = LossNode(self.recipe(image, training=True), loss)
+        logits = self.recipe(image, training=True)
+        logits.export_from_graph = True  # intermediate_images[0]: a step's logits (accuracy)
+        loss_node = LossNode(logits, loss)
         exits = loss_node.training_graph(None, node_handler)
         graph = Graph.from_results(self.device, [e.result_image for e in exits],
                                    [False] * len(exits))  # fmt: skip
@@ -151,10 +155,15 @@ class Model:
     # -- PyTorch ---------------------------------------------------------------------------
 
     def torch_module(self) -> nn.Module:
-        """The PyTorch twin holding the data sources' current weights (a fresh copy)."""
+        """The PyTorch twin holding the data sources' current weights (a fresh copy, in the
+        data sources' dtype: a float64 model gives a float64 module, not rounded values)."""
         import copy
 
         twin = copy.deepcopy(self.twin)
+        if self.layers:
+            ds = self.layers[0][1]
+            held = ds.weights() if isinstance(ds, TensorConvolutionDataSource) else ds.gamma()
+            twin = twin.to(dtype=held.dtype)
         modules = dict(self.twin.named_modules())
         names = {id(mod): name for name, mod in modules.items()}
         mine = dict(twin.named_modules())

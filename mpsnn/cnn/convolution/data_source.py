@@ -332,7 +332,7 @@ class ConvolutionWeightsAndBiasesState(State):
 
     Args:
         weights: OHWI tensor ``(O, kH, kW, I / groups)`` (copied into the state's storage).
-        biases: ``(O,)`` tensor or None (kept as given, in the weights' dtype).
+        biases: ``(O,)`` tensor or None (copied, in the weights' dtype).
         command_buffer: given, the state is temporary.
     """
 
@@ -356,12 +356,15 @@ class ConvolutionWeightsAndBiasesState(State):
                 f"[{who}] biases must be a ({weights.shape[0]},) tensor, got {biases!r}"
             )
         super().__init__(Device(weights.device), command_buffer=command_buffer, label=label)
-        self._oihw: torch.Tensor | None = weights.detach().permute(0, 3, 1, 2).contiguous()
-        if biases is not None and (
-            biases.dtype != weights.dtype or biases.device != weights.device
-        ):
-            biases = biases.to(weights.device, weights.dtype)
-        self._biases: torch.Tensor | None = None if biases is None else biases.detach()
+        # The state owns its storage (optimizers and reloads write it in place): copies, also
+        # when the OIHW view happens to be contiguous already (one input channel, 1x1 kernels).
+        oihw = weights.detach().permute(0, 3, 1, 2)
+        self._oihw: torch.Tensor | None = torch.empty(
+            oihw.shape, dtype=oihw.dtype, device=oihw.device
+        ).copy_(oihw)
+        self._biases: torch.Tensor | None = (
+            None if biases is None else biases.detach().to(weights.device, weights.dtype, copy=True)
+        )
 
     @classmethod
     def from_descriptor(

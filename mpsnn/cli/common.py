@@ -1,0 +1,119 @@
+"""What the commands share: the user-error exception, device and dtype parsing, the model
+registry and the optimizers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+import torch
+
+from mpsnn.core.descriptor import FeatureChannelFormat
+from mpsnn.core.device import Device
+
+__all__ = [
+    "DTYPES",
+    "MODELS",
+    "OPTIMIZERS",
+    "UserError",
+    "build_model",
+    "make_optimizer",
+    "parse_device",
+]
+
+
+class UserError(click.ClickException):
+    """A user mistake: one line on stderr (``Error: ...``) and exit status 2."""
+
+    exit_code = 2
+
+
+#: storage formats of a graph's intermediates (``--dtype``)
+DTYPES = {
+    "float32": FeatureChannelFormat.FLOAT32,
+    "bfloat16": FeatureChannelFormat.BFLOAT16,
+    "float16": FeatureChannelFormat.FLOAT16,
+}
+
+#: ``--model`` name -> (module, class); imported when used
+MODELS = {
+    "cnn": ("mpsnn.models.cnn", "SmallCNN"),
+    "lenet": ("mpsnn.models.lenet", "LeNet5"),
+    "apple-mnist": ("mpsnn.models.apple", "AppleMNIST"),
+    "resnet18": ("mpsnn.models.resnet", "ResNet18"),
+}
+
+#: ``--optimizer`` name -> default learning rate
+OPTIMIZERS = {"adam": 1e-3, "sgd": 0.05, "rmsprop": 1e-3}
+
+
+def parse_device(name: str) -> Device:
+    """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``."""
+    if name == "auto":
+        return Device.default()
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {name} needs a CUDA GPU, got none here (use --device cpu)")
+    try:
+        return Device(name)
+    except (ValueError, TypeError) as exc:
+        raise UserError(
+            f"--device must be auto, cpu, cuda or cuda:N, got {name!r} ({exc})"
+        ) from None
+
+
+def model_class(name: str) -> type:
+    import importlib
+
+    if name not in MODELS:
+        raise UserError(f"--model must be one of {', '.join(MODELS)}, got {name!r}")
+    module, attr = MODELS[name]
+    return getattr(importlib.import_module(module), attr)
+
+
+def build_model(
+    name: str,
+    device: Device,
+    optimizer: Any,
+    *,
+    seed: int,
+    input_shape: tuple[int, int, int] | None = None,
+    classes: int = 10,
+) -> Any:
+    """The model ``name`` with ``optimizer`` in its data sources; ``input_shape`` (C, H, W)
+    for the models that adapt to it (ResNet-18), checked against the others."""
+    cls = model_class(name)
+    kwargs: dict[str, Any] = {"seed": seed, "classes": classes}
+    if input_shape is not None:
+        if "input_shape" in _init_parameters(cls):
+            kwargs["input_shape"] = input_shape
+        elif tuple(input_shape) != tuple(cls.input_shape):
+            shape = "x".join(map(str, input_shape))
+            raise UserError(
+                f"--model {name} takes {'x'.join(map(str, cls.input_shape))} images (C x H x W), "
+                f"got {shape} from the dataset"
+            )
+    return cls(device, optimizer, **kwargs)
+
+
+def _init_parameters(cls: type) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(cls.__init__).parameters)
+
+
+def make_optimizer(name: str, device: Device, lr: float | None) -> Any:
+    """One optimizer shared by every layer (one update per step): Adam, SGD with momentum 0.9,
+    or RMSProp."""
+    from mpsnn.optim import SGD, Adam, OptimizerDescriptor, RMSProp
+
+    if name not in OPTIMIZERS:
+        raise UserError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
+    rate = OPTIMIZERS[name] if lr is None else lr
+    if not rate > 0:
+        raise UserError(f"--lr must be > 0, got {rate}")
+    desc = OptimizerDescriptor(learning_rate=rate)
+    if name == "adam":
+        return Adam(device, descriptor=desc)
+    if name == "sgd":
+        return SGD(device, momentum_scale=0.9, descriptor=desc)
+    return RMSProp(device, descriptor=desc)
