@@ -104,6 +104,15 @@ def plan_graph(graph: Any) -> None:
         for st in n.source_states
         if st.producer is not None and st.producer._id in in_graph
     }
+    # a convolution whose state a forward node reads (a transpose convolution undoing its
+    # size) makes that state in any graph; for a convolution that changes nothing else
+    graph._training |= {
+        st.producer._id
+        for n in order
+        if not isinstance(n, GradientFilterNode)
+        for st in n.source_states
+        if isinstance(st.producer, ConvolutionNode) and st.producer._id in in_graph
+    }
     exported = [n.result_image for n in order if n.result_image.export_from_graph]
     graph._exported = [r for r in graph._results[1:]] + [
         e for e in exported if all(e is not r for r in graph._results)

@@ -321,3 +321,23 @@ def test_encode_of_single_images_matches_encode_batch() -> None:
     assert isinstance(single, m.Image)
     batch = encode(graph, [xt], [m.LossLabels(DEV, labels)])
     assert torch.equal(single.tensor, batch.tensor)
+
+
+def test_transpose_convolution_undoes_a_convolution_size_in_an_inference_graph() -> None:
+    """A forward node reading a convolution's state makes that convolution keep its state in
+    a graph without gradients (MPS's convolution-transpose node of a convolution state)."""
+    g = gen(71)
+    x = m.ImageNode("x")
+    c = m.ConvolutionNode(x, conv_ds(g, 3, 3, 2, 3))
+    c.padding_policy = m.DefaultPadding(m.PaddingMethod.SIZE_VALID_ONLY)
+    t = m.ConvolutionTransposeNode(c.result_image, c.result_state, conv_ds(g, 3, 3, 3, 2))
+    graph = m.Graph(DEV, t.result_image)
+    graph.format = m.FeatureChannelFormat.FLOAT64
+    xt = rand(g, 2, 2, 7, 7)
+    out = encode(graph, [xt])
+    assert out.shape == (2, 2, 7, 7)  # 7 -> 5 -> 7: the transpose reads the convolution's size
+    w1 = c.data_source.weights().permute(0, 3, 1, 2)
+    w2 = t.data_source.weights().permute(0, 3, 1, 2)
+    h = F.conv2d(xt, w1, c.data_source.bias_terms())
+    ref = F.conv_transpose2d(h, w2.transpose(0, 1).flip(2, 3), t.data_source.bias_terms())
+    assert_close(out.tensor, ref, "transpose of a convolution", TOL)

@@ -1,0 +1,287 @@
+"""Codecs of the forward kernels: every `CNNKernel`'s configuration (label, options, offset,
+clip rect, edge mode, feature channel ranges, a `DefaultPadding`), then each kernel's own
+values (a convolution's master weights, the normalizations' gamma/beta/statistics copies,
+dropout's encode counter) and parameters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mpsnn.cnn.convolution.data_source import ConvolutionDataSource
+from mpsnn.cnn.convolution.descriptor import ConvolutionAccumulatorPrecisionOption
+from mpsnn.cnn.convolution.kernels import Convolution, ConvolutionTranspose, FullyConnected
+from mpsnn.cnn.dropout import Dropout
+from mpsnn.cnn.loss import Loss, LossDescriptor
+from mpsnn.cnn.neuron import Neuron
+from mpsnn.cnn.neuron_descriptor import NeuronDescriptor
+from mpsnn.cnn.normalization.batch_norm import BatchNormalization
+from mpsnn.cnn.normalization.data_sources import (
+    BatchNormalizationDataSource,
+    GroupNormalizationDataSource,
+    InstanceNormalizationDataSource,
+)
+from mpsnn.cnn.normalization.group_norm import GroupNormalization, InstanceNormalization
+from mpsnn.cnn.pooling import DilatedPoolingMax, PoolingAverage, PoolingL2Norm, PoolingMax
+from mpsnn.cnn.softmax import LogSoftMax, SoftMax
+from mpsnn.core.cnn_kernel import CNNKernel
+from mpsnn.core.geometry import (
+    DefaultPadding,
+    EdgeMode,
+    Offset,
+    Origin,
+    PaddingMethod,
+    Region,
+    Size,
+)
+from mpsnn.core.kernel import KernelOptions
+from mpsnn.io.codec import Encoder, Fields, fail, per_class, register_codec, show
+
+__all__ = ["decode_padding", "encode_padding"]
+
+
+def encode_padding(pad: Any, who: str) -> dict[str, Any]:
+    """A `DefaultPadding` as JSON (method, label, whether it is TensorFlow's average-pooling
+    policy); any other padding policy is code and is refused."""
+    if type(pad) is not DefaultPadding:
+        raise TypeError(
+            f"[save] {who} must be a DefaultPadding to be saved (a custom policy is code), "
+            f"got {type(pad).__name__}"
+        )
+    return {"method": int(pad.padding_method), "label": pad.label, "sets_clamp": pad._sets_clamp}
+
+
+def decode_padding(f: Fields, name: str) -> DefaultPadding:
+    """The `DefaultPadding` of field ``name`` (see `encode_padding`)."""
+    pad = f.raw(name)
+    if (
+        type(pad) is not dict
+        or set(pad) != {"method", "label", "sets_clamp"}
+        or type(pad["method"]) is not int
+        or not (pad["label"] is None or type(pad["label"]) is str)
+        or type(pad["sets_clamp"]) is not bool
+    ):
+        raise fail(
+            f"{f.who} field {name!r} must hold a method (int), a label (string or null) and "
+            f"sets_clamp (boolean), got {show(pad)}"
+        )
+    padding = DefaultPadding(PaddingMethod(pad["method"]), label=pad["label"])
+    padding._sets_clamp = pad["sets_clamp"]
+    return padding
+
+
+def _enc_kernel_properties(k: CNNKernel) -> dict[str, Any]:
+    """What every `CNNKernel` can be configured with (not the destination allocator)."""
+    padding = encode_padding(k.padding, f"{type(k).__name__}.padding")
+    clip = k.clip_rect
+    return {
+        "label": k.label,
+        "options": int(k.options),
+        "offset": list(k.offset),
+        "clip_rect": [*clip.origin, *clip.size],
+        "edge_mode": k.edge_mode.name,
+        "source_feature_channel_offset": k.source_feature_channel_offset,
+        "source_feature_channel_max_count": k.source_feature_channel_max_count,
+        "destination_feature_channel_offset": k.destination_feature_channel_offset,
+        "padding": padding,
+    }
+
+
+def _dec_kernel_properties(f: Fields, k: CNNKernel) -> None:
+    k.label = f.get_str("label", optional=True)
+    k.options = KernelOptions(f.get_int("options", 0))
+    k.offset = Offset(*f.get_ints("offset", 3))
+    clip = f.get_ints("clip_rect", 6)
+    k.clip_rect = Region(Origin(*clip[:3]), Size(*clip[3:]))
+    k.edge_mode = f.get_enum("edge_mode", EdgeMode)
+    k.source_feature_channel_offset = f.get_int("source_feature_channel_offset", 0)
+    k.source_feature_channel_max_count = f.get_int("source_feature_channel_max_count", 1)
+    k.destination_feature_channel_offset = f.get_int("destination_feature_channel_offset", 0)
+    k.padding = decode_padding(f, "padding")
+
+
+def _enc_convolution(k: Any, enc: Encoder) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "data_source": enc.object(k.data_source),
+        **_enc_kernel_properties(k),
+        "accumulator_precision_option": k.accumulator_precision_option.name,
+        # the kernel's master weights: they differ from the data source's until a reload
+        "weights": enc.tensor(k.weights, "weights"),
+        "biases": enc.tensor(k.biases, "biases"),
+    }
+    if isinstance(k, ConvolutionTranspose):
+        out["kernel_offset_x"] = k.kernel_offset_x
+        out["kernel_offset_y"] = k.kernel_offset_y
+    return out
+
+
+def _dec_convolution(f: Fields, kind: type) -> Any:
+    ds = f.get_object("data_source", ConvolutionDataSource)
+    k = kind(f.device, ds)
+    _dec_kernel_properties(f, k)
+    k.accumulator_precision_option = f.get_enum(
+        "accumulator_precision_option", ConvolutionAccumulatorPrecisionOption
+    )
+    masters = k._weights
+    dtype = masters.weight.dtype
+    w = f.get_tensor("weights", shape=tuple(k.weights.shape), dtypes=(dtype,))
+    b = f.get_tensor("biases", shape=(k.output_feature_channels,), dtypes=(dtype,), optional=True)
+    masters.load_ohwi(w, b)
+    if b is None:
+        masters.bias = None
+    if kind is ConvolutionTranspose:
+        k.kernel_offset_x = f.get_int("kernel_offset_x")
+        k.kernel_offset_y = f.get_int("kernel_offset_y")
+    return k
+
+
+def _enc_batch_normalization(k: BatchNormalization, enc: Encoder) -> dict[str, Any]:
+    return {
+        "data_source": enc.object(k.data_source),
+        "fused_neuron_descriptor": enc.value(k.fused_neuron_descriptor),
+        **_enc_kernel_properties(k),
+        "epsilon": k.epsilon,
+        "gamma": enc.tensor(k.gamma, "gamma"),
+        "beta": enc.tensor(k.beta, "beta"),
+        "mean": enc.tensor(k.mean, "mean"),
+        "variance": enc.tensor(k.variance, "variance"),
+    }
+
+
+def _dec_batch_normalization(f: Fields) -> BatchNormalization:
+    ds = f.get_object("data_source", BatchNormalizationDataSource)
+    k = BatchNormalization(f.device, ds, f.get_value("fused_neuron_descriptor"))
+    _dec_kernel_properties(f, k)
+    k.epsilon = f.get_float("epsilon")
+    same = {"shape": tuple(k.gamma.shape), "dtypes": (k.gamma.dtype,)}
+    k._affine.load(f.get_tensor("gamma", **same), f.get_tensor("beta", **same))
+    k._running.load(f.get_tensor("mean", **same), f.get_tensor("variance", **same))
+    return k
+
+
+def _enc_group_normalization(k: Any, enc: Encoder) -> dict[str, Any]:
+    return {
+        "data_source": enc.object(k.data_source),
+        **_enc_kernel_properties(k),
+        "epsilon": k.epsilon,
+        "gamma": enc.tensor(k.gamma, "gamma"),
+        "beta": enc.tensor(k.beta, "beta"),
+    }
+
+
+def _dec_group_normalization(f: Fields, kind: type) -> Any:
+    sources = {
+        InstanceNormalization: InstanceNormalizationDataSource,
+        GroupNormalization: GroupNormalizationDataSource,
+    }
+    k = kind(f.device, f.get_object("data_source", sources[kind]))
+    _dec_kernel_properties(f, k)
+    k.epsilon = f.get_float("epsilon")
+    same = {"shape": tuple(k.gamma.shape), "dtypes": (k.gamma.dtype,)}
+    k._affine.load(f.get_tensor("gamma", **same), f.get_tensor("beta", **same))
+    return k
+
+
+_POOL_FIELDS = (
+    "kernel_width", "kernel_height", "stride_in_pixels_x", "stride_in_pixels_y",
+    "dilation_rate_x", "dilation_rate_y",
+)  # fmt: skip
+
+
+def _enc_pooling(k: Any, enc: Encoder) -> dict[str, Any]:
+    out: dict[str, Any] = {name: getattr(k, name) for name in _POOL_FIELDS}
+    out.update(_enc_kernel_properties(k))
+    if isinstance(k, PoolingAverage):
+        out["zero_pad_size_x"] = k.zero_pad_size_x
+        out["zero_pad_size_y"] = k.zero_pad_size_y
+    return out
+
+
+def _dec_pooling(f: Fields, kind: type) -> Any:
+    kw, kh, sx, sy, dx, dy = (f.get_int(name, 1) for name in _POOL_FIELDS)
+    if kind is DilatedPoolingMax:
+        k = kind(f.device, kw, kh, dx, dy, sx, sy)
+    else:
+        k = kind(f.device, kw, kh, sx, sy, dilation_rate_x=dx, dilation_rate_y=dy)
+    _dec_kernel_properties(f, k)
+    if kind is PoolingAverage:
+        k.zero_pad_size_x = f.get_int("zero_pad_size_x", 0)
+        k.zero_pad_size_y = f.get_int("zero_pad_size_y", 0)
+    return k
+
+
+def _enc_neuron(k: Neuron, enc: Encoder) -> dict[str, Any]:
+    return {"neuron_descriptor": enc.object(k.neuron_descriptor), **_enc_kernel_properties(k)}
+
+
+def _dec_neuron(f: Fields) -> Neuron:
+    k = Neuron(f.device, f.get_object("neuron_descriptor", NeuronDescriptor))
+    _dec_kernel_properties(f, k)
+    return k
+
+
+def _enc_dropout(k: Dropout, enc: Encoder) -> dict[str, Any]:
+    stride = k.mask_stride_in_pixels
+    return {
+        "keep_probability": k.keep_probability,
+        "seed": k.seed,
+        "mask_stride_in_pixels": [stride.width, stride.height, stride.depth],
+        **_enc_kernel_properties(k),
+        "counter": enc.tensor(k._counter, "counter"),  # encodes so far: the next masks
+    }
+
+
+def _dec_dropout(f: Fields) -> Dropout:
+    stride = Size(*f.get_ints("mask_stride_in_pixels", 3))
+    k = Dropout(f.device, f.get_float("keep_probability"), f.get_int("seed", 0), stride)
+    _dec_kernel_properties(f, k)
+    k._counter.copy_(f.get_tensor("counter", shape=k._counter.shape, dtypes=(k._counter.dtype,)))
+    return k
+
+
+def _enc_plain_kernel(k: CNNKernel, enc: Encoder) -> dict[str, Any]:
+    return _enc_kernel_properties(k)
+
+
+def _dec_plain_kernel(f: Fields, kind: type) -> Any:
+    k = kind(f.device)
+    _dec_kernel_properties(f, k)
+    return k
+
+
+def _enc_loss(k: Loss, enc: Encoder) -> dict[str, Any]:
+    return {"loss_descriptor": enc.object(k._desc), **_enc_kernel_properties(k)}
+
+
+def _dec_loss(f: Fields) -> Loss:
+    k = Loss(f.device, f.get_object("loss_descriptor", LossDescriptor))
+    _dec_kernel_properties(f, k)
+    return k
+
+
+for _cls, _encode, _decode in (
+    (Convolution, _enc_convolution, per_class(_dec_convolution, Convolution)),
+    (FullyConnected, _enc_convolution, per_class(_dec_convolution, FullyConnected)),
+    (ConvolutionTranspose, _enc_convolution, per_class(_dec_convolution, ConvolutionTranspose)),
+    (BatchNormalization, _enc_batch_normalization, _dec_batch_normalization),
+    (
+        InstanceNormalization,
+        _enc_group_normalization,
+        per_class(_dec_group_normalization, InstanceNormalization),
+    ),
+    (
+        GroupNormalization,
+        _enc_group_normalization,
+        per_class(_dec_group_normalization, GroupNormalization),
+    ),
+    (PoolingMax, _enc_pooling, per_class(_dec_pooling, PoolingMax)),
+    (PoolingAverage, _enc_pooling, per_class(_dec_pooling, PoolingAverage)),
+    (PoolingL2Norm, _enc_pooling, per_class(_dec_pooling, PoolingL2Norm)),
+    (DilatedPoolingMax, _enc_pooling, per_class(_dec_pooling, DilatedPoolingMax)),
+    (Neuron, _enc_neuron, _dec_neuron),
+    (Dropout, _enc_dropout, _dec_dropout),
+    (SoftMax, _enc_plain_kernel, per_class(_dec_plain_kernel, SoftMax)),
+    (LogSoftMax, _enc_plain_kernel, per_class(_dec_plain_kernel, LogSoftMax)),
+    (Loss, _enc_loss, _dec_loss),
+):
+    register_codec(_cls, _encode, _decode)
+del _cls, _encode, _decode
