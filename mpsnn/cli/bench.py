@@ -25,7 +25,15 @@ import click
 import torch
 import torch.nn.functional as F
 
-from mpsnn.cli.common import DTYPES, MODELS, OPTIMIZERS, UserError, build_model, make_optimizer
+from mpsnn.cli.common import (
+    DTYPES,
+    MODELS,
+    OPTIMIZERS,
+    OneLineCommand,
+    UserError,
+    build_model,
+    make_optimizer,
+)
 
 __all__ = ["bench", "measure"]
 
@@ -192,7 +200,7 @@ def _labels(dev: Any, y: torch.Tensor) -> Any:
     return LossLabels(dev, y.view(-1, 1, 1))
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.option("--model", type=click.Choice(list(MODELS)), default="lenet", show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True)

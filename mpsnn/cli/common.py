@@ -15,6 +15,8 @@ __all__ = [
     "DTYPES",
     "MODELS",
     "OPTIMIZERS",
+    "OneLineCommand",
+    "OneLineError",
     "UserError",
     "build_model",
     "make_optimizer",
@@ -26,6 +28,26 @@ class UserError(click.ClickException):
     """A user mistake: one line on stderr (``Error: ...``) and exit status 2."""
 
     exit_code = 2
+
+    def show(self, file: Any = None) -> None:
+        click.echo("Error: " + " ".join(self.format_message().split()), err=True)
+
+
+class OneLineError(click.UsageError):
+    """A usage error shown as one line on stderr (exit status 2), without the usage text."""
+
+    def show(self, file: Any = None) -> None:
+        click.echo("Error: " + " ".join(self.format_message().split()), err=True)
+
+
+class OneLineCommand(click.Command):
+    """A command whose parse errors (bad values, unknown options) are one line."""
+
+    def make_context(self, info_name: Any, args: Any, parent: Any = None, **extra: Any) -> Any:
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as e:
+            raise OneLineError(e.format_message(), e.ctx) from None
 
 
 #: storage formats of a graph's intermediates (``--dtype``)

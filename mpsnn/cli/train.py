@@ -1,5 +1,7 @@
 """``mpsnn train``: train a model built with the graph API on a dataset, with a live progress
-bar, a per-epoch table, a JSON metrics log, checkpoints, exact resume and a plot."""
+bar, a per-epoch table, a JSON metrics log, checkpoints, exact resume and a plot; on one
+process, or data-parallel on several (``--nproc N``, or ``torchrun -m mpsnn train``: see
+``docs/distributed.md``)."""
 
 from __future__ import annotations
 
@@ -10,12 +12,12 @@ from typing import Any
 
 import click
 
-from mpsnn.cli.common import DTYPES, MODELS, OPTIMIZERS, UserError
+from mpsnn.cli.common import DTYPES, MODELS, OPTIMIZERS, OneLineCommand, UserError
 
 __all__ = ["train"]
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.option(
     "--model",
     type=click.Choice(list(MODELS)),
@@ -114,21 +116,63 @@ __all__ = ["train"]
     show_default=True,
     help="Test accuracy whose wall time to reach is reported.",
 )
+@click.option(
+    "--nproc",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Data-parallel ranks on this machine (one GPU each with CUDA, else CPU processes); "
+    "--batch-size stays the global batch.",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=300.0,
+    show_default=True,
+    help="Data parallel: seconds after which a dead or hung rank ends every rank.",
+)
+@click.option(
+    "--check-every",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Data parallel: compare the ranks' weights every N steps (0: never).",
+)
 def train(**opts: Any) -> None:  # fmt: skip
     """Train a model on a dataset with an mpsnn training graph."""
+    from mpsnn.cli import distributed_train as dt
+
+    if not dt.in_launched_rank():
+        if opts["nproc"] > 1:  # the parent of --nproc: start the ranks and watch them
+            raise SystemExit(dt.launch_ranks(click.get_current_context(), opts))
+        _train(opts, None)
+        return
+    run = dt.join_run(opts)
+    dt.run_rank(run, lambda: _train(opts, run))
+
+
+def _train(opts: dict[str, Any], run: Any) -> None:
+    """The run of one process, or of one rank (``run``: its `DistributedRun`)."""
     from mpsnn.cli.trainer import METRICS, TrainConfig, Trainer, append_metrics
 
     folder: Path | None = opts["checkpoint_dir"]
+    main = run is None or run.is_main  # prints, writes metrics, plots and checkpoints
+    check = opts["check_every"]
     if opts["resume"]:
         if folder is None:
             raise UserError("--resume needs --checkpoint-dir (where the checkpoint is)")
-        trainer = Trainer.resume(folder, epochs=opts["epochs"], device=opts["device"])
+        trainer = Trainer.resume(folder, run, check, epochs=opts["epochs"],
+                                 device=opts["device"])  # fmt: skip
     else:
         fields = {f.name for f in dataclasses.fields(TrainConfig)}
         config = TrainConfig(**{k: v for k, v in opts.items() if k in fields})
         config.compile = not opts["no_compile"]
-        trainer = Trainer(config)
+        trainer = Trainer(config, None, run, check)
     metrics = opts["metrics"] or (folder / METRICS if folder is not None else None)
+    if not main:
+        while trainer.epoch < trainer.config.epochs:
+            trainer.train_epoch()
+        return
     ui = _Display(trainer)
     ui.header()
     start = time.perf_counter()
@@ -174,9 +218,13 @@ class _Display:
         t, c = self.trainer, self.trainer.config
         params = sum(p.numel() for p in t.model.twin.parameters())
         mode = "replayed CUDA graph" if t.step is not None and t.device.type == "cuda" else "eager"
+        where = t.device.name
+        if t.dist is not None:
+            where = f"{t.world} ranks ({t.dist.backend}, {t.device.type})"
+            mode = "eager (data parallel: CUDA-graph capture off)"
         self.console.print(
             f"mpsnn train: [bold]{c.model}[/] ({params:,} parameters) on {c.dataset} "
-            f"({len(t.train_x):,} train / {len(t.test_x):,} test images), {t.device.name}, "
+            f"({len(t.train_x):,} train / {len(t.test_x):,} test images), {where}, "
             f"{c.dtype}, batch {c.batch_size}, {c.optimizer} lr {t.learning_rate(1):g} "
             f"(x{c.lr_decay:g}/epoch), steps {mode}"
             + (f", resumed after epoch {t.epoch}" if t.epoch else "")

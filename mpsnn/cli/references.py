@@ -1,0 +1,426 @@
+"""PyTorch equivalents of mpsnn kernels, for ``mpsnn check``.
+
+Each function takes the `Geometry` a forward encode resolved and the float64 inputs (which may
+require grad) and returns ``(output, text)``: the block of the destination the kernel wrote
+(images from ``offset.z``, channels from ``destination_feature_channel_offset``), computed with
+PyTorch's own functions, and the PyTorch expression that computes it. A configuration PyTorch
+cannot express raises `NoEquivalent` with the reason; nothing here re-implements a kernel.
+
+Window kernels (convolution, pooling, the 1x1-window kernels) read, along each axis, the source
+range ``[offset - E // 2, offset - E // 2 + (n - 1) * stride + E)`` for ``n`` destination pixels
+and the effective window ``E = dilation * (kernel - 1) + 1`` (docs/semantics.md). Reads outside
+the source are PyTorch padding: zeros for ``EdgeMode.ZERO``, ``mode="replicate"`` for
+``EdgeMode.CLAMP``. Symmetric padding becomes the function's own ``padding=`` argument where
+PyTorch allows it, anything else an explicit ``F.pad`` (and a crop when the offset skips pixels).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mpsnn.core.geometry import EdgeMode
+
+__all__ = ["REFERENCES", "Geometry", "NoEquivalent"]
+
+Tensors = dict[str, torch.Tensor]
+
+
+class NoEquivalent(Exception):
+    """This configuration has no PyTorch equivalent (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What a forward encode resolved (shapes N, C, H, W; pairs x, y)."""
+
+    source: tuple[int, int, int, int]
+    destination: tuple[int, int, int, int]
+    offset: tuple[int, int, int]
+    edge: EdgeMode
+    clipped: bool  # a clip rect was given
+    sco: int
+    dco: int
+    channels_read: int
+    channels_written: int
+    kernel: tuple[int, int] = (1, 1)
+    stride: tuple[int, int] = (1, 1)
+    dilation: tuple[int, int] = (1, 1)
+    params: dict[str, Any] = field(default_factory=dict)  # the family's own settings
+
+
+@dataclass(frozen=True)
+class _Axis:
+    start: int  # first source position read
+    count: int  # destination pixels
+    stride: int
+    extent: int
+    size: int  # source pixels
+
+    @property
+    def before(self) -> int:
+        return -self.start
+
+    @property
+    def after(self) -> int:
+        return self.start + (self.count - 1) * self.stride + self.extent - self.size
+
+    def symmetric(self, limit: int) -> int | None:
+        """PyTorch's ``padding=p`` when it reads exactly this range (and p <= limit)."""
+        p = self.before
+        fits = p >= 0 and (self.size + 2 * p - self.extent) // self.stride + 1 == self.count
+        return p if fits and self.after <= p <= limit else None
+
+
+def _axes(g: Geometry) -> tuple[_Axis, _Axis]:
+    out = []
+    for i, (n, size) in enumerate(
+        ((g.destination[2], g.source[2]), (g.destination[3], g.source[3]))
+    ):
+        j = 1 - i  # kernel, stride, dilation and offset are (x, y)
+        e = g.dilation[j] * (g.kernel[j] - 1) + 1
+        out.append(_Axis(g.offset[j] - e // 2, n, g.stride[j], e, size))
+    return out[0], out[1]
+
+
+def _source(x: torch.Tensor, g: Geometry) -> tuple[torch.Tensor, str]:
+    """The images and channels the kernel reads; refuses clip rects."""
+    if g.clipped:
+        raise NoEquivalent(
+            "a clip rect writes part of the destination: no PyTorch equivalent for this geometry"
+        )
+    z, c0, n = g.offset[2], g.sco, g.channels_read
+    if z == 0 and c0 == 0 and n == x.shape[1]:
+        return x, "x"
+    return x[z:, c0 : c0 + n], f"x[{z or ''}:, {c0 or ''}:{c0 + n}]"
+
+
+def _padded(x: torch.Tensor, text: str, g: Geometry) -> tuple[torch.Tensor, str]:
+    """The source range the windows read, with the edge rule as PyTorch padding."""
+    ay, ax = _axes(g)
+    if g.edge not in (EdgeMode.ZERO, EdgeMode.CLAMP):
+        raise NoEquivalent(f"edge mode {g.edge.name}: no PyTorch equivalent for this kernel")
+    if any(a.start >= a.size or a.size + a.after <= 0 for a in (ay, ax)):  # [start, end)
+        raise NoEquivalent("the windows read nothing of the source: no PyTorch equivalent")
+    crop = [max(0, -a.before) for a in (ay, ax)] + [max(0, -a.after) for a in (ay, ax)]
+    if any(crop):
+        x = x[..., crop[0] : x.shape[2] - crop[2], crop[1] : x.shape[3] - crop[3]]
+        text = f"{text}[..., {crop[0] or ''}:{-crop[2] or ''}, {crop[1] or ''}:{-crop[3] or ''}]"
+    pads = (max(0, ax.before), max(0, ax.after), max(0, ay.before), max(0, ay.after))
+    if not any(pads):
+        return x, text
+    if g.edge is EdgeMode.ZERO:
+        return F.pad(x, pads), f"F.pad({text}, {pads})"
+    return F.pad(x, pads, mode="replicate"), f'F.pad({text}, {pads}, mode="replicate")'
+
+
+def _symmetric(g: Geometry, limit: int | None = None) -> tuple[int, int] | None:
+    ay, ax = _axes(g)
+    lim_y = ay.extent // 2 if limit is None else limit
+    lim_x = ax.extent // 2 if limit is None else limit
+    py, px = ay.symmetric(lim_y), ax.symmetric(lim_x)
+    return None if py is None or px is None else (py, px)
+
+
+def _pair(v: tuple[int, int]) -> tuple[int, int]:
+    return (v[1], v[0])  # (x, y) -> PyTorch's (h, w) order
+
+
+# -- window kernels ------------------------------------------------------------------------------
+
+
+def convolution(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
+    x, text = _source(t["x"], g)
+    w = t["weights"].permute(0, 3, 1, 2)  # OHWI -> OIHW
+    kw = dict(stride=_pair(g.stride), dilation=_pair(g.dilation), groups=g.params["groups"])
+    args = ", ".join(f"{k}={v}" for k, v in kw.items())
+    sym = _symmetric(g, limit=1 << 30) if g.edge is EdgeMode.ZERO else None
+    if sym is not None:
+        y = F.conv2d(x, w, t["bias"], padding=sym, **kw)  # type: ignore[arg-type]
+        return y, f"F.conv2d({text}, w, b, padding={sym}, {args})"
+    x, text = _padded(x, text, g)
+    return F.conv2d(x, w, t["bias"], **kw), f"F.conv2d({text}, w, b, {args})"  # type: ignore[arg-type]
+
+
+def fully_connected(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
+    x, text = _source(t["x"], g)
+    kw, kh = g.kernel
+    n, o = x.shape[0], t["weights"].shape[0]
+    rows = x[:, :, :kh, :kw].permute(0, 2, 3, 1).reshape(n, -1)  # each image in HWC order
+    y = F.linear(rows, t["weights"].reshape(o, -1), t["bias"]).view(n, o, 1, 1)
+    return y, (
+        f"F.linear({text}[:, :, :{kh}, :{kw}].permute(0, 2, 3, 1).reshape(N, -1), "
+        "w.reshape(O, -1), b)  (w in OHWI order)"
+    )
+
+
+def convolution_transpose(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
+    """MPS correlates the zero-inserted source with the weights as given; PyTorch's transpose
+    convolution flips them and swaps the channel roles. Output ``u`` of MPS is output
+    ``u + p`` of the unpadded ``F.conv_transpose2d``, ``p = total - E // 2 + E - 1`` with
+    ``total = offset * stride + kernel_offset``."""
+    if g.edge is not EdgeMode.ZERO:
+        raise NoEquivalent(
+            "CLAMP edges replicate the zero-inserted source's edge samples: no PyTorch equivalent"
+        )
+    x, text = _source(t["x"], g)
+    groups = g.params["groups"]
+    o, kh, kw, ig = t["weights"].shape
+    wt = (
+        t["weights"].flip(1, 2).reshape(groups, o // groups, kh, kw, ig)
+        .permute(0, 4, 1, 2, 3).reshape(groups * ig, o // groups, kh, kw)
+    )  # fmt: skip
+    shift, out_pad, full = [], [], []
+    for j, n_src, n_dst in ((1, x.shape[2], g.destination[2]), (0, x.shape[3], g.destination[3])):
+        e = g.dilation[j] * ((kh, kw)[1 - j] - 1) + 1
+        total = g.offset[j] * g.stride[j] + g.params["kernel_offset"][j]
+        p = total - e // 2 + e - 1
+        length = (n_src - 1) * g.stride[j] + e  # the unpadded output's size
+        shift.append(p)
+        full.append(length)
+        out_pad.append(n_dst - (length - 2 * p))
+    kw_ = dict(stride=_pair(g.stride), dilation=_pair(g.dilation), groups=groups)
+    args = ", ".join(f"{k}={v}" for k, v in kw_.items())
+    limit = [max(g.stride[1], g.dilation[1]), max(g.stride[0], g.dilation[0])]
+    w_text = (
+        "w' = w.flip(1, 2).reshape(G, O // G, kH, kW, I // G).permute(0, 4, 1, 2, 3)"
+        ".reshape(I, O // G, kH, kW)"
+    )
+    if all(p >= 0 for p in shift) and all(
+        0 <= q < lim for q, lim in zip(out_pad, limit, strict=True)
+    ):
+        y = F.conv_transpose2d(
+            x, wt, t["bias"], padding=tuple(shift), output_padding=tuple(out_pad), **kw_
+        )
+        return y, (
+            f"F.conv_transpose2d({text}, w', b, padding={tuple(shift)}, "
+            f"output_padding={tuple(out_pad)}, {args}) with {w_text}"
+        )
+    z = F.conv_transpose2d(x, wt, None, **kw_)
+    n_y, n_x = g.destination[2], g.destination[3]
+    pads = (-shift[1], n_x + shift[1] - full[1], -shift[0], n_y + shift[0] - full[0])
+    y = F.pad(z, pads) + t["bias"].view(1, -1, 1, 1)  # negative pads crop
+    return y, f"F.pad(F.conv_transpose2d({text}, w', {args}), {pads}) + b with {w_text}"
+
+
+def pooling_max(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
+    x, text = _source(t["x"], g)
+    k, s, d = _pair(g.kernel), _pair(g.stride), _pair(g.dilation)
+    args = f"{k}, {s}, dilation={d}"
+    sym = _symmetric(g)
+    # PyTorch pads max pooling with -inf: MPS CLAMP when every window is contiguous.
+    if g.edge is EdgeMode.CLAMP and sym is not None and d == (1, 1):
+        return F.max_pool2d(x, k, s, sym, d), f"F.max_pool2d({text}, {args}, padding={sym})"
+    x, text = _padded(x, text, g)
+    return F.max_pool2d(x, k, s, 0, d), f"F.max_pool2d({text}, {args})"
+
+
+def pooling_average(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
+    """ZERO edges divide by the window area; CLAMP by the pixels inside the source."""
+    if g.params.get("exclude_edges"):
+        raise NoEquivalent("EXCLUDE_EDGES (Caffe's divisor) has no PyTorch equivalent")
+    x, text = _source(t["x"], g)
+    k, s = _pair(g.kernel), _pair(g.stride)
+    sym = _symmetric(g, limit=min(k) // 2)
+    include = g.edge is EdgeMode.ZERO
+    if sym is not None:
+        y = F.avg_pool2d(x, k, s, sym, count_include_pad=include)
+        return y, f"F.avg_pool2d({text}, {k}, {s}, padding={sym}, count_include_pad={include})"
+    if include:
+        x, text = _padded(x, text, g)
+        return F.avg_pool2d(x, k, s), f"F.avg_pool2d({text}, {k}, {s})"
+    zero = replace(g, edge=EdgeMode.ZERO)
+    xp, xt = _padded(x, text, zero)
+    ones, ot = _padded(torch.ones_like(x), "torch.ones_like(x)", zero)
+    count = F.avg_pool2d(ones, k, s)
+    if bool((count == 0).any()):
+        raise NoEquivalent("a window holds no source pixel: no PyTorch equivalent")
+    y = F.avg_pool2d(xp, k, s) / count
+    return y, f"F.avg_pool2d({xt}, {k}, {s}) / F.avg_pool2d({ot}, {k}, {s})"
+
+
+def pooling_l2(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
+    x, text = _padded(*_source(t["x"], g), g)
+    k, s = _pair(g.kernel), _pair(g.stride)
+    return F.lp_pool2d(x, 2, k, s), f"F.lp_pool2d({text}, 2, {k}, {s})"
+
+
+# -- 1x1-window kernels ----------------------------------------------------------------------------
+
+
+def _pointwise(fn: Callable[..., torch.Tensor], name: str, *more: str) -> Callable[..., Any]:
+    def reference(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
+        x, text = _padded(*_source(t["x"], g), g)
+        args = [t[m] for m in more]
+        return fn(x, *args), name.format(text)
+
+    return reference
+
+
+def _log(base: float) -> tuple[Callable[[torch.Tensor], torch.Tensor], str]:
+    if base == -1:
+        return torch.log, "torch.log({})"
+    return (lambda z: torch.log(z) / math.log(base)), f"torch.log({{}}) / math.log({base})"
+
+
+def neuron(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
+    kind, a, b, c = g.params["neuron"], g.params["a"], g.params["b"], g.params["c"]
+    x, text = _padded(*_source(t["x"], g), g)
+    if kind == "EXPONENTIAL":
+        base = "math.e" if c == -1 else c
+        y = torch.pow(math.e if c == -1 else c, a * x + b)
+        return y, f"torch.pow({base}, {a} * {text} + {b})"
+    if kind == "LOGARITHM":
+        fn, form = _log(c)
+        return fn(a * x + b), form.format(f"{a} * {text} + {b}")
+    if kind == "PRELU":
+        return F.prelu(x, t["slopes"]), f"F.prelu({text}, slopes)"
+    table: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str]] = {
+        "NONE": (lambda z: z, "{}"),
+        "RELU": (lambda z: F.leaky_relu(z, a), f"F.leaky_relu({{}}, {a})"),
+        "LINEAR": (lambda z: a * z + b, f"{a} * {{}} + {b}"),
+        "SIGMOID": (torch.sigmoid, "torch.sigmoid({})"),
+        "HARD_SIGMOID": (
+            lambda z: torch.clamp(a * z + b, 0, 1),
+            f"torch.clamp({a} * {{}} + {b}, 0, 1)",
+        ),
+        "TANH": (lambda z: a * torch.tanh(b * z), f"{a} * torch.tanh({b} * {{}})"),
+        "ABSOLUTE": (torch.abs, "torch.abs({})"),
+        "SOFT_PLUS": (
+            lambda z: a * torch.log1p(torch.exp(b * z)),
+            f"{a} * torch.log1p(torch.exp({b} * {{}}))",
+        ),
+        "SOFT_SIGN": (F.softsign, "F.softsign({})"),
+        "ELU": (lambda z: F.elu(z, alpha=a), f"F.elu({{}}, alpha={a})"),
+        "RELU_N": (
+            lambda z: torch.clamp(F.leaky_relu(z, a), max=b),
+            f"torch.clamp(F.leaky_relu({{}}, {a}), max={b})",
+        ),
+        "POWER": (lambda z: torch.pow(a * z + b, c), f"torch.pow({a} * {{}} + {b}, {c})"),
+        "GELU": (F.gelu, "F.gelu({})"),
+    }
+    fn, form = table[kind]
+    return fn(x), form.format(text)
+
+
+def group_norm(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
+    x, text = _padded(*_source(t["x"], g), g)
+    eps, groups = g.params["epsilon"], g.params["groups"]
+    gamma, beta = t["gamma"], t["beta"]
+    if g.params.get("instance"):
+        y = F.instance_norm(x, weight=gamma, bias=beta, eps=eps)
+        return y, f"F.instance_norm({text}, weight=gamma, bias=beta, eps={eps})"
+    y = F.group_norm(x, groups, gamma, beta, eps=eps)
+    return y, f"F.group_norm({text}, {groups}, gamma, beta, eps={eps})"
+
+
+def batch_norm(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
+    x, text = _source(t["x"], g)
+    eps = g.params["epsilon"]
+    y = F.batch_norm(x, None, None, t["gamma"], t["beta"], training=True, eps=eps)
+    return y, f"F.batch_norm({text}, None, None, gamma, beta, training=True, eps={eps})"
+
+
+# -- enlarging and shape kernels -----------------------------------------------------------------
+
+
+def upsampling(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
+    x, text = _source(t["x"], g)
+    sx, sy = g.params["scale"]
+    bilinear, align = g.params["bilinear"], g.params["align_corners"]
+    if g.offset[:2] != (0, 0) or g.destination[2:] != (x.shape[2] * sy, x.shape[3] * sx):
+        raise NoEquivalent(
+            "an offset or another destination size: no PyTorch equivalent for this geometry"
+        )
+    if bilinear and g.edge is not EdgeMode.CLAMP:
+        raise NoEquivalent(
+            "bilinear ZERO edges read zeros at the border: no PyTorch equivalent for this geometry"
+        )
+    size = (x.shape[2] * sy, x.shape[3] * sx)
+    if bilinear:
+        y = F.interpolate(x, size=size, mode="bilinear", align_corners=align)
+        return y, f'F.interpolate({text}, size={size}, mode="bilinear", align_corners={align})'
+    y = F.interpolate(x, size=size, mode="nearest")
+    return y, f'F.interpolate({text}, size={size}, mode="nearest")'
+
+
+_PAD_MODES = {
+    EdgeMode.ZERO: ("constant", ""),
+    EdgeMode.CONSTANT: ("constant", ", value={fill}"),
+    EdgeMode.CLAMP: ("replicate", ', mode="replicate"'),
+    EdgeMode.MIRROR: ("reflect", ', mode="reflect"'),
+}
+
+
+def pad(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
+    x, text = _source(t["x"], g)
+    (bx, by, bc), (ax, ay, ac), fill = g.params["before"], g.params["after"], g.params["fill"]
+    if g.offset[:2] != (-bx, -by) or g.destination[2:] != (
+        x.shape[2] + by + ay,
+        x.shape[3] + bx + ax,
+    ):
+        raise NoEquivalent(
+            "an offset or another destination size: no PyTorch equivalent for this geometry"
+        )
+    if g.edge not in _PAD_MODES:
+        raise NoEquivalent(f"{g.edge.name}: F.pad has no such mode, no PyTorch equivalent")
+    mode, extra = _PAD_MODES[g.edge]
+    if mode == "reflect" and (max(bx, ax) >= x.shape[3] or max(by, ay) >= x.shape[2]):
+        raise NoEquivalent(
+            'F.pad(mode="reflect") needs pads smaller than the source: no PyTorch equivalent'
+        )
+    pads = (bx, ax, by, ay)
+    value = fill if g.edge is EdgeMode.CONSTANT else 0.0
+    y = F.pad(x, pads, mode=mode, value=value) if mode == "constant" else F.pad(x, pads, mode=mode)
+    text = f"F.pad({text}, {pads}{extra.format(fill=fill)})"
+    if bc or ac:
+        y = F.pad(y, (0, 0, 0, 0, bc, ac), value=fill)
+        text = f"F.pad({text}, (0, 0, 0, 0, {bc}, {ac}), value={fill})"
+    return y, text
+
+
+def arithmetic(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
+    if g.clipped or g.params["offsets"] != ((0, 0, 0), (0, 0, 0)):
+        raise NoEquivalent("offsets or a clip rect: no PyTorch equivalent for this geometry")
+    if g.destination[2:] != g.params["natural_size"]:
+        raise NoEquivalent("another destination size: no PyTorch equivalent for this geometry")
+    if any(b not in (1, a) for a, b in zip(t["x"].shape, t["y"].shape, strict=True)):
+        raise NoEquivalent("the sources do not broadcast: no PyTorch equivalent for this geometry")
+    op = g.params["op"]
+    fn = {"+": torch.add, "-": torch.sub, "*": torch.mul, "/": torch.div}[op]
+    return fn(t["x"], t["y"]), f"x {op} y  (broadcasting)"
+
+
+def dropout(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
+    raise NoEquivalent("PyTorch draws its own dropout mask: no PyTorch equivalent")
+
+
+REFERENCES: dict[str, Callable[[Geometry, Tensors], tuple[torch.Tensor, str]]] = {
+    "convolution": convolution,
+    "fully-connected": fully_connected,
+    "convolution-transpose": convolution_transpose,
+    "pooling-max": pooling_max,
+    "dilated-pooling-max": pooling_max,
+    "pooling-average": pooling_average,
+    "pooling-l2": pooling_l2,
+    "neuron": neuron,
+    "softmax": _pointwise(lambda z: torch.softmax(z, 1), "torch.softmax({}, dim=1)"),
+    "log-softmax": _pointwise(lambda z: torch.log_softmax(z, 1), "torch.log_softmax({}, dim=1)"),
+    "upsampling-nearest": upsampling,
+    "upsampling-bilinear": upsampling,
+    "batch-normalization": batch_norm,
+    "instance-normalization": group_norm,
+    "group-normalization": group_norm,
+    "dropout": dropout,
+    "slice": _pointwise(lambda z: z, "{}"),
+    "pad": pad,
+    "add": arithmetic,
+    "subtract": arithmetic,
+    "multiply": arithmetic,
+    "divide": arithmetic,
+}
