@@ -1,4 +1,4 @@
-"""Loop-level references of the MPS window model, written from SPEC §4 and inventory §2.
+"""Loop-level references of the MPS window model, written from the MPS window model (docs/semantics.md).
 
 Plain NumPy float64, one destination pixel and one tap at a time: slow and obviously right.
 They share no code with mpsnn.
@@ -93,7 +93,7 @@ def convolution_transpose(
     dilation: tuple[int, int],
     groups: int,
 ) -> np.ndarray:
-    """MPS convolution transpose (inventory §2.4), whole destination, no channel offsets.
+    """MPS convolution transpose, whole destination, no channel offsets.
 
     Output pixel ``u`` reads the zero-inserted source at ``total + u - E // 2 + d * j``; a
     position ``e`` of that frame holds ``x[e / s]`` when ``s`` divides it. Outside the frame

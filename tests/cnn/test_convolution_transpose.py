@@ -1,5 +1,5 @@
 """Convolution transpose: the MPS definition (zero insertion + unrotated correlation) against a
-loop-level reference, the exact adjoint relation with a paired convolution (inventory §2.4),
+loop-level reference, the exact adjoint relation with a paired convolution,
 PyTorch's conv_transpose2d, and the float64 adjoint test of its gradient."""
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ def test_unpaired_transpose_uses_the_reverse_size_rule(style, method, k, s) -> N
 
 
 def test_valid_forward_and_full_transpose_round_trip_sizes() -> None:
-    """A reverse filter undoing a VALID forward uses FULL (inventory §1(a) padding)."""
+    """A reverse filter undoing a VALID forward uses FULL padding."""
     dev = m.Device("cpu")
     for k, s, n in ((3, 2, 9), (5, 1, 8), (2, 2, 10)):
         ds = m.TensorConvolutionDataSource(
