@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointError",
     "CommandBufferError",
+    "DistributedError",
     "MpsnnError",
     "StaleResourceError",
     "UnsupportedError",
@@ -47,4 +48,12 @@ class CheckpointError(MpsnnError, ValueError):
     missing or extra tensors, tensors of the wrong shape or dtype, malformed fields).
 
     The message reads ``[load] what must hold, got what``; nothing is built from such a file.
+    """
+
+
+class DistributedError(MpsnnError, RuntimeError):
+    """A data-parallel run cannot go on: a rank died, hung or failed (the message names it
+    when the heartbeats tell), a collective failed or timed out, or the ranks' weights
+    diverged (the checksum check of `mpsnn.DataParallel`). The collective's own exception,
+    if any, is the ``__cause__``.
     """

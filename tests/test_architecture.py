@@ -14,7 +14,9 @@ from mpsnn.core.registry import forward_kernel_of, gradient_kernels_of, register
 ROOT = Path(m.__file__).resolve().parent
 
 # Lower layers may be imported by higher ones, never the reverse.
-LAYERS = ["errors", "core", "ops", "cnn", "optim", "graph", "models", "data", "io", "cli"]
+LAYERS = [
+    "errors", "core", "ops", "cnn", "optim", "graph", "distributed", "models", "data", "io", "cli",
+]  # fmt: skip
 
 
 def _public_classes() -> list[type]:

@@ -39,3 +39,4 @@ def test_readme_api_tour_runs() -> None:
     assert tuple(namespace["dx"].shape) == (8, 16, 32, 32)
     assert tuple(namespace["states"][0].gradient_for_weights.shape) == (32, 3, 3, 16)
     assert tuple(namespace["dy"].shape) == tuple(namespace["y"].shape)
+    assert "fused RELU" in namespace["train"].debug_description()

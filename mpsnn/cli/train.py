@@ -221,7 +221,7 @@ class _Display:
         where = t.device.name
         if t.dist is not None:
             where = f"{t.world} ranks ({t.dist.backend}, {t.device.type})"
-            mode = "eager (data parallel: CUDA-graph capture off)"
+            mode = "eager (CUDA graphs off: data parallel)"
         self.console.print(
             f"mpsnn train: [bold]{c.model}[/] ({params:,} parameters) on {c.dataset} "
             f"({len(t.train_x):,} train / {len(t.test_x):,} test images), {where}, "

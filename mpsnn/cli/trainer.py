@@ -12,6 +12,15 @@ step, the batch-normalization statistics and the dropout counters are in the che
 resumed from the checkpoint of epoch ``e`` therefore repeats, bit for bit on the CPU, what the
 uninterrupted run did after epoch ``e``. Steps per epoch: ``len(train) // batch_size`` (the
 last partial batch is dropped: a compiled step has one batch shape).
+
+Data parallelism (a `DistributedRun`, ``docs/distributed.md``): ``batch_size`` stays the global
+batch; rank ``r`` of ``W`` trains on images ``[r b/W, (r + 1) b/W)`` of each global batch of
+the same permutation, with the loss weight ``1 / b``, and the graph's `DataParallel` hooks sum
+the gradients and combine the batch-normalization statistics, so the weights are those of one
+process on the whole batch (up to rounding). Steps run eagerly. Each rank evaluates a
+contiguous shard of the test set and the counts are summed; the epoch's loss and accuracy are
+summed over the ranks too. The checkpoint holds the global state only: a run resumes on any
+number of ranks.
 """
 
 from __future__ import annotations
@@ -106,16 +115,31 @@ class Trainer:
     Args:
         config: the run.
         checkpoint: a loaded checkpoint to resume from (see `save_checkpoint`).
+        distributed: this rank of a data-parallel run (None: one process).
+        check_every: data parallel: compare the ranks' weights every this many steps.
     """
 
-    def __init__(self, config: TrainConfig, checkpoint: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        checkpoint: dict[str, Any] | None = None,
+        distributed: Any = None,
+        check_every: int = 0,
+    ) -> None:
         self.config = c = config
+        self.dist = distributed
+        self.world = 1 if distributed is None else distributed.world_size
         if c.dtype not in DTYPES:
             raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {c.dtype!r}")
         for name in ("epochs", "batch_size"):
             if getattr(c, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(c, name)}")
-        self.device = parse_device(c.device)
+        if c.batch_size % self.world:
+            raise UserError(
+                f"--batch-size {c.batch_size} (the global batch) must be divisible by the "
+                f"{self.world} ranks: each rank trains on batch-size / ranks images"
+            )
+        self.device = parse_device(c.device) if distributed is None else distributed.device
         self.torch_device = self.device.torch_device
         native = model_class(c.model).input_shape
         data = load_dataset(c.dataset, c.seed, native)
@@ -147,7 +171,11 @@ class Trainer:
             for counter, saved in zip(self._dropout_counters(), checkpoint["dropout"], strict=True):
                 counter.copy_(saved)
         self.queue = self.device.new_command_queue()
-        self.step = self.graph.compile(self.queue) if c.compile else None
+        self.step = self.graph.compile(self.queue) if c.compile and distributed is None else None
+        if distributed is not None:  # eager steps: collectives are not captured
+            from mpsnn.distributed import DataParallel
+
+            self.graph.data_parallel = DataParallel(check_every=check_every)
 
     # -- data ------------------------------------------------------------------------------
 
@@ -183,11 +211,13 @@ class Trainer:
         order = self.order(epoch)
         b = c.batch_size
         steps = len(order) // b
+        local = b // self.world  # this rank's slice of each global batch
+        first = 0 if self.dist is None else self.dist.rank * local
         loss_sum = torch.zeros((), device=self.torch_device, dtype=torch.float64)
         correct = torch.zeros((), device=self.torch_device, dtype=torch.int64)
         t0 = time.perf_counter()
         for i in range(steps):
-            idx = order[i * b : (i + 1) * b]
+            idx = order[i * b + first : i * b + first + local]
             y = self.train_y[idx]
             labels = LossLabels(self.device, y.view(-1, 1, 1))
             images = [self._batch(self.train_x[idx])]
@@ -198,12 +228,20 @@ class Trainer:
                 cb = self.queue.command_buffer()
                 self.graph.encode_batch(cb, images, [labels])
                 cb.commit()
+                if cb.error is not None:  # a failed collective (distributed) or command
+                    raise cb.error
             # on the device, ordered after the step on the queue's stream: no wait here
             loss_sum += labels.loss_image().tensor.sum()
             logits = self.graph.intermediate_images[0].tensor.flatten(1)
             correct += (logits.argmax(1) == y).sum()
             if progress is not None and ((i + 1) % every == 0 or i + 1 == steps):
-                progress(i + 1, steps, float(loss_sum) / (i + 1), int(correct) / ((i + 1) * b))
+                # this rank's images (a 1/world share of the loss sum): scaled to a mean
+                mean = float(loss_sum) * self.world / (i + 1)
+                progress(i + 1, steps, mean, int(correct) / ((i + 1) * local))
+        if self.dist is not None:  # the whole batch's loss and hits: summed over the ranks
+            sums = torch.stack([loss_sum, correct.to(torch.float64)])
+            self.dist.all_reduce_sum(sums, "the epoch's loss and accuracy sums")
+            loss_sum, correct = sums[0], sums[1].round().to(torch.int64)
         seconds = time.perf_counter() - t0
         self.epoch = epoch
         record = {
@@ -219,15 +257,25 @@ class Trainer:
         return record
 
     def evaluate(self, batch: int = 1000) -> float:
-        """Test accuracy of the current weights (the inference graph reloads them)."""
+        """Test accuracy of the current weights (the inference graph reloads them). Data
+        parallel: rank ``r`` evaluates the ``r``-th of ``world`` contiguous shards of the test
+        set and the hits are summed over the ranks."""
         self.inference.reload_from_data_sources()
         correct = torch.zeros((), device=self.torch_device, dtype=torch.int64)
-        for i in range(0, len(self.test_x), batch):
+        n = len(self.test_x)
+        rank = 0 if self.dist is None else self.dist.rank
+        start, stop = rank * n // self.world, (rank + 1) * n // self.world
+        for i in range(start, stop, batch):
+            j = min(i + batch, stop)
             cb = self.queue.command_buffer()
-            out = self.inference.encode_batch(cb, [self._batch(self.test_x[i : i + batch])])
+            out = self.inference.encode_batch(cb, [self._batch(self.test_x[i:j])])
             cb.commit()
-            correct += (out.tensor.flatten(1).argmax(1) == self.test_y[i : i + batch]).sum()
-        return int(correct) / len(self.test_x)
+            correct += (out.tensor.flatten(1).argmax(1) == self.test_y[i:j]).sum()
+            if self.dist is not None:
+                self.dist.monitor.progress()
+        if self.dist is not None:
+            self.dist.all_reduce_sum(correct, "the test accuracy sum")
+        return int(correct) / n
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -276,16 +324,22 @@ class Trainer:
         self.history = list(ckpt["history"])
 
     @classmethod
-    def resume(cls, folder: Path, **overrides: Any) -> Trainer:
+    def resume(
+        cls, folder: Path, distributed: Any = None, check_every: int = 0, **overrides: Any
+    ) -> Trainer:
         """A trainer continuing the run whose checkpoint is in ``folder`` (``overrides``:
-        settings that may change on resume, e.g. ``epochs`` to train further, ``device``)."""
+        settings that may change on resume, e.g. ``epochs`` to train further, ``device``), on
+        one process or as a rank of a data-parallel run (any number of ranks)."""
         from mpsnn.errors import CheckpointError
         from mpsnn.io import load
 
         path = folder / CHECKPOINT
         if not path.is_file():
             raise UserError(f"--resume needs a checkpoint at {path}, got no such file")
-        device = parse_device(overrides.get("device") or "auto")
+        if distributed is not None:
+            device = distributed.device
+        else:
+            device = parse_device(overrides.get("device") or "auto")
         try:
             ckpt = load(path, device)
         except CheckpointError as exc:
@@ -296,7 +350,7 @@ class Trainer:
         for key, value in overrides.items():
             if value is not None:
                 saved[key] = value
-        return cls(TrainConfig(**saved), ckpt)
+        return cls(TrainConfig(**saved), ckpt, distributed, check_every)
 
 
 def append_metrics(path: Path, record: dict[str, Any]) -> None:

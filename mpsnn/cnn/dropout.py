@@ -10,6 +10,11 @@ y or the feature channels (``depth``) where its component is 0.
 The encode number lives on the device (a counter the forward advances as it runs) and so does
 each encode's key: replaying a captured training step draws new masks every time.
 
+``Dropout.image_offset`` (0 by default) numbers the images of an encode from that index: a
+process that encodes images ``k .. k + n - 1`` of a batch split across processes (data
+parallelism) sets it to ``k`` and draws exactly the masks one process encoding the whole batch
+would draw for them.
+
 MPS's generator is internal; the bits cannot match Apple's, only their distribution.
 """
 
@@ -156,6 +161,7 @@ class Dropout(_DropoutParameters, PointwiseKernel):
         super().__init__(device, keep_probability, seed, mask_stride_in_pixels)
         # Encodes so far, on the device: each run advances it (and draws new masks).
         self._counter = torch.zeros(1, dtype=torch.int64, device=device.torch_device)
+        self.image_offset = 0  # the index of an encode's first image (see the module)
 
     def _state_records(self, record: ForwardRecord, states: list[Any]) -> Records:
         """One record per state: the encode's key, and the images each state covers."""
@@ -163,11 +169,12 @@ class Dropout(_DropoutParameters, PointwiseKernel):
         base: DropoutRecord = record.params
         shared = len(states) == 1
         n = record.window.images
+        first = check_int("Dropout", "image_offset", self.image_offset, 0)
         out = []
         for i, state in enumerate(states):
             params = DropoutRecord(
                 base.plan, self._keep, self._seed, self._strides, base.geometry, key,
-                0 if shared else i, n if shared else 1,
+                first if shared else first + i, n if shared else 1,
             )  # fmt: skip
             out.append((state, _with_params(record, params)))
         return out
@@ -181,13 +188,14 @@ class Dropout(_DropoutParameters, PointwiseKernel):
     def _pointwise(self, window: Window, records: Records) -> Pointwise:
         geom, seed, counter = self._geometry_for_mask(), self._seed, self._counter
         keys = [rec.params.key for _, rec in records[:1]]  # one key per encode
+        first = check_int("Dropout", "image_offset", self.image_offset, 0)
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             key = stream_key_tensor(seed, counter)
             for k in keys:
                 k.copy_(key)
             counter.add_(1)  # on the device: a captured step advances it at every replay
-            return dropout_apply(x, key, 0, geom)
+            return dropout_apply(x, key, first, geom)
 
         return forward
 
@@ -237,7 +245,7 @@ class DropoutGradient(_DropoutParameters, PointwiseGradient):
             )
         first = [p.first_image for p in params]
         same = len({id(s) for s in states}) == 1
-        if not same and first != list(range(len(states))):
+        if not same and first != list(range(first[0], first[0] + len(states))):
             raise ValueError(
                 f"[{who}] gradient_states must be in the order of their forward batch, got the "
                 f"images {first}"

@@ -13,12 +13,13 @@ from mpsnn.graph.nodes import LabelsNode as LabelsNode
 from mpsnn.graph.nodes import StateNode as StateNode
 from mpsnn.graph.normalization_nodes import *  # noqa: F403
 from mpsnn.graph.normalization_nodes import __all__ as _normalization
+from mpsnn.graph.step import StepCollectives as StepCollectives
 from mpsnn.graph.training import training_graph as training_graph
 
 __all__ = sorted(
     {
         "CompiledGraph", "FilterNode", "Graph", "GradientFilterNode", "ImageNode", "LabelsNode",
-        "StateNode",
+        "StateNode", "StepCollectives",
         *_forward, *_gradient, *_normalization,
     }
 )  # fmt: skip

@@ -21,7 +21,9 @@ optimizers' step counts and learning rates, the master weights and their low-pre
 copies, the gradient accumulators — and advances at each replay. The result image and the
 loss images are the same storage at every replay: read (or copy) them before the next call.
 
-On the CPU there is nothing to record: every call is an eager step.
+On the CPU there is nothing to record: every call is an eager step. So is every call of a
+graph whose ``data_parallel`` hooks say ``capturable = False`` (`mpsnn.DataParallel`: its
+collectives and their host-side error handling are not captured).
 """
 
 from __future__ import annotations
@@ -105,7 +107,10 @@ class CompiledGraph:
             self._captured.replay()
             self.steps += 1
             return self._result
-        if self.steps == 0 or self._queue._stream is None:  # warm-up, or the CPU: eager
+        hooks = getattr(graph, "data_parallel", None)
+        capturable = hooks is None or getattr(hooks, "capturable", True)
+        if self.steps == 0 or self._queue._stream is None or not capturable:
+            # warm-up, the CPU, or collectives a CUDA graph must not capture: eager
             cb = self._queue.command_buffer()
             out = graph.encode_batch(cb, source_images, source_states)
             cb.commit()

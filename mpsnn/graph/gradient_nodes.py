@@ -56,7 +56,7 @@ class UnaryGradientNode(GradientFilterNode):
         if dx is not None:
             step.set_image(self.result_image, dx)
         if self.trainable:
-            step.updates.append((self, step.graph._kernels[self._forward._id], states))
+            step.weight_gradient_ready(self, step.graph._kernels[self._forward._id], states)
 
 
 class _ConvolutionGradientNode(UnaryGradientNode):
@@ -86,9 +86,11 @@ class BatchNormalizationGradientNode(UnaryGradientNode):
         g, x = step.image(self._sources[0]), step.image(self._sources[1])
         state = step.state(self._state)[0]
         sgrad.encode_batch(step.cb, g, x, state)
+        if step.collectives is not None:  # data parallel: the sums of every process's images
+            step.collectives.batch_norm_gradient_sums(self, state)
         step.set_image(self.result_image, grad.encode_batch(step.cb, g, x, state))
         if self.trainable:
-            step.updates.append((self, step.graph._kernels[self._forward._id], [state]))
+            step.weight_gradient_ready(self, step.graph._kernels[self._forward._id], [state])
 
 
 class ArithmeticGradientNode(GradientFilterNode):

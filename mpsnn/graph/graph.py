@@ -49,6 +49,12 @@ class Graph:
         format: storage of intermediate images (FLOAT32 default; FLOAT16, BFLOAT16, FLOAT64);
             a node's own ``format`` wins.
         destination_image_allocator: how the result image is allocated (None: permanent).
+        data_parallel: None (one process: no hook is called), or an object whose
+            ``begin_step(step)`` returns the step's collectives (`StepCollectives`, in
+            ``mpsnn.graph.step``), e.g. `mpsnn.DataParallel`: each process encodes its shard
+            of the batch, and the hooks combine batch-normalization statistics and sum the
+            weight gradients across processes before the updates. An object with
+            ``capturable = False`` makes `compile` run every step eagerly.
     """
 
     def __init__(
@@ -94,6 +100,7 @@ class Graph:
         self.format = FeatureChannelFormat.FLOAT32
         self.destination_image_allocator: Any = None
         self.label: str | None = None
+        self.data_parallel: Any = None
         plan_graph(self)  # sets _order, _sources, _state_sources, _kernels, _training, ...
         self._last_plan_report: dict[str, Any] | None = None
         self._intermediates: list[Any] = []
@@ -248,7 +255,11 @@ class Graph:
             for node in self._order:
                 node._run(step, self._kernels[node._id])
                 step.done(node)
+            if step.collectives is not None:
+                step.collectives.before_updates()
             encode_updates(self, step)
+            if step.collectives is not None:
+                step.collectives.after_updates()
         except BaseException:
             # a shape only known at run time (e.g. a concatenation of mismatched inputs)
             # raised halfway: the buffer is left as it was before this encode

@@ -53,6 +53,8 @@ class BatchNormalizationNode(_TrainableNode):
             return
         state = step.states_for(self, bn, x)[0]
         stats.encode_batch(step.cb, x, state)
+        if step.collectives is not None:  # data parallel: the statistics of every process
+            step.collectives.batch_norm_statistics(self, state)
         step.set_image(self.result_image, bn.encode_batch(step.cb, x, state))
         step.set_state(self.result_state, [state] * len(x))
 

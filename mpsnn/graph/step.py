@@ -22,7 +22,31 @@ class _Node(Protocol):
     _id: int
 
 
-__all__ = ["itemsize", "nbytes"]
+class StepCollectives(Protocol):
+    """The hooks of one distributed step (what ``graph.data_parallel.begin_step(step)``
+    returns; `mpsnn.DataParallel` is the implementation). Each hook is called at encode time
+    and records its work on ``step.cb`` (``cb.record``), so it runs in command order:
+
+    * ``weight_gradient_ready(node, kernel, states)``: the trainable gradient node ``node``
+      encoded its weight-gradient work; once that command ran, ``states`` hold the sums of
+      this process's images (called in backward order, before the node's update is queued);
+    * ``batch_norm_statistics(node, state)``: the statistics of a training-mode batch
+      normalization were encoded into ``state`` (slot 0: count, mean, m2); the normalization
+      is encoded next and reads them;
+    * ``batch_norm_gradient_sums(node, state)``: its gradient sums were encoded (slot 1:
+      Σgy·xhat, Σgy); the input gradient is encoded next and reads them;
+    * ``before_updates()``: every gradient was encoded; the data sources' updates follow;
+    * ``after_updates()``: the updates were encoded (the step's last work).
+    """
+
+    def weight_gradient_ready(self, node: Any, kernel: Any, states: Any) -> None: ...
+    def batch_norm_statistics(self, node: Any, state: Any) -> None: ...
+    def batch_norm_gradient_sums(self, node: Any, state: Any) -> None: ...
+    def before_updates(self) -> None: ...
+    def after_updates(self) -> None: ...
+
+
+__all__ = ["StepCollectives", "itemsize", "nbytes"]
 
 _HELD = 1 << 30  # read count of a graph-held temporary: the graph releases it itself
 
@@ -58,6 +82,8 @@ class _Step:
         self.remaining = dict(graph._readers)  # node id -> consumers still to run
         self.bytes = 0
         self.peak = 0
+        hooks = getattr(graph, "data_parallel", None)  # None: one process, no hook calls
+        self.collectives: StepCollectives | None = None if hooks is None else hooks.begin_step(self)
 
     def image(self, node: _Node) -> ImageBatch:
         try:
@@ -101,6 +127,13 @@ class _Step:
         for st in batch.unique():
             st.read_count = _HELD
         return batch
+
+    def weight_gradient_ready(self, node: _Node, kernel: Any, states: Any) -> None:
+        """The trainable gradient node ``node`` encoded its weight gradient: queue its layer's
+        update (``kernel``: the forward node's kernel) and tell the collectives, if any."""
+        if self.collectives is not None:
+            self.collectives.weight_gradient_ready(node, kernel, states)
+        self.updates.append((node, kernel, states))
 
     def alias(self, node: _Node, same_as: _Node) -> None:
         """``node`` holds the same image as ``same_as`` (fusion, pass-through)."""

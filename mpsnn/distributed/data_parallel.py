@@ -1,0 +1,394 @@
+"""`DataParallel`: a training `Graph` run by every rank of a ``torch.distributed`` process
+group on its shard of the global batch, giving the weights one process would get on the whole
+batch (up to rounding).
+
+Let the global batch of ``B`` images be split into ``W`` shards of ``B / W`` images, rank ``r``
+encoding shard ``r`` with the loss weight ``1 / B`` (``model.training_graph(B)``). The graph
+calls the hooks of `StepCollectives` (``mpsnn.graph.step``) at four places of its step; each
+records its collective as a command (``cb.record``), so it runs in command order:
+
+* **batch-normalization statistics** (after the statistics kernel, before the normalization):
+  every rank's per-channel triple ``(count, mean, m2)`` is all-gathered and merged in rank
+  order with Chan's update (`mpsnn.ops.batch_norm.bn_merge`), exactly as the sub-batches of
+  one process are::
+
+      n = na + nb,   d = mb - ma,   mean = ma + d nb / n,   m2 = m2a + m2b + d² na nb / n
+
+  so every rank normalizes with the global batch's mean and biased variance ``m2 / n``, and
+  updates its running statistics identically;
+* **batch-normalization gradient sums** (after the statistics gradient, before the input
+  gradient): ``[Σ gy·xhat, Σ gy]`` are all-reduced (summed): the input gradient
+  ``dx = gamma / sqrt(var + eps) (gy - Σgy / n - xhat Σgy·xhat / n)`` then uses the global
+  sums and count, and so do the gamma/beta updates;
+* **weight gradients** (each trainable layer's gradient node, in backward order): the layer's
+  gradient sums (``dL/dW``, ``dL/db``; gamma/beta of instance and group normalization) join a
+  **bucket**; a bucket of ``bucket_mib`` MiB or more is flattened and its asynchronous
+  all-reduce (sum) launched right after the gradient node that filled it, so it overlaps the
+  gradients that follow (on CUDA the collective runs on NCCL's stream while the queue's stream
+  computes; on the CPU in Gloo's threads). With per-image losses weighted ``1 / B``,
+  ``Σ_r Σ_{i ∈ shard r} dL_i/dW = dL/dW`` of the global batch;
+* **before the updates**: the last bucket is launched, every bucket waited for (CUDA: a stream
+  dependency, no host wait) and its sums copied back into the gradient states; the data
+  sources' updates then read the global gradients, so every rank applies the same update.
+
+A collective that fails raises `DistributedError` from its command (``cb.error``, re-raised by
+``wait_until_completed``), naming the rank that died or hung where the rank's `RankMonitor`
+tells; later commands of the step do not run.
+
+Every ``check_every`` steps (0: never) the weights of the step's layers (master weights and
+biases, gamma/beta, running statistics) are summarized per tensor by ``(Σw, Σw²)`` in float64,
+all-gathered and compared bit for bit: the ranks apply identical updates to identical weights,
+so any difference is a divergence, and `DistributedError` names the ranks that differ from the
+majority (ties: from rank 0's group).
+
+Dropout kernels of the graph draw the masks of the global batch's images: rank ``r`` sets
+``image_offset = r · B / W`` at each step. A graph with these hooks runs every step eagerly
+(``capturable = False``): CUDA-graph capture of the collectives and of their error handling is
+not attempted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mpsnn.cnn.dropout import Dropout
+from mpsnn.cnn.normalization.batch_norm import BatchNormalizationState
+from mpsnn.core.state import AccumulatorState, StateBatch
+from mpsnn.distributed.runtime import current_monitor
+from mpsnn.errors import DistributedError
+from mpsnn.ops.batch_norm import bn_merge
+
+__all__ = ["DataParallel"]
+
+_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class DataParallel:
+    """The data-parallel hooks of a training graph (see the module docstring):
+    ``graph.data_parallel = DataParallel()``.
+
+    Args:
+        process_group: the ranks that share the training (None: the default group, which must
+            be initialized: `mpsnn.init_distributed` or ``torch.distributed.init_process_group``).
+        bucket_mib: the size in MiB from which a bucket of weight gradients is all-reduced
+            (the last one may be smaller). 0 all-reduces each layer on its own.
+        check_every: compare the ranks' weights every this many steps (0: never).
+        monitor: the `RankMonitor` that names failed ranks (None: the one `init_distributed`
+            started, if any).
+
+    Attributes:
+        rank, world_size: this process in the group.
+        steps: training steps encoded so far.
+        capturable: False (``Graph.compile`` runs such a graph eagerly).
+    """
+
+    capturable = False
+
+    def __init__(
+        self,
+        process_group: Any = None,
+        *,
+        bucket_mib: float = 25.0,
+        check_every: int = 0,
+        monitor: Any = None,
+    ) -> None:
+        who = "DataParallel"
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                f"[{who}] needs an initialized torch.distributed process group "
+                "(mpsnn.init_distributed() or torch.distributed.init_process_group()), got none"
+            )
+        if isinstance(bucket_mib, bool) or not isinstance(bucket_mib, int | float):
+            raise TypeError(f"[{who}] bucket_mib must be a number, got {type(bucket_mib).__name__}")
+        if not (math.isfinite(bucket_mib) and bucket_mib >= 0):
+            raise ValueError(f"[{who}] bucket_mib must be a finite number >= 0, got {bucket_mib}")
+        if isinstance(check_every, bool) or not isinstance(check_every, int):
+            raise TypeError(f"[{who}] check_every must be an int, got {type(check_every).__name__}")
+        if check_every < 0:
+            raise ValueError(f"[{who}] check_every must be >= 0, got {check_every}")
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.bucket_bytes = int(bucket_mib * 2**20)
+        self.check_every = check_every
+        self.monitor = monitor
+        self.steps = 0
+
+    def begin_step(self, step: Any) -> _StepCollectives:
+        """The graph's hook: the collectives of one ``encode_batch`` (``step``: its `_Step`)."""
+        for kernel in step.graph._kernels.values():
+            for k in kernel if isinstance(kernel, tuple) else (kernel,):
+                if isinstance(k, Dropout):
+                    k.image_offset = self.rank * step.n  # equal shards: the global image index
+        self._mark()
+        return _StepCollectives(self, step)
+
+    def _mark(self) -> None:
+        """A progress mark for the monitor (a step begun, a collective entered): a rank that
+        hangs is the one whose marks fall behind."""
+        monitor = self.monitor or current_monitor()
+        if monitor is not None:
+            monitor.progress()
+
+    # -- collectives with failures explained ----------------------------------------------------
+
+    def _collective(self, what: str, fn: Callable[[], Any]) -> Any:
+        self._mark()
+        try:
+            return fn()
+        except DistributedError:
+            raise
+        except Exception as exc:
+            monitor = self.monitor or current_monitor()
+            if monitor is not None:
+                why = monitor.diagnose()
+            else:
+                text = str(exc).strip()
+                why = text.splitlines()[0] if text else type(exc).__name__
+            raise DistributedError(
+                f"[DataParallel] {what} failed on rank {self.rank}: {why}"[:600]
+            ) from exc
+
+    def _all_reduce(self, what: str, flat: torch.Tensor) -> Any:
+        group = self.process_group
+        return self._collective(what, lambda: dist.all_reduce(flat, group=group, async_op=True))
+
+    def _all_gather(self, what: str, values: torch.Tensor) -> torch.Tensor:
+        """``(world_size, len(values))``: every rank's ``values``, in rank order (waited)."""
+        out = values.new_empty(self.world_size * values.numel())
+        group = self.process_group
+
+        def run() -> None:
+            _gather(out, values, group=group, async_op=True).wait()
+
+        self._collective(what, run)
+        return out.view(self.world_size, values.numel())
+
+    def __repr__(self) -> str:
+        return (
+            f"<DataParallel rank {self.rank}/{self.world_size}, buckets "
+            f"{self.bucket_bytes / 2**20:g} MiB, check_every {self.check_every}>"
+        )
+
+
+class _Bucket:
+    """Gradient states whose sums are all-reduced together (one flat tensor per dtype)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.states: list[AccumulatorState] = []
+        self.labels: list[str] = []
+        self.nbytes = 0
+        self.pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
+
+
+class _StepCollectives:
+    """The hooks of one step (`StepCollectives`): records the collectives on the step's
+    command buffer (see the module docstring)."""
+
+    def __init__(self, dp: DataParallel, step: Any) -> None:
+        self.dp = dp
+        self.step = step
+        self.cb = step.cb
+        self.single = dp.world_size == 1
+        self.buckets: list[_Bucket] = []
+        self.open = _Bucket(0)
+
+    # -- batch normalization -----------------------------------------------------------------
+
+    def batch_norm_statistics(self, node: Any, state: Any) -> None:
+        if self.single:
+            return
+        dp, what = self.dp, f"the batch-norm statistics of {_name(node)}"
+
+        def combine() -> None:
+            sums = state._slots[0]  # [count, mean, m2] of this rank's images
+            count, mean, m2 = sums
+            k, c = count.numel(), mean.numel()
+            packed = torch.cat([count.reshape(-1).to(mean.dtype), mean.reshape(-1),
+                                m2.reshape(-1)])  # fmt: skip
+            rows = dp._all_gather(what, packed)
+            acc = [rows[0, :k].clone(), rows[0, k : k + c].clone(), rows[0, k + c :].clone()]
+            for r in range(1, dp.world_size):  # rank order, as sub-batches on one device
+                bn_merge(acc, (rows[r, :k], rows[r, k : k + c], rows[r, k + c :]))
+            for dst, src in zip(sums, acc, strict=True):
+                dst.copy_(src.reshape(dst.shape))
+
+        self.cb.record(f"all-gather {what}", combine)
+
+    def batch_norm_gradient_sums(self, node: Any, state: Any) -> None:
+        if self.single:
+            return
+        dp, what = self.dp, f"the all-reduce of the batch-norm gradient sums of {_name(node)}"
+
+        def reduce() -> None:
+            sums = state._slots[1]  # [Σgy·xhat, Σgy]
+            flat = torch.cat([t.reshape(-1) for t in sums])
+            work = dp._all_reduce(what, flat)
+            dp._collective(what, work.wait)
+            _copy_back(sums, flat)
+
+        self.cb.record(what, reduce)
+
+    # -- weight gradients ------------------------------------------------------------------
+
+    def weight_gradient_ready(self, node: Any, kernel: Any, states: Any) -> None:
+        if self.single:
+            return
+        state = StateBatch(states if isinstance(states, list) else [states]).unique()[0]
+        if isinstance(state, BatchNormalizationState) or not isinstance(state, AccumulatorState):
+            return  # batch norm: its sums were all-reduced before its input gradient
+        bucket = self.open
+        bucket.states.append(state)
+        bucket.labels.append(_name(node))
+        bucket.nbytes += _gradient_bytes(state, kernel)
+        if bucket.nbytes >= self.dp.bucket_bytes:
+            self._launch()
+
+    def _launch(self) -> None:
+        bucket = self.open
+        self.buckets.append(bucket)
+        self.open = _Bucket(bucket.index + 1)
+        dp, what = self.dp, f"the gradient all-reduce of bucket {bucket.index}"
+
+        def launch() -> None:
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for st in bucket.states:
+                for t in _sums(st):
+                    by_dtype.setdefault(t.dtype, []).append(t)
+            for tensors in by_dtype.values():
+                flat = torch.cat([t.reshape(-1) for t in tensors])
+                bucket.pending.append((dp._all_reduce(what, flat), flat, tensors))
+
+        layers = ", ".join(bucket.labels)
+        self.cb.record(f"launch {what} ({layers})", launch)
+
+    def before_updates(self) -> None:
+        if self.single:
+            return
+        if self.open.states:
+            self._launch()
+        if not self.buckets:
+            return
+        buckets, dp = self.buckets, self.dp
+
+        def wait() -> None:
+            for bucket in buckets:
+                what = f"the gradient all-reduce of bucket {bucket.index}"
+                for work, flat, tensors in bucket.pending:
+                    dp._collective(what, work.wait)
+                    _copy_back(tensors, flat)
+                bucket.pending = []
+
+        self.cb.record(f"wait for the gradient all-reduces ({len(buckets)} buckets)", wait)
+
+    # -- the weight check ---------------------------------------------------------------------
+
+    def after_updates(self) -> None:
+        dp = self.dp
+        dp.steps += 1
+        if self.single or not dp.check_every or dp.steps % dp.check_every:
+            return
+        named = _weights(self.step)
+        step_number = dp.steps
+
+        def check() -> None:
+            parts = [torch.stack([t.double().sum(), t.double().square().sum()])
+                     for _, t in named]  # fmt: skip
+            local = torch.cat(parts) if parts else torch.zeros(2, dtype=torch.float64)
+            rows = dp._all_gather(f"the weight check of step {step_number}", local).cpu()
+            _compare(rows, [name for name, _ in named], step_number, dp.rank)
+
+        self.cb.record(f"weight check of step {step_number}", check)
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+def _name(node: Any) -> str:
+    forward = getattr(node, "inference_node", None) or node
+    label = getattr(forward, "label", None)
+    return repr(label) if label else f"{type(forward).__name__} #{getattr(forward, '_id', '?')}"
+
+
+def _sums(state: AccumulatorState) -> list[torch.Tensor]:
+    """The state's gradient sums (slot 0), zeros when no gradient ran into it."""
+    if state._slots.get(0) is None:
+        state._sum(0)  # a convolution state makes its zeros; others must have run
+    return state._slots[0]
+
+
+def _gradient_bytes(state: Any, kernel: Any) -> int:
+    """float32 bytes of a layer's gradient sums (the bucket plan: the same on every rank)."""
+    shape = getattr(state, "_oihw", None)
+    if shape is not None:
+        return 4 * (math.prod(shape) + shape[0])
+    k = kernel[-1] if isinstance(kernel, tuple) else kernel
+    return 8 * int(getattr(k, "number_of_feature_channels", 0) or 0)
+
+
+def _copy_back(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+    views = [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors,
+                                          strict=True)]  # fmt: skip
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None and all(t.is_contiguous() for t in tensors):
+        foreach(tensors, views)
+        return
+    for t, v in zip(tensors, views, strict=True):
+        t.copy_(v)
+
+
+def _weights(step: Any) -> list[tuple[str, torch.Tensor]]:
+    """The master tensors the step's updates change: convolution weights and biases,
+    normalization gamma/beta and running statistics, named for messages."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for gnode, kernel, _ in step.updates:
+        name = _name(gnode)
+        for k in kernel if isinstance(kernel, tuple) else (kernel,):
+            ws = getattr(k, "_weights", None)
+            if ws is not None:
+                out.append((f"{name} weights", ws.weight))
+                if ws.bias is not None:
+                    out.append((f"{name} biases", ws.bias))
+            for attr, names in (("_affine", ("gamma", "beta")),
+                                ("_running", ("running mean", "running variance"))):  # fmt: skip
+                pair = getattr(k, attr, None)
+                if pair is not None:
+                    out += [(f"{name} {names[0]}", pair.first), (f"{name} {names[1]}", pair.second)]
+    return out
+
+
+def _compare(rows: torch.Tensor, names: list[str], step: int, rank: int) -> None:
+    """Raise `DistributedError` unless every rank's checksums equal bit for bit."""
+    bits = rows.view(torch.int64)
+    groups: list[list[int]] = []
+    for r in range(bits.shape[0]):
+        for g in groups:
+            if torch.equal(bits[g[0]], bits[r]):
+                g.append(r)
+                break
+        else:
+            groups.append([r])
+    if len(groups) == 1:
+        return
+    reference = max(groups, key=lambda g: (len(g), 0 in g))
+    diverging = sorted(r for g in groups if g is not reference for r in g)
+    first = diverging[0]
+    differs = (bits[first] != bits[reference[0]]).nonzero()
+    tensor = int(differs[0, 0]) // 2 if len(differs) else 0
+    which = names[tensor] if tensor < len(names) else "?"
+    who = (
+        f"rank {first} differs"
+        if len(diverging) == 1
+        else (f"ranks {', '.join(map(str, diverging))} differ")
+    )
+    raise DistributedError(
+        f"[DataParallel] the weights diverged after step {step}: {who} from rank "
+        f"{reference[0]} (first difference: "
+        f"{which}; checked on rank {rank})"
+    )

@@ -1,0 +1,74 @@
+"""Data parallelism across processes (CPU, Gloo, 2 ranks): the same weights as one process on
+the whole batch, the weight check, and a dead or hung rank ending the run with its name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import mpsnn as m
+from tests.distributed import _nets
+from tests.distributed._helpers import spawn
+
+
+@pytest.fixture(scope="module")
+def equivalence_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("equivalence")
+    ranks, _ = spawn("equivalence", out, deadline=90)
+    for r, rank in enumerate(ranks):
+        assert rank.code == 0, f"rank {r}: {rank.code}\n{rank.out}\n{rank.err}"
+    return out
+
+
+@pytest.mark.parametrize(("name", "bn", "optimizer", "dropout", "mib"), _nets.CASES)
+def test_two_ranks_with_half_batches_equal_one_process_with_the_whole_batch(
+    equivalence_run: Path, name: str, bn: bool, optimizer: str, dropout: bool, mib: float
+) -> None:
+    """Three steps of SGD (momentum) or Adam, with and without batch normalization (and
+    dropout, whose masks follow the global image index), with one bucket per layer, one for
+    the whole network, or a few: float64 graph and data sources, agreement to rounding."""
+    graph, sources = _nets.build(bn, optimizer, dropout)
+    _nets.train(graph)
+    reference = _nets.values(sources)
+    initial = _nets.values(_nets.build(bn, optimizer, dropout)[1])
+    rank0 = torch.load(equivalence_run / f"{name}-rank0.pt")
+    rank1 = torch.load(equivalence_run / f"{name}-rank1.pt")
+    assert len(rank0) == len(reference) == len(rank1)
+    for i, (a, b, ref, start) in enumerate(zip(rank0, rank1, reference, initial, strict=True)):
+        assert torch.equal(a, b), f"{name}: value {i} differs between the ranks"
+        scale = ref.norm().clamp_min(1e-300)
+        assert (a - ref).norm() / scale < 1e-12, f"{name}: value {i} is not the whole batch's"
+        if i == 0:
+            assert (ref - start).norm() / scale > 1e-3, "the steps must move the weights"
+
+
+def test_the_weight_check_names_the_rank_that_diverged(equivalence_run: Path) -> None:
+    for r in (0, 1):
+        message = (equivalence_run / f"diverge-rank{r}.txt").read_text()
+        assert message.startswith("[DataParallel] the weights diverged after step 2: rank 1 "
+                                  "differs from rank 0"), message  # fmt: skip
+
+
+def test_a_dead_rank_ends_the_other_with_its_name_within_the_timeout(tmp_path: Path) -> None:
+    ranks, _ = spawn("die", tmp_path, timeout=10, deadline=40)
+    assert ranks[1].code == 17
+    assert ranks[0].code == 0, ranks[0].err
+    waited, message = (tmp_path / "die-rank0.txt").read_text().split("\n", 1)
+    assert "failed on rank 0: rank 1 stopped: no heartbeat for" in message, message
+    assert float(waited) < 10
+
+
+def test_a_hung_rank_ends_every_rank_after_the_timeout(tmp_path: Path) -> None:
+    """Rank 1 sleeps (its heartbeat thread alive): both monitors see that it fell behind."""
+    ranks, seconds = spawn("hang", tmp_path, timeout=3, deadline=40)
+    for r, rank in enumerate(ranks):
+        assert rank.code == 1, (r, rank.code, rank.err)
+        assert f"mpsnn: [rank {r}] rank 1" in rank.err and "is behind" in rank.err, rank.err
+    assert seconds < 20
+
+
+def test_data_parallel_needs_a_process_group() -> None:
+    with pytest.raises(ValueError, match=r"needs an initialized torch\.distributed process group"):
+        m.DataParallel()
