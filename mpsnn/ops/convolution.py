@@ -147,7 +147,15 @@ def fc_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     n = x.shape[0]
     o, _, kh, kw = weight.shape
     xin = x[:, :, :kh, :kw].reshape(n, -1)
-    return F.linear(xin, weight.reshape(o, -1), bias).view(n, o, 1, 1)
+    # F.linear's own product (addmm, or mm without a bias), written into a new (N, O, 1, 1)
+    # tensor rather than returned as a view: an image adopts a new tensor as its storage.
+    out = x.new_empty((n, o, 1, 1))
+    w2t = weight.reshape(o, -1).t()
+    if bias is None:
+        torch.mm(xin, w2t, out=out.view(n, o))
+    else:
+        torch.addmm(bias, xin, w2t, out=out.view(n, o))
+    return out
 
 
 def fc_backward(
@@ -163,7 +171,8 @@ def fc_backward(
     g2 = grad.reshape(n, o)
     dx = dw = None
     if need_data:
-        dx = (g2 @ weight.reshape(o, -1)).view(n, c, kh, kw)
+        dx = grad.new_empty((n, c, kh, kw))  # a new tensor, not a view (see fc_forward)
+        torch.mm(g2, weight.reshape(o, -1), out=dx.view(n, -1))
         if (kh, kw) != (h, w):
             dx = F.pad(dx, (0, w - kw, 0, h - kh))
     if need_weights:

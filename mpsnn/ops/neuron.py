@@ -27,6 +27,9 @@ GELU       x Phi(x)                         Phi(x) + x phi(x)
 Domains: POWER with a non-integer ``c`` is real only where ``a x + b >= 0`` (NaN elsewhere, as
 ``torch.pow``); LOGARITHM needs ``a x + b > 0`` (``-inf`` at 0, NaN below). Inputs outside the
 domain give what PyTorch gives; they are not errors.
+
+RELU with ``a = +0.0`` (the plain ReLU) runs as ``(x >= 0) x`` and ``(x >= 0) g``, two
+vectorized passes with the general formulas' bits (`plain_relu` decides and says why).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ __all__ = [
     "activation_slope",
     "neuron_derivative",
     "neuron_forward",
+    "plain_relu",
 ]
 
 # Type codes match `mpsnn.cnn.neuron.NeuronType` (MPS MPSCNNNeuronType values).
@@ -176,13 +180,47 @@ def _upcast(p: NeuronParams, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+# -- the plain ReLU fast path ----------------------------------------------------------------
+
+
+def plain_relu(p: NeuronParams, x: torch.Tensor) -> bool:
+    """The one place that picks the ReLU fast path: RELU with ``a = +0.0`` on floating-point
+    ``x``. There, with ``m = (x >= 0)`` as 1.0/0.0 in ``x``'s dtype:
+
+    * ``m x`` is bit for bit the general ``where(x >= 0, x, x a)``: ``1 x = x`` (-0, inf
+      included), ``0 x = x 0.0`` for ``x < 0`` (-0.0; NaN for -inf), and a NaN fails
+      ``x >= 0`` in both (``0 NaN`` is that NaN);
+    * ``m`` is bit for bit the general slope ``m (1 - a) + a`` (``m 1 + 0 = m``), so
+      ``m g = g m``.
+
+    ``a = -0.0`` keeps the general path: there ``x a`` is +0.0 for ``x < 0``, ``m x`` -0.0.
+    Why: the general forms take 3 to 5 passes, where (and mixed bool-float products) are not
+    vectorized on the CPU; these take 2 vectorized passes.
+    """
+    return p.kind == RELU and p.a == 0.0 and math.copysign(1.0, p.a) > 0 and x.is_floating_point()
+
+
+def _nonnegative(x: torch.Tensor) -> torch.Tensor:
+    """``(x >= 0)`` as 1.0/0.0 in ``x``'s dtype, a new tensor, in one pass."""
+    return torch.ge(x, 0, out=torch.empty_like(x))
+
+
+def _times(m: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``m t`` into ``m`` (a new tensor of ours) when the shapes are equal."""
+    return m.mul_(t) if m.shape == t.shape else m * t
+
+
 def activation(p: NeuronParams, x: torch.Tensor) -> torch.Tensor:
     """``f(x)`` in ``x``'s dtype (transcendental types computed in float32)."""
+    if plain_relu(p, x):
+        return _times(_nonnegative(x), x)
     return neuron_forward(p.kind, _upcast(p, x), p.a, p.b, p.c, p.data).to(x.dtype)
 
 
 def activation_slope(p: NeuronParams, x: torch.Tensor) -> torch.Tensor:
     """``f'(x)`` in ``x``'s dtype (transcendental types computed in float32)."""
+    if plain_relu(p, x):
+        return _nonnegative(x)
     return neuron_derivative(p.kind, _upcast(p, x), p.a, p.b, p.c, p.data).to(x.dtype)
 
 
@@ -191,4 +229,6 @@ def activation_backward(p: NeuronParams, g: torch.Tensor, x: torch.Tensor) -> to
     if g.dtype != x.dtype:
         wide = torch.promote_types(g.dtype, x.dtype)
         return (g.to(wide) * activation_slope(p, x.to(wide))).to(g.dtype)
+    if plain_relu(p, x):
+        return _times(_nonnegative(x), g)
     return g * activation_slope(p, x)

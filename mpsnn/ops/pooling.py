@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 _max_pool_backward = torch.ops.aten.max_pool2d_with_indices_backward.default
+_max_pool_out = torch.ops.aten.max_pool2d_with_indices.out
 _avg_pool_backward = torch.ops.aten.avg_pool2d_backward.default
 
 
@@ -74,28 +75,116 @@ def _kernel(g: PoolGeometry) -> tuple[tuple[int, int], tuple[int, int], tuple[in
 
 
 # -- max ------------------------------------------------------------------------------------
+#
+# The one place that picks each max-pooling path: `max_pool_forward` and `max_pool_backward`.
+# CUDA tensors may take the Triton gradient (`mpsnn.ops.triton` decides). CPU tensors whose
+# windows tile the image (`_cpu_tiles`) take the tile paths below. Everything else takes the
+# general path.
+#
+# Why the tile paths: PyTorch's CPU max pooling of NCHW data runs a scalar loop per output
+# (about 5 ms for LeNet's 256x6x28x28); its channels-last kernel runs the same comparisons
+# vectorized across channels. The tile paths copy each window's taps into a channels-last
+# image of their own (`_window_planes`), pool that with PyTorch's kernel, and map its argmax
+# back to the source. Why they are exact: both PyTorch kernels take a tap when it is strictly
+# larger than the running maximum or a NaN, starting from -inf and the window's first tap, in
+# raster order, and write that tap's value: the first maximum wins ties (-0.0 == +0.0), the
+# last NaN wins over everything. The windows' taps are the same values in the same order.
+# tests/ops/test_pooling_ops.py checks the bits (ties, signed zeros, NaN payloads, infinities).
+
+
+def _cpu_tiles(x: torch.Tensor, geom: PoolGeometry) -> bool:
+    """The tile paths' case: CPU float32 or float64 data, disjoint windows inside the image
+    (stride == kernel, no dilation, every tap inside: `mpsnn.ops.triton.pool_tiles`).
+    float16 and bfloat16 stay on the general path: PyTorch's two kernels round a NaN through
+    float32 to different bits there."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.float64)
+        and fast_paths.pool_tiles(geom)
+    )
 
 
 def max_pool_forward(x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
+    """``y = max_{t in T(o)} x_t``: the first maximum's value (the last NaN if the window has
+    one). The tile path and the general path give the same bits."""
+    t = apply_extract(x, geom.plan)
+    if _cpu_tiles(x, geom):
+        return _tile_max(t, geom)[0]
     k, s, d = _kernel(geom)
-    return F.max_pool2d(apply_extract(x, geom.plan), k, s, 0, d)
+    return F.max_pool2d(t, k, s, 0, d)
 
 
 def max_pool_backward(g: torch.Tensor, x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
-    """Route each output's gradient to the first maximum of its window (recomputed from ``x``)."""
+    """Route each output's gradient to the first maximum of its window (recomputed from ``x``).
+
+    Paths: the Triton kernel (CUDA, `mpsnn.ops.triton.max_pool_backward`), else the tile path
+    (`_tile_max_backward`), else `max_pool_backward_portable`. All give the same bits."""
     fast = fast_paths.max_pool_backward(g, x, geom)
+    if fast is None and _cpu_tiles(x, geom):
+        fast = _tile_max_backward(g, x, geom)
     return fast if fast is not None else max_pool_backward_portable(g, x, geom)
 
 
 def max_pool_backward_portable(
     g: torch.Tensor, x: torch.Tensor, geom: PoolGeometry
 ) -> torch.Tensor:
-    """The reference path: argmax via ``max_pool2d_with_indices`` (first maximum wins ties),
-    then PyTorch's gather-style backward (deterministic), then the extraction's adjoint."""
+    """The reference path: argmax via ``max_pool2d_with_indices`` (the first maximum in raster
+    order wins ties, the last NaN wins over everything), then PyTorch's gather-style backward
+    (``0 + g`` at the argmax, +0.0 elsewhere; deterministic), then the extraction's adjoint."""
     k, s, d = _kernel(geom)
     t = apply_extract(x, geom.plan).contiguous()
     _, idx = F.max_pool2d(t, k, s, 0, d, return_indices=True)
     dt = _max_pool_backward(g.contiguous(), t, list(k), list(s), [0, 0], list(d), False, idx)
+    return apply_extract_adjoint(dt, geom.plan)
+
+
+def _window_planes(t: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
+    """The disjoint ``kh x kw`` windows of ``t`` (read from index 0) as a channels-last batch
+    ``(N, C OH OW, kh, kw)``: image ``n``, channel ``(c, p, q)`` is window ``(p, q)`` of plane
+    ``(n, c)``, with tap ``(i, j)`` at pixel ``(i, j)``. One copy."""
+    (kh, kw), (oh, ow) = (geom.y.kernel, geom.x.kernel), (geom.y.count, geom.x.count)
+    n, c = t.shape[:2]
+    taps = t[:, :, : oh * kh, : ow * kw].unflatten(3, (ow, kw)).unflatten(2, (oh, kh))
+    buf = torch.empty((n, kh, kw, c, oh, ow), dtype=t.dtype)
+    buf.copy_(taps.permute(0, 3, 5, 1, 2, 4))
+    return buf.view(n, kh, kw, c * oh * ow).permute(0, 3, 1, 2)
+
+
+def _tile_max(t: torch.Tensor, geom: PoolGeometry) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, k)``: each window's maximum (the general path's bits) and its argmax's tap number
+    ``k = i kw + j`` (raster order), both new ``(N, C, OH, OW)`` tensors, from one pass of
+    PyTorch's channels-last max pooling over `_window_planes`."""
+    (kh, kw), (oh, ow) = (geom.y.kernel, geom.x.kernel), (geom.y.count, geom.x.count)
+    n, c = t.shape[:2]
+    y = torch.empty((n, c, oh, ow), dtype=t.dtype)
+    k = torch.empty((n, c, oh, ow), dtype=torch.int64)
+    _max_pool_out(
+        _window_planes(t, geom), [kh, kw], [kh, kw], [0, 0], [1, 1], False,
+        out=y.view(n, c * oh * ow, 1, 1), indices=k.view(n, c * oh * ow, 1, 1),
+    )  # fmt: skip
+    return y, k
+
+
+def _tile_max_backward(g: torch.Tensor, x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
+    """The general gradient, bit for bit: `_tile_max`'s argmax ``k = i kw + j`` becomes the
+    index ``(oh kh + i) w + ow kw + j`` into the plane of ``t`` (what the general path's
+    ``max_pool2d_with_indices`` returns), and PyTorch's backward runs on it as there."""
+    t = apply_extract(x, geom.plan)
+    (kh, kw), (oh, ow) = (geom.y.kernel, geom.x.kernel), (geom.y.count, geom.x.count)
+    n, c, h, w = t.shape
+    k = _tile_max(t, geom)[1]
+    corner = device_constant(  # each window's first tap, (oh kh) w + ow kw
+        ("pool-tile-corner", oh, ow, kh, kw, w), torch.int64, t.device,
+        lambda: torch.arange(oh).view(-1, 1) * (kh * w) + torch.arange(ow) * kw,
+    )  # fmt: skip
+    if kw == 1:
+        idx = k.mul_(w).add_(corner)  # i = k
+    else:
+        row = k >> (kw.bit_length() - 1) if kw & (kw - 1) == 0 else k.div(kw, rounding_mode="floor")
+        idx = k.add_(row, alpha=w - kw).add_(corner)  # j + i w = k + i (w - kw)
+    # the backward reads the source's size only (and the general path's source is contiguous)
+    shape = t if t.is_contiguous() else torch.empty((n, c, h, w), dtype=t.dtype)
+    dt = _max_pool_backward(g.contiguous(), shape, [kh, kw], [kh, kw], [0, 0], [1, 1], False, idx)
     return apply_extract_adjoint(dt, geom.plan)
 
 

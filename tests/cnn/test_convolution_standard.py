@@ -113,6 +113,29 @@ def test_fully_connected_is_a_matrix_product_with_ohwi_weights(dtype, device) ->
     assert_close(state.gradient_for_biases, g2.sum(0), "fc bias gradient", dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_fully_connected_math_returns_new_tensors_equal_to_linear(dtype) -> None:
+    """`fc_forward` / `fc_backward` write F.linear's product (addmm, mm) into new tensors that an
+    image adopts as its storage (no view, so no copy): the same bits as F.linear."""
+    from mpsnn.ops.convolution import fc_backward, fc_forward
+
+    gen = torch.Generator().manual_seed(14)
+    for n, c, h, w, o, kh, kw in [(5, 16, 5, 5, 12, 5, 5), (4, 3, 6, 5, 4, 4, 3)]:
+        x = torch.randn(n, c, h, w, generator=gen).to(dtype)
+        wt = torch.randn(o, c, kh, kw, generator=gen).to(dtype)
+        xin = x[:, :, :kh, :kw].reshape(n, -1)
+        for b in (torch.randn(o, generator=gen).to(dtype), None):
+            y = fc_forward(x, wt, b)
+            assert y._base is None and y.shape == (n, o, 1, 1)
+            assert torch.equal(y.view(n, o), F.linear(xin, wt.reshape(o, -1), b))
+        g = torch.randn(n, o, 1, 1, generator=gen).to(dtype)
+        dx = fc_backward(g, x, wt, need_weights=False)[0]
+        want = F.pad(
+            (g.reshape(n, o) @ wt.reshape(o, -1)).view(n, c, kh, kw), (0, w - kw, 0, h - kh)
+        )
+        assert dx._base is None and torch.equal(dx, want)
+
+
 def test_fully_connected_reads_top_left_of_a_larger_source_and_writes_at_clip_origin() -> None:
     gen = torch.Generator().manual_seed(13)
     dev = m.Device("cpu")

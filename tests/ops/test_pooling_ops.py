@@ -1,0 +1,175 @@
+"""Max pooling math (`mpsnn.ops.pooling`): the CPU tile paths (disjoint windows inside the image)
+against the general path, bit for bit: forward and gradient, ties to the first maximum in
+raster order (+0.0 and -0.0 in one window included), NaN sources (the last NaN wins), ±inf,
+inf/NaN/-0.0 gradients, leftover rows and columns, non-square and 1-wide windows, both
+dtypes they take (float32, float64), non-contiguous inputs. Geometries that are not tiles, and
+float16/bfloat16 data, never reach the tile paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mpsnn.core.geometry import AxisWindow, EdgeMode
+from mpsnn.ops import pooling as P
+from mpsnn.ops.pooling import (
+    max_pool_backward,
+    max_pool_backward_portable,
+    max_pool_forward,
+    pool_geometry,
+)
+from mpsnn.ops.window import apply_extract
+
+DTYPES = [torch.float64, torch.float32]  # the tile paths' dtypes
+_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+
+TILES = [
+    # (N, C, H, W, kh, kw, y0, x0, OH, OW)
+    (2, 3, 8, 8, 2, 2, 0, 0, 4, 4),  # tiles the image
+    (1, 2, 9, 7, 3, 3, 0, 1, 3, 2),  # leftover rows and columns get 0
+    (2, 2, 6, 6, 2, 2, 1, 0, 2, 3),  # starts one row in
+    (1, 2, 8, 12, 4, 4, 0, 0, 2, 3),
+    (1, 2, 6, 9, 2, 3, 0, 0, 3, 3),  # non-square windows
+    (2, 1, 5, 8, 1, 2, 0, 0, 5, 4),  # one row per window
+    (2, 1, 6, 5, 3, 1, 0, 0, 2, 5),  # one column per window
+    (1, 1, 5, 33, 1, 1, 0, 0, 5, 33),  # 1x1 windows
+    (3, 6, 28, 28, 2, 2, 0, 0, 14, 14),  # LeNet's
+    (0, 2, 4, 4, 2, 2, 0, 0, 2, 2),  # no images
+]
+
+
+_PAYLOADS = {
+    torch.float32: [-0x400000, 0x7FC00001, 0x7F800001],  # -NaN, a payload, a signaling NaN
+    torch.float64: [-0x8000000000000, 0x7FF8000000000001, 0x7FF0000000000001],
+}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(_BITS[t.element_size()])
+
+
+def _geometry(shape, edge=EdgeMode.CLAMP):
+    _, _, h, w, kh, kw, y0, x0, oh, ow = shape
+    return pool_geometry(AxisWindow(y0, oh, kh, kh, 1, h), AxisWindow(x0, ow, kw, kw, 1, w), edge)
+
+
+def _source(shape, dtype, seed, *, nan=False):
+    n, c, h, w = shape[:4]
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-2, 3, (n, c, h, w), generator=gen).double()  # many ties
+    x[torch.rand(x.shape, generator=gen) < 0.3] = -0.0  # ties of +0.0 and -0.0
+    x.view(-1)[3::11] = -float("inf")
+    x.view(-1)[5::29] = float("inf")
+    if nan:
+        x.view(-1)[::7] = float("nan")
+    x = x.to(dtype)
+    if nan and dtype in _PAYLOADS:  # NaNs of other signs and payloads (quiet and signaling)
+        for i, pattern in enumerate(_PAYLOADS[dtype]):
+            x.view(-1).view(_BITS[x.element_size()])[i * 5 :: 23] = pattern
+    return x
+
+
+def _gradient(shape, dtype, seed):
+    n, c, oh, ow = shape[0], shape[1], shape[8], shape[9]
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(n, c, oh, ow, generator=gen, dtype=torch.float64)
+    g[torch.rand(g.shape, generator=gen) < 0.2] = -0.0  # 0 + (-0.0) is +0.0
+    return g.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", TILES, ids=str)
+def test_tile_gradient_equals_the_general_path_bit_for_bit(shape, dtype) -> None:
+    geom = _geometry(shape)
+    assert P._cpu_tiles(torch.zeros(1, dtype=dtype), geom)
+    for seed in range(4):
+        x, g = _source(shape, dtype, seed, nan=seed % 2 == 1), _gradient(shape, dtype, 9 + seed)
+        g.view(-1)[1::13] = float("inf")  # any gradient: PyTorch's backward routes it
+        g.view(-1)[2::17] = float("nan")
+        fast = P._tile_max_backward(g, x, geom)
+        want = max_pool_backward_portable(g, x, geom)
+        assert fast.dtype == dtype and fast.shape == x.shape
+        assert torch.equal(bits(fast), bits(want))
+        assert torch.equal(bits(max_pool_backward(g, x, geom)), bits(want))
+        # a non-contiguous gradient and source
+        xt = x.transpose(2, 3).contiguous().transpose(2, 3)
+        gt = g.transpose(2, 3).contiguous().transpose(2, 3)
+        assert torch.equal(bits(P._tile_max_backward(gt, xt, geom)), bits(want))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", TILES, ids=str)
+def test_tile_forward_equals_the_general_path_bit_for_bit(shape, dtype) -> None:
+    geom = _geometry(shape)
+    k = (shape[4], shape[5])
+    for seed in range(4):
+        x = _source(shape, dtype, seed, nan=seed % 2 == 1)  # ties, ±0.0 in one window, ±inf, NaN
+        t = apply_extract(x, geom.plan)
+        want, want_idx = F.max_pool2d(t, k, k, return_indices=True)
+        y, tap = P._tile_max(t, geom)
+        assert y._base is None and y.is_contiguous() and y.dtype == dtype
+        assert torch.equal(bits(y), bits(want))
+        assert torch.equal(bits(max_pool_forward(x, geom)), bits(want))
+        # the tap number i kw + j of the argmax, as the general path's index into t's plane
+        i, j = tap // k[1], tap % k[1]
+        oh = torch.arange(shape[8]).view(-1, 1) * k[0]
+        ow = torch.arange(shape[9]) * k[1]
+        assert torch.equal((oh + i) * t.shape[3] + ow + j, want_idx)
+
+
+def test_ties_go_to_the_first_maximum_in_raster_order() -> None:
+    x = torch.tensor([[[[1.0, 5.0, -0.0, 0.0], [5.0, 2.0, 0.0, -1.0]]]])
+    g = torch.tensor([[[[7.0, 9.0]]]])
+    geom = _geometry((1, 1, 2, 4, 2, 2, 0, 0, 1, 2))
+    dx = P._tile_max_backward(g, x, geom)
+    assert dx.flatten().tolist() == [0, 7, 9, 0, 0, 0, 0, 0]  # +0.0 is not larger than -0.0
+    assert torch.equal(bits(dx), bits(max_pool_backward_portable(g, x, geom)))
+    y = P._tile_max(x, geom)[0]
+    assert y.flatten().tolist() == [5.0, 0.0] and torch.signbit(y.flatten()[1])  # the -0.0
+
+
+NOT_TILES = [
+    # overlapping windows (stride < kernel), strides past the kernel, dilation, windows that
+    # read outside the image (ZERO edges: padding zeros take part in the maximum; CLAMP edges)
+    (AxisWindow(0, 3, 2, 1, 1, 4), AxisWindow(0, 3, 2, 1, 1, 4), EdgeMode.ZERO),
+    (AxisWindow(0, 2, 2, 3, 1, 5), AxisWindow(0, 2, 2, 3, 1, 5), EdgeMode.CLAMP),
+    (AxisWindow(0, 2, 2, 2, 2, 6), AxisWindow(0, 2, 2, 2, 1, 4), EdgeMode.CLAMP),
+    (AxisWindow(-1, 3, 2, 2, 1, 4), AxisWindow(0, 2, 2, 2, 1, 4), EdgeMode.ZERO),
+    (AxisWindow(0, 2, 2, 2, 1, 4), AxisWindow(-1, 3, 2, 2, 1, 4), EdgeMode.CLAMP),
+]
+
+
+@pytest.mark.parametrize("windows", NOT_TILES, ids=str)
+def test_other_geometries_take_the_general_path(windows, monkeypatch) -> None:
+    geom = pool_geometry(*windows)
+    x = -torch.rand(1, 2, windows[0].size, windows[1].size, dtype=torch.float64) - 1
+    assert not P._cpu_tiles(x, geom)
+
+    def refuse(*args):
+        raise AssertionError("the tile path ran for a geometry it does not handle")
+
+    monkeypatch.setattr(P, "_tile_max", refuse)
+    monkeypatch.setattr(P, "_tile_max_backward", refuse)
+    y = max_pool_forward(x, geom)
+    g = torch.randn(y.shape, dtype=torch.float64)
+    assert torch.equal(max_pool_backward(g, x, geom), max_pool_backward_portable(g, x, geom))
+
+
+def test_tile_paths_need_cpu_float32_or_float64_data(monkeypatch) -> None:
+    geom = _geometry(TILES[0])
+    assert not P._cpu_tiles(torch.zeros(1, dtype=torch.int32), geom)
+    assert not P._cpu_tiles(torch.zeros(1, device="meta"), geom)
+
+    def refuse(*args):
+        raise AssertionError("the tile path ran for a dtype it does not handle")
+
+    monkeypatch.setattr(P, "_tile_max", refuse)
+    monkeypatch.setattr(P, "_tile_max_backward", refuse)
+    for dtype in (torch.float16, torch.bfloat16):  # there a NaN's bits would differ
+        x, g = _source(TILES[0], dtype, 3, nan=True), _gradient(TILES[0], dtype, 4)
+        assert not P._cpu_tiles(x, geom)
+        want = F.max_pool2d(x, 2, 2)
+        assert torch.equal(bits(max_pool_forward(x, geom)), bits(want))
+        want = max_pool_backward_portable(g, x, geom)
+        assert torch.equal(bits(max_pool_backward(g, x, geom)), bits(want))
