@@ -41,3 +41,6 @@ class _Group(click.Group):
 @click.version_option(package_name="mpsnn")
 def main() -> None:
     """mpsnn: Apple's Metal Performance Shaders training system on CUDA GPUs and CPUs."""
+    from mpsnn.cli.common import tune_cpu_allocator
+
+    tune_cpu_allocator()

@@ -81,10 +81,23 @@ def _out_len(length: int, pad: int, a: AxisWindow) -> int:
     return (length + 2 * pad - a.extent) // a.stride + 1
 
 
+def _cpu_half(x: torch.Tensor) -> bool:
+    """PyTorch's CPU float16 convolutions take a slow scalar path (several times slower than
+    float32): compute those in float32 and round the results to float16 — float16 storage with
+    float32 accumulation, the semantics the GPU kernels have too."""
+    return x.dtype == torch.float16 and x.device.type == "cpu"
+
+
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float()
+
+
 def conv_forward(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geom: ConvGeometry
 ) -> torch.Tensor:
     """``(N, I, H, W) -> (N, O, y.count, x.count)``; see the module docstring."""
+    if _cpu_half(x):
+        return conv_forward(x.float(), weight.float(), _f32(bias), geom).to(x.dtype)
     out = F.conv2d(
         apply_extract(x, geom.plan),
         weight,
@@ -113,6 +126,11 @@ def conv_backward(
         ``(dx, dW, db)``: dx shaped like ``x`` (or None), dW like ``weight`` (in the storage
         dtype, accumulated in float32 by the backend; or None), db ``(O,)`` in at least float32.
     """
+    if _cpu_half(x) or _cpu_half(grad):
+        dx, dw, db = conv_backward(grad.float(), x.float(), weight.float(), geom, need_data,
+                                   need_weights)  # fmt: skip
+        return (None if dx is None else dx.to(x.dtype),
+                None if dw is None else dw.to(weight.dtype), db)  # fmt: skip
     plan = geom.plan
     t = apply_extract(x, plan)
     g = grad
@@ -232,6 +250,10 @@ def conv_transpose_forward(
     """MPS convolution transpose: zero-insert ``x`` by ``stride``, then correlate with
     ``weight`` (OIHW, not rotated) over the windows ``geom`` (stride-1 windows over the
     zero-inserted frame). Returns ``(N, O, y.count, x.count)``."""
+    if _cpu_half(x):
+        return conv_transpose_forward(x.float(), weight.float(), _f32(bias), geom, stride).to(
+            x.dtype
+        )
     sy, sx = stride
     if geom.edge is EdgeMode.CLAMP:
         y = conv_forward(insert_zeros(x, sy, sx), weight, None, geom)
@@ -264,6 +286,11 @@ def conv_transpose_backward(
     need_weights: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Gradients of `conv_transpose_forward` (dx like ``x``; dW OIHW float32; db float32)."""
+    if _cpu_half(x) or _cpu_half(grad):
+        dx, dw, db = conv_transpose_backward(grad.float(), x.float(), weight.float(), geom,
+                                             stride, need_data, need_weights)  # fmt: skip
+        return (None if dx is None else dx.to(x.dtype),
+                None if dw is None else dw.to(weight.dtype), db)  # fmt: skip
     sy, sx = stride
     db = grad.sum((0, 2, 3), dtype=acc_dtype(grad.dtype))
     if geom.edge is EdgeMode.CLAMP:
