@@ -1,41 +1,51 @@
 #!/usr/bin/env bash
 # One device call for the graph and product work: the CUDA tests of the graph, capture and
-# optimizer paths; the graph benchmarks (LeNet-5 fp32, ResNet-18 bf16) beside PyTorch eager and
-# torch.compile; `mpsnn train` on Fashion-MNIST beside plain PyTorch; the Apple-sample port.
-# Each part has its own time limit, so one failure does not cost the others; a summary last.
-#   benchmarks/gpu_session.sh [parts]     parts: tests bench train apple (default: all)
+# optimizer paths; `mpsnn bench` for LeNet-5 (batch 256, float32) and ResNet-18 (batch 512,
+# bfloat16, 32x32x3) beside PyTorch eager and torch.compile; `mpsnn train` on Fashion-MNIST
+# beside plain PyTorch; the Apple-sample port. Each part has its own time limit, so one failure
+# does not cost the others; every part's output goes to $OUT/session.log, a summary comes last.
+#   benchmarks/gpu_session.sh [parts]     parts: tests lenet resnet train apple (default: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 COLUMNS=120
 if [ -d .data/fashion-mnist ]; then export MPSNN_DATA=$PWD/.data; fi  # carried: no apt there
 OUT=${OUT:-/tmp/mpsnn-out}
 mkdir -p "$OUT"
+LOG=$OUT/session.log
 : > "$OUT/summary.txt"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/summary.txt"
-python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/summary.txt"
-git log --oneline -1 2>/dev/null | tee -a "$OUT/summary.txt"
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  git log --oneline -1 2>/dev/null
+  date -u
+} | tee -a "$OUT/summary.txt"
 
 part() {  # part NAME SECONDS COMMAND...
   local name=$1 limit=$2 start rc
   shift 2
-  echo "== $name"
+  echo "== $name: $*" | tee -a "$LOG"
   start=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" >> "$LOG" 2>&1
   rc=$?
-  tail -n 30 "$OUT/$name.log"
-  echo "$name: exit $rc in $(( $(date +%s) - start )) s" >> "$OUT/summary.txt"
+  echo "$name: exit $rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt" "$LOG"
 }
 
-parts=${*:-tests bench train apple}
+parts=${*:-tests lenet resnet train apple}
 for p in $parts; do
   case $p in
-    tests) part tests 200 python -m pytest -q -p no:cacheprovider tests/graph tests/core \
+    tests) part tests 150 python -m pytest -q -p no:cacheprovider tests/graph tests/core \
              tests/ops/test_optim_ops.py tests/cnn/test_batch_norm.py tests/models ;;
-    bench) part bench 330 python -m benchmarks.bench_graph --device cuda --json "$OUT/bench.json" ;;
+    lenet) part lenet 150 python -m mpsnn.cli bench --model lenet --batch-size 256 \
+             --dtype float32 --device cuda --json "$OUT/bench_lenet.json" ;;
+    resnet) part resnet 240 python -m mpsnn.cli bench --model resnet18 --batch-size 512 \
+             --dtype bfloat16 --optimizer sgd --device cuda --steps 30 --trials 3 \
+             --json "$OUT/bench_resnet.json" ;;
     train) part train 150 python -m mpsnn.cli train --device cuda --compare-torch \
              --metrics "$OUT/train.jsonl" --plot "$OUT/train.png" ;;
     apple) part apple 150 python examples/apple_mnist.py --device cuda --compile ;;
   esac
 done
 echo "== summary"
+grep -E "passed|failed|error" "$LOG" | grep -v "^E " | tail -5
+grep -E "│|┃" "$LOG" | tail -40
 cat "$OUT/summary.txt"
