@@ -4,7 +4,7 @@
 # bfloat16, 32x32x3) beside PyTorch eager and torch.compile; `mpsnn train` on Fashion-MNIST
 # beside plain PyTorch; the Apple-sample port. Each part has its own time limit, so one failure
 # does not cost the others; every part's output goes to $OUT/session.log, a summary comes last.
-#   benchmarks/gpu_session.sh [parts]     parts: tests lenet resnet train apple (default: all)
+#   benchmarks/gpu_session.sh [parts]   parts: tests lenet resnet train resnetc apple (default: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 COLUMNS=120
@@ -30,19 +30,22 @@ part() {  # part NAME SECONDS COMMAND...
   echo "$name: exit $rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt" "$LOG"
 }
 
-parts=${*:-tests lenet resnet train apple}
+parts=${*:-tests lenet resnet train resnetc apple}
 for p in $parts; do
   case $p in
-    tests) part tests 150 python -m pytest -q -p no:cacheprovider tests/graph tests/core \
-             tests/ops/test_optim_ops.py tests/cnn/test_batch_norm.py tests/models ;;
-    lenet) part lenet 150 python -m mpsnn.cli bench --model lenet --batch-size 256 \
-             --dtype float32 --device cuda --json "$OUT/bench_lenet.json" ;;
-    resnet) part resnet 240 python -m mpsnn.cli bench --model resnet18 --batch-size 512 \
-             --dtype bfloat16 --optimizer sgd --device cuda --steps 30 --trials 3 \
-             --json "$OUT/bench_resnet.json" ;;
-    train) part train 150 python -m mpsnn.cli train --device cuda --compare-torch \
+    tests) part tests 90 python -m pytest -q -p no:cacheprovider tests/graph/test_graph_replay.py \
+             tests/core/test_capture.py tests/core/test_foundation.py tests/ops/test_optim_ops.py ;;
+    lenet) part lenet 120 python -m mpsnn.cli bench --model lenet --batch-size 256 \
+             --dtype float32 --device cuda --steps 50 --trials 5 --json "$OUT/bench_lenet.json" ;;
+    resnet) part resnet 100 python -m mpsnn.cli bench --model resnet18 --batch-size 512 \
+             --dtype bfloat16 --optimizer sgd --device cuda --steps 20 --trials 3 \
+             --variants mpsnn-eager,mpsnn-replay,torch-eager --json "$OUT/bench_resnet.json" ;;
+    resnetc) part resnetc 150 python -m mpsnn.cli bench --model resnet18 --batch-size 512 \
+             --dtype bfloat16 --optimizer sgd --device cuda --steps 20 --trials 3 \
+             --variants torch-compile --json "$OUT/bench_resnet_compile.json" ;;
+    train) part train 90 python -m mpsnn.cli train --device cuda --compare-torch \
              --metrics "$OUT/train.jsonl" --plot "$OUT/train.png" ;;
-    apple) part apple 150 python examples/apple_mnist.py --device cuda --compile ;;
+    apple) part apple 100 python examples/apple_mnist.py --device cuda --compile ;;
   esac
 done
 echo "== summary"

@@ -220,6 +220,12 @@ def _labels(dev: Any, y: torch.Tensor) -> Any:
     help="Comma-separated torch.compile modes ('' for none).",
 )
 @click.option(
+    "--variants",
+    default="mpsnn-eager,mpsnn-replay,torch-eager,torch-compile",
+    show_default=True,
+    help="Comma-separated subset to run.",
+)
+@click.option(
     "--json",
     "json_path",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -246,8 +252,12 @@ def bench(**o: Any) -> None:  # fmt: skip
     if device == "cpu":  # CPU steps are slow: keep the run short
         steps, trials = min(steps, 5), min(trials, 3)
     modes = tuple(m for m in o["compile_modes"].split(",") if m)
+    known = ("mpsnn-eager", "mpsnn-replay", "torch-eager", "torch-compile")
+    variants = tuple(v for v in o["variants"].split(",") if v)
+    if not variants or any(v not in known for v in variants):
+        raise UserError(f"--variants must be a subset of {','.join(known)}, got {o['variants']!r}")
     out = measure(o["model"], o["batch_size"], o["dtype"], device, o["optimizer"], steps,
-                  trials, modes, shape)  # fmt: skip
+                  trials, modes, shape, variants)  # fmt: skip
     console = Console()
     table = Table(title=f"{o['model']} training step: batch {o['batch_size']}, {o['dtype']}, "
                         f"{o['optimizer']}, {out['device']}, torch {out['torch']}")  # fmt: skip
