@@ -219,7 +219,8 @@ class Trainer:
         for i in range(steps):
             idx = order[i * b + first : i * b + first + local]
             y = self.train_y[idx]
-            labels = LossLabels(self.device, y.view(-1, 1, 1))
+            # the classes are known: no scan of the device labels (which would wait)
+            labels = LossLabels(self.device, y.view(-1, 1, 1), max_index=self.data.classes - 1)
             images = [self._batch(self.train_x[idx])]
             if self.step is not None:
                 self.step(images, [labels])

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpsnn.core._checks import check_enum, check_type
+from mpsnn.core._checks import check_enum, check_int, check_type
 from mpsnn.core.cnn_kernel import CNNKernel
 from mpsnn.core.descriptor import FeatureChannelFormat, ImageDescriptor, _result_format
 from mpsnn.core.device import CommandBuffer, Device
@@ -187,6 +187,11 @@ class LossLabels(State):
             loss image from the reduction).
         command_buffer: given, the labels are temporary on that command buffer.
         label: a name.
+        max_index: for class-index labels, a bound the indices are known to respect (e.g.
+            classes − 1): the constructor then trusts it instead of scanning the labels for
+            their range — a scan of a GPU tensor waits for the device, which a training loop
+            feeding labels from device memory wants to avoid. Indices outside ``[0, C)`` are
+            then the caller's responsibility.
 
     After the encode's command buffer completed, `loss_image` holds the loss (including the
     descriptor's weight).
@@ -201,6 +206,7 @@ class LossLabels(State):
         *,
         command_buffer: CommandBuffer | None = None,
         label: str | None = None,
+        max_index: int | None = None,
     ) -> None:
         super().__init__(device, command_buffer=command_buffer, label=label)
         who = "LossLabels"
@@ -219,9 +225,14 @@ class LossLabels(State):
                     f"[{who}] index labels must have shape (H, W) or (N, H, W), "
                     f"got {tuple(t.shape)}"
                 )
-            lo, hi = int(t.min()), int(t.max())  # construction time: the encode stays sync-free
-            if lo < 0:
-                raise ValueError(f"[{who}] class indices must be >= 0, got {lo}")
+            if max_index is None:
+                # construction time, so the encode stays sync-free (but a scan of a device
+                # tensor waits for the device: pass max_index to skip it)
+                lo, hi = int(t.min()), int(t.max())
+                if lo < 0:
+                    raise ValueError(f"[{who}] class indices must be >= 0, got {lo}")
+            else:
+                hi = check_int(who, "max_index", max_index, 0)
             self._max_index = hi
             t = t.to(device.torch_device, torch.int64)
         else:

@@ -180,3 +180,20 @@ def test_params_of_the_descriptor() -> None:
     assert d._params() == LossParams(int(LT.HUBER), int(RT.MEAN), 2.0, 0.0, None, 1e-7, 0.5)
     loss = m.Loss(m.Device("cpu"), d)
     assert (loss.loss_type, loss.reduction_type, loss.delta) == (LT.HUBER, RT.MEAN, 0.5)
+
+
+def test_max_index_replaces_the_scan_of_index_labels() -> None:
+    """A known bound skips the min/max scan (which waits for the device on GPUs); the encode
+    checks the bound against the predictions' channels, not the values."""
+    dev = m.Device("cpu")
+    y = torch.tensor([[[1]], [[3]]])
+    assert m.LossLabels(dev, y)._max_index == 3  # scanned
+    assert m.LossLabels(dev, y, max_index=4)._max_index == 4  # trusted
+    loss = m.Loss(dev, m.LossDescriptor(m.LossType.SOFTMAX_CROSS_ENTROPY, m.ReductionType.SUM))
+    x = m.ImageBatch.from_tensor(torch.randn(2, 5, 1, 1))
+    cb = dev.new_command_queue().command_buffer()
+    loss.encode_batch(cb, x, m.LossLabels(dev, y, max_index=4))  # a bound below 5 channels
+    with pytest.raises(ValueError, match=r"class indices must be < the 5 channels .*got 5"):
+        loss.encode_batch(cb, x, m.LossLabels(dev, y, max_index=5))
+    with pytest.raises(ValueError, match=r"\[LossLabels\] max_index must be >= 0, got -1"):
+        m.LossLabels(dev, y, max_index=-1)
