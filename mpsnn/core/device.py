@@ -404,6 +404,7 @@ class CommandBuffer:
                 "CPU queue; on the CPU commit the work instead"
             )
         graph = torch.cuda.CUDAGraph()
+        keep = self._allocated_before_capture()
         self._status = _COMMITTED
         self._captured = True
         device = q._device.torch_device
@@ -420,7 +421,34 @@ class CommandBuffer:
             self._complete()
             raise self.error
         self._status = _COMPLETED  # replays re-commit it
-        return CapturedCommandBuffer(self, graph)
+        captured = CapturedCommandBuffer(self, graph)
+        captured._keep_alive = keep
+        return captured
+
+    def _allocated_before_capture(self) -> list[torch.Tensor]:
+        """The storage of the temporaries this buffer releases that exists already (made at
+        encode time, e.g. an exported weights state). Released during the capture, it would go
+        back to PyTorch's ordinary allocator and be handed to later allocations while every
+        replay still reads and writes it: the captured buffer keeps it. (Storage a command
+        allocates while being captured comes from the graph's private pool, where releasing it
+        lets later commands of the same graph reuse it, as in an eager run.)"""
+        resources = list(self._pending_releases)
+        for cmd in self._commands:
+            resources.extend(cmd.releases or ())
+        resources.extend(r for h in self._hooks if (r := getattr(h, "resource", None)) is not None)
+        keep: list[torch.Tensor] = []
+        seen: set[int] = set()
+        for res in resources:
+            if id(res) in seen:
+                continue
+            seen.add(id(res))
+            storage = getattr(res, "_storage", None)  # images: None until a command writes
+            if isinstance(storage, torch.Tensor):
+                keep.append(storage)
+            resources_of = getattr(res, "resources", None)
+            if storage is None and callable(resources_of):  # states
+                keep.extend(t for t in resources_of() if isinstance(t, torch.Tensor))
+        return keep
 
     def _run(self) -> None:
         for res in self._pending_releases:
@@ -498,11 +526,12 @@ class CapturedCommandBuffer:
     step is equivalent to encoding it again.
     """
 
-    __slots__ = ("_buffer", "_graph", "replays")
+    __slots__ = ("_buffer", "_graph", "_keep_alive", "replays")
 
     def __init__(self, buffer: CommandBuffer, graph: torch.cuda.CUDAGraph) -> None:
         self._buffer = buffer
         self._graph = graph
+        self._keep_alive: list[torch.Tensor] = []  # storage the recording uses, made before it
         self.replays = 0
 
     @property

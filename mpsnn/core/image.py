@@ -533,6 +533,7 @@ def _release_temporary(image: TemporaryImage) -> Any:
             image._released_by = "its command buffer completed"
         image._free_storage()
 
+    hook.resource = image  # type: ignore[attr-defined]  # what a capture keeps alive
     return hook
 
 

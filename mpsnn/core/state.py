@@ -169,6 +169,7 @@ def _release_state(state: State) -> Callable[[], None]:
             state._released_by = "its command buffer completed"
         state._free_storage()
 
+    hook.resource = state  # type: ignore[attr-defined]  # what a capture keeps alive
     return hook
 
 

@@ -69,7 +69,7 @@ class Net:
         g = self.pool_grad.encode_batch(cb, g, a, sp)
         g = self.relu_grad.encode_batch(cb, g, a, s1)
         conv_grad.encode_batch(cb, g, x, s1)
-        for (kernel, _), st in ((conv, s1[0]), (fc, s2[0])):
+        for kernel, st in ((conv, s1[0]), (fc, s2[0])):
             self._sgd(cb, kernel, st)
         return logp, d
 

@@ -13,6 +13,16 @@ import mpsnn as m
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
+@pytest.fixture(autouse=True)
+def _deterministic_cudnn():
+    """Bit-for-bit comparisons between two runs need cuDNN's deterministic algorithms (its
+    default weight-gradient algorithms may sum in a different order from run to run)."""
+    saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    yield
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved
+
+
 def _model(dev: m.Device, storage: m.FeatureChannelFormat) -> tuple[m.Graph, list]:
     """conv + ReLU (fused) + max pool + batch norm + dropout + FC + loss, Adam in the layers."""
     g = torch.Generator().manual_seed(7)
@@ -107,3 +117,83 @@ def test_replay_refuses_another_batch_shape_and_keeps_working() -> None:
     out = compiled([m.ImageBatch.from_tensor(x)], [m.LossLabels(dev, y)])
     compiled.wait_until_completed()
     assert torch.isfinite(out.tensor).all()
+
+
+class _AdamDataSource(m.ConvolutionDataSource):
+    """A data source of its own, as Apple's sample writes it: the GPU update path encodes Adam
+    from the gradient state and the weights the kernel used (an exported, temporary state made
+    at encode time) into the data source's own state, out of place."""
+
+    def __init__(self, dev: m.Device, desc: m.ConvolutionDescriptor, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        w = torch.randn(desc.weights_shape, generator=g) * 0.2
+        self._desc = desc
+        self._state = m.ConvolutionWeightsAndBiasesState(
+            w.to(dev.torch_device), torch.full((desc.output_feature_channels,), 0.1).cuda()
+        )
+        self.adam = m.Adam(dev, descriptor=m.OptimizerDescriptor(learning_rate=1e-2))
+        params = (self._state.weights, self._state.biases)
+        self._m = [torch.zeros_like(p) for p in params]
+        self._v = [torch.zeros_like(p) for p in params]
+
+    def descriptor(self) -> m.ConvolutionDescriptor:
+        return self._desc
+
+    def weights(self) -> torch.Tensor:
+        return self._state.weights
+
+    def bias_terms(self) -> torch.Tensor:
+        return self._state.biases
+
+    def update(self, command_buffer, gradient_state, source_state):  # type: ignore[no-untyped-def]
+        self.adam.encode(
+            command_buffer,
+            convolution_gradient_state=gradient_state,
+            convolution_source_state=source_state,
+            input_momentum_vectors=self._m,
+            input_velocity_vectors=self._v,
+            result_state=self._state,
+        )
+        return self._state
+
+
+@needs_cuda
+def test_replay_with_a_custom_data_source_update_equals_eager() -> None:
+    """The exported weights state of the generic update path is made at encode time, before
+    the capture: the recording must keep it (released, its memory would be handed to later
+    allocations while every replay still uses it)."""
+    dev = m.Device("cuda")
+
+    def model() -> tuple[m.Graph, list]:
+        sources = [
+            _AdamDataSource(dev, m.ConvolutionDescriptor(3, 3, 2, 6), 1),
+            _AdamDataSource(dev, m.ConvolutionDescriptor(8, 8, 6, 5), 2),
+        ]
+        x = m.ImageNode("x")
+        h = m.NeuronReLUNode(m.ConvolutionNode(x, sources[0]).result_image).result_image
+        loss = m.LossNode(
+            m.FullyConnectedNode(h, sources[1]).result_image,
+            m.LossDescriptor(m.LossType.SOFTMAX_CROSS_ENTROPY, m.ReductionType.SUM, weight=1 / 8),
+        )
+        (exit_node,) = loss.training_graph()
+        return m.Graph(dev, exit_node.result_image, False), sources
+
+    eager_graph, eager_sources = model()
+    replay_graph, replay_sources = model()
+    queue = dev.new_command_queue()
+    compiled = replay_graph.compile(queue)
+    gen = torch.Generator().manual_seed(5)
+    for k in range(6):
+        x = torch.randn(8, 2, 8, 8, generator=gen).cuda()
+        y = torch.randint(0, 5, (8, 1, 1), generator=gen).cuda()
+        cb = queue.command_buffer()
+        eager_graph.encode_batch(cb, [m.ImageBatch.from_tensor(x)], [m.LossLabels(dev, y)])
+        cb.commit()
+        compiled([m.ImageBatch.from_tensor(x.clone())], [m.LossLabels(dev, y.clone())])
+        junk = [torch.full((1 << 16,), float("nan"), device="cuda") for _ in range(8)]  # reuse
+        compiled.wait_until_completed()
+        del junk
+        for a, b in zip(eager_sources, replay_sources, strict=True):
+            assert torch.equal(a.weights(), b.weights()), f"step {k}: weights differ"
+            assert torch.equal(a.bias_terms(), b.bias_terms()), f"step {k}: biases differ"
+    assert compiled.is_captured
