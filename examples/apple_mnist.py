@@ -178,6 +178,8 @@ def run_mpsnn(
     print(f"[mpsnn] storage of intermediates: {train.format.name} (gradients FLOAT32)")
     queue = dev.new_command_queue()
     compiled = train.compile(queue) if args.compile else None
+    if compiled is not None and compiled.eager_reason is not None:
+        print(f"[mpsnn] --compile: steps run eagerly ({compiled.eager_reason})")
 
     def evaluate() -> float:
         infer.reload_from_data_sources()

@@ -23,7 +23,11 @@ loss images are the same storage at every replay: read (or copy) them before the
 
 On the CPU there is nothing to record: every call is an eager step. So is every call of a
 graph whose ``data_parallel`` hooks say ``capturable = False`` (`mpsnn.DataParallel`: its
-collectives and their host-side error handling are not captured).
+collectives and their host-side error handling are not captured), and of a graph with a layer
+updated through a data source's own ``update`` (a data source other than mpsnn's
+``Tensor…DataSource`` with an optimizer): replays of such steps were measured to diverge from
+eager steps from the second replay on, a fault not yet found, so they are not recorded.
+`CompiledGraph.eager_reason` says why a compiled graph runs eagerly.
 """
 
 from __future__ import annotations
@@ -87,6 +91,21 @@ class CompiledGraph:
         return self._captured is not None
 
     @property
+    def eager_reason(self) -> str | None:
+        """Why this graph's steps are not recorded (None: they are, on CUDA after warm-up)."""
+        hooks = getattr(self._graph, "data_parallel", None)
+        if hooks is not None and not getattr(hooks, "capturable", True):
+            return "data parallel: collectives are not captured"
+        custom = _custom_updates(self._graph)
+        if custom:
+            return (
+                "layers updated through their data source's own update ("
+                + ", ".join(custom)
+                + "): not captured (replays diverged from eager steps; see the module docstring)"
+            )
+        return None
+
+    @property
     def replays(self) -> int:
         """How many steps ran as replays."""
         return 0 if self._captured is None else self._captured.replays
@@ -107,8 +126,7 @@ class CompiledGraph:
             self._captured.replay()
             self.steps += 1
             return self._result
-        hooks = getattr(graph, "data_parallel", None)
-        capturable = hooks is None or getattr(hooks, "capturable", True)
+        capturable = self.eager_reason is None
         if self.steps == 0 or self._queue._stream is None or not capturable:
             # warm-up, the CPU, or collectives a CUDA graph must not capture: eager
             cb = self._queue.command_buffer()
@@ -194,6 +212,25 @@ class CompiledGraph:
     def __repr__(self) -> str:
         mode = f"captured, {self.replays} replays" if self._captured else "not captured"
         return f"<CompiledGraph of {self._graph!r}: {self.steps} steps, {mode}>"
+
+
+def _custom_updates(graph: Any) -> list[str]:
+    """The trainable layers whose data sources update themselves (not mpsnn's grouped path)."""
+    from mpsnn.cnn.convolution import TensorConvolutionDataSource
+    from mpsnn.cnn.normalization.data_sources import _TensorGammaBeta
+
+    names = []
+    for node in graph._order:
+        forward = getattr(node, "inference_node", None)
+        if forward is None or not getattr(node, "trainable", False):
+            continue
+        ds = getattr(forward, "data_source", None)
+        grouped = isinstance(ds, TensorConvolutionDataSource | _TensorGammaBeta) and (
+            ds.optimizer is not None
+        )
+        if ds is not None and not grouped:
+            names.append(forward.label or type(forward).__name__)
+    return names
 
 
 def _batches(source_images: Sequence[Any]) -> list[ImageBatch]:

@@ -39,7 +39,8 @@ class Net:
             (m.FullyConnected, m.FullyConnectedGradient, m.ConvolutionDescriptor(6, 6, 4, 10)),
         ):
             w = torch.randn(desc.weights_shape, generator=gen) * 0.2
-            ds = m.TensorConvolutionDataSource(desc, w, torch.randn(desc.output_feature_channels))
+            b = torch.randn(desc.output_feature_channels, generator=gen)
+            ds = m.TensorConvolutionDataSource(desc, w, b)
             self.layers.append((kind(dev, ds), grad_kind(dev, ds)))
         self.pool, self.pool_grad = (
             m.PoolingMax(dev, 2, 2, 2, 2),

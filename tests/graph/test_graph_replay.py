@@ -159,9 +159,9 @@ class _AdamDataSource(m.ConvolutionDataSource):
 
 @needs_cuda
 def test_replay_with_a_custom_data_source_update_equals_eager() -> None:
-    """The exported weights state of the generic update path is made at encode time, before
-    the capture: the recording must keep it (released, its memory would be handed to later
-    allocations while every replay still uses it)."""
+    """A layer updated through its data source's own ``update``: replays of such steps were
+    measured to diverge from eager steps from the second replay on (a fault not yet found), so
+    the compiled graph runs them eagerly, says why, and still gives the eager weights."""
     dev = m.Device("cuda")
 
     def model() -> tuple[m.Graph, list]:
@@ -196,4 +196,5 @@ def test_replay_with_a_custom_data_source_update_equals_eager() -> None:
         for a, b in zip(eager_sources, replay_sources, strict=True):
             assert torch.equal(a.weights(), b.weights()), f"step {k}: weights differ"
             assert torch.equal(a.bias_terms(), b.bias_terms()), f"step {k}: biases differ"
-    assert compiled.is_captured
+    assert not compiled.is_captured
+    assert "their data source's own update" in compiled.eager_reason
