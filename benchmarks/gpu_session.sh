@@ -34,7 +34,8 @@ parts=${*:-tests lenet resnet train resnetc apple}
 for p in $parts; do
   case $p in
     tests) part tests 90 python -m pytest -q -p no:cacheprovider tests/graph/test_graph_replay.py \
-             tests/core/test_capture.py tests/core/test_foundation.py tests/ops/test_optim_ops.py ;;
+             tests/core/test_capture.py tests/core/test_foundation.py tests/ops/test_optim_ops.py \
+             tests/ops/test_optim_triton.py tests/ops/test_optim_cuda_graphs.py ;;
     lenet) part lenet 120 python -m mpsnn.cli bench --model lenet --batch-size 256 \
              --dtype float32 --device cuda --steps 50 --trials 5 --json "$OUT/bench_lenet.json" ;;
     resnet) part resnet 100 python -m mpsnn.cli bench --model resnet18 --batch-size 512 \

@@ -3,6 +3,10 @@
 Each node's constructor is its kernel's, with the source(s) first. A node makes its kernel
 when a graph binds it (``_make_kernel``) and, for the training graph, the gradient kernel that
 differentiates it (``_gradient_kernel``); the gradient nodes are in `mpsnn.graph.gradient_nodes`.
+
+The neuron nodes (`NeuronNode`, `NeuronReLUNode`, ...) are defined in `mpsnn.graph.neuron_nodes`
+and re-exported here, in this module's ``__all__``; `UnaryNode`, the base of the one-source
+filters, is in `mpsnn.graph.nodes` (both modules build on it without importing this one).
 """
 
 from __future__ import annotations
@@ -17,13 +21,14 @@ import mpsnn.cnn.pooling as pool
 import mpsnn.cnn.shape as shape
 import mpsnn.cnn.softmax as softmax
 import mpsnn.cnn.upsampling as up
-from mpsnn.cnn.neuron import Neuron, NeuronGradient
-from mpsnn.cnn.neuron_descriptor import NeuronDescriptor, NeuronType
-from mpsnn.core._checks import check_positive, check_type
+from mpsnn.core._checks import check_positive
 from mpsnn.core.device import Device
 from mpsnn.core.geometry import EdgeMode, ImageCoordinate, Size
 from mpsnn.core.image_batch import ImageBatch
-from mpsnn.graph.nodes import FilterNode, ImageNode
+from mpsnn.graph.neuron_nodes import *  # noqa: F403  (re-exported: the named neuron nodes)
+from mpsnn.graph.neuron_nodes import NeuronNode as NeuronNode
+from mpsnn.graph.neuron_nodes import __all__ as _neuron_nodes
+from mpsnn.graph.nodes import FilterNode, ImageNode, UnaryNode
 from mpsnn.graph.step import _Step
 
 __all__ = [
@@ -49,24 +54,7 @@ __all__ = [
     "UpsamplingBilinearNode",
     "UpsamplingNearestNode",
 ]
-
-
-class UnaryNode(FilterNode):
-    """A filter with one source whose kernel is a `CNNKernel` with a gradient state."""
-
-    def __init__(self, source: ImageNode) -> None:
-        super().__init__([source])
-
-    def _run(self, step: _Step, kernel: Any) -> None:
-        x = step.image(self._sources[0])
-        states = step.states_for(self, kernel, x) if step.training(self) else None
-        y = kernel.encode_batch(step.cb, x, destination_states=states)
-        step.set_image(self.result_image, y)
-        if states is not None:
-            step.set_state(self.result_state, states)
-
-    def _gradient_kernel(self, device: Device) -> Any:
-        raise NotImplementedError
+__all__ += [name for name in _neuron_nodes if name not in __all__]  # the named neuron nodes
 
 
 # -- convolution family ------------------------------------------------------------------
@@ -237,91 +225,6 @@ class DilatedPoolingMaxNode(_PoolingNode):
     def _args(self) -> tuple[int, ...]:
         return (self.kernel_width, self.kernel_height, self.dilation_rate_x,
                 self.dilation_rate_y, self.stride_in_pixels_x, self.stride_in_pixels_y)  # fmt: skip
-
-
-# -- neurons ------------------------------------------------------------------------------
-
-
-class NeuronNode(UnaryNode):
-    """A neuron (MPS ``MPSCNNNeuronNode``): ``NeuronNode(source, descriptor)``; the named
-    nodes (`NeuronReLUNode`, ...) build the descriptor."""
-
-    def __init__(self, source: ImageNode, descriptor: NeuronDescriptor) -> None:
-        super().__init__(source)
-        self.descriptor = check_type(
-            type(self).__name__, "descriptor", descriptor, NeuronDescriptor
-        )
-
-    @property
-    def a(self) -> float:
-        return self.descriptor.a
-
-    @property
-    def b(self) -> float:
-        return self.descriptor.b
-
-    @property
-    def c(self) -> float:
-        return self.descriptor.c
-
-    def _make_kernel(self, device: Device) -> Any:
-        k = Neuron(device, self.descriptor)
-        self._configure(k)
-        return k
-
-    def _run(self, step: _Step, kernel: Any) -> None:
-        target = getattr(kernel, "target", None)
-        if target is None:
-            return super()._run(step, kernel)
-        # fused into the filter before it: its result (and state) are this node's
-        step.alias(self.result_image, target.result_image)
-        if target.result_state is not None and target.result_state._id in step.states:
-            step.set_state(self.result_state, step.state(target.result_state))
-        return None
-
-    def _gradient_kernel(self, device: Device) -> Any:
-        return NeuronGradient(device, self.descriptor)
-
-
-def _neuron_node(name: str, kind: NeuronType, params: tuple[str, ...], doc: str) -> type:
-    """A named neuron node: ``Name(source, <params>)`` with MPS's defaults for the type."""
-
-    def __init__(self: NeuronNode, source: ImageNode, *args: Any, **kwargs: Any) -> None:
-        if len(args) > len(params):
-            raise TypeError(f"[{name}] takes {len(params)} parameters {params}, got {len(args)}")
-        values = dict(zip(params, args, strict=False)) | kwargs
-        unknown = set(values) - set(params)
-        if unknown:
-            raise TypeError(f"[{name}] unknown parameters {sorted(unknown)}; it takes {params}")
-        if kind is NeuronType.PRELU:
-            desc = NeuronDescriptor(kind, data=values.get("a_data"))
-        else:
-            desc = NeuronDescriptor(kind, **values)
-        NeuronNode.__init__(self, source, desc)
-
-    return type(name, (NeuronNode,), {"__init__": __init__, "__doc__": doc})
-
-
-_NEURONS = (
-    ("NeuronReLUNode", NeuronType.RELU, ("a",), "ReLU, leaky with slope ``a`` (default 0)."),
-    ("NeuronLinearNode", NeuronType.LINEAR, ("a", "b"), "``a x + b``."),
-    ("NeuronSigmoidNode", NeuronType.SIGMOID, (), "``1 / (1 + e^-x)``."),
-    ("NeuronHardSigmoidNode", NeuronType.HARD_SIGMOID, ("a", "b"), "``clamp(a x + b, 0, 1)``."),
-    ("NeuronTanHNode", NeuronType.TANH, ("a", "b"), "``a tanh(b x)``."),
-    ("NeuronAbsoluteNode", NeuronType.ABSOLUTE, (), "``|x|``."),
-    ("NeuronSoftPlusNode", NeuronType.SOFT_PLUS, ("a", "b"), "``a log(1 + e^(b x))``."),
-    ("NeuronSoftSignNode", NeuronType.SOFT_SIGN, (), "``x / (1 + |x|)``."),
-    ("NeuronELUNode", NeuronType.ELU, ("a",), "ELU with scale ``a``."),
-    ("NeuronPReLUNode", NeuronType.PRELU, ("a_data",), "PReLU with per-channel slopes."),
-    ("NeuronReLUNNode", NeuronType.RELU_N, ("a", "b"), "ReLU capped at ``b``."),
-    ("NeuronPowerNode", NeuronType.POWER, ("a", "b", "c"), "``(a x + b)^c``."),
-    ("NeuronExponentialNode", NeuronType.EXPONENTIAL, ("a", "b", "c"), "``c^(a x + b)``."),
-    ("NeuronLogarithmNode", NeuronType.LOGARITHM, ("a", "b", "c"), "``log_c(a x + b)``."),
-    ("NeuronGeLUNode", NeuronType.GELU, (), "``x Phi(x)``."),
-)
-for _name, _kind, _params, _doc in _NEURONS:
-    globals()[_name] = _neuron_node(_name, _kind, _params, f"{_doc} (MPS ``MPSCNN{_name}``)")
-    __all__.append(_name)
 
 
 # -- softmax, dropout, upsampling ---------------------------------------------------------------

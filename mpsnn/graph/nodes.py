@@ -18,6 +18,9 @@ and, for the automatic training graph, ``gradient_filters(sources)``: the gradie
 differentiate it, found in the node-level forward → gradient table (`register_gradient_nodes`,
 filled by `mpsnn.graph.gradient_nodes`; this module imports no node family, so the families
 import it and never each other in a circle).
+
+`UnaryNode` is the base of the one-source forward filters of the families
+(`mpsnn.graph.forward_nodes`, `mpsnn.graph.neuron_nodes`, `mpsnn.graph.normalization_nodes`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from mpsnn.core.descriptor import FeatureChannelFormat
 from mpsnn.core.kernel import Kernel
 
 if TYPE_CHECKING:
+    from mpsnn.core.device import Device
     from mpsnn.graph.step import _Step
 
 __all__ = [
@@ -242,6 +246,24 @@ class FilterNode:
     def __repr__(self) -> str:
         label = f" {self.label!r}" if self.label else ""
         return f"<{type(self).__name__}{label}>"
+
+
+class UnaryNode(FilterNode):
+    """A filter with one source whose kernel is a `CNNKernel` with a gradient state."""
+
+    def __init__(self, source: ImageNode) -> None:
+        super().__init__([source])
+
+    def _run(self, step: _Step, kernel: Any) -> None:
+        x = step.image(self._sources[0])
+        states = step.states_for(self, kernel, x) if step.training(self) else None
+        y = kernel.encode_batch(step.cb, x, destination_states=states)
+        step.set_image(self.result_image, y)
+        if states is not None:
+            step.set_state(self.result_state, states)
+
+    def _gradient_kernel(self, device: Device) -> Any:
+        raise NotImplementedError
 
 
 class GradientFilterNode(FilterNode):

@@ -12,8 +12,8 @@ import mpsnn.cnn.normalization as norm
 from mpsnn.cnn.loss import Loss, LossDescriptor
 from mpsnn.core._checks import check_type
 from mpsnn.core.device import Device
-from mpsnn.graph.forward_nodes import UnaryNode, _TrainableNode
-from mpsnn.graph.nodes import FilterNode, ImageNode, LabelsNode
+from mpsnn.graph.forward_nodes import _TrainableNode
+from mpsnn.graph.nodes import FilterNode, ImageNode, LabelsNode, UnaryNode
 from mpsnn.graph.step import _Step
 
 __all__ = [

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from mpsnn.cnn._pointwise import Pointwise, PointwiseGradient, PointwiseKernel, PointwiseRecord
-from mpsnn.cnn.normalization.batch_norm import MasterPair, read_normalization_vectors
+from mpsnn.cnn.normalization.batch_norm_forward import MasterPair, read_normalization_vectors
 from mpsnn.cnn.normalization.data_sources import (
     GroupNormalizationDataSource,
     InstanceNormalizationDataSource,

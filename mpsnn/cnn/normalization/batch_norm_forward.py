@@ -1,0 +1,502 @@
+"""The batch-normalization forward side (MPS ``MPSCNNBatchNormalization``,
+``MPSCNNBatchNormalizationStatistics``, ``MPSCNNBatchNormalizationState``): the state that
+accumulates a batch's statistics and their gradient sums, the statistics kernel, the forward
+kernel (training mode on the state's statistics, inference mode on the running ones), the
+record the gradients read, and the helpers the group/instance normalization kernels share
+(`MasterPair`, `read_normalization_vectors`).
+
+The gradient kernels are in `mpsnn.cnn.normalization.batch_norm_gradient`; the training step
+as a whole is described in `mpsnn.cnn.normalization.batch_norm`, which re-exports both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mpsnn.cnn._pointwise import Pointwise, PointwiseKernel, PointwiseRecord
+from mpsnn.cnn.neuron_descriptor import FusedNeuron
+from mpsnn.cnn.normalization.data_sources import BatchNormalizationDataSource
+from mpsnn.cnn.normalization.states import (
+    NormalizationGammaAndBetaState,
+    NormalizationMeanAndVarianceState,
+)
+from mpsnn.core.cnn_kernel import CNNKernel, Records
+from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.encode import Encoding
+from mpsnn.core.geometry import Window
+from mpsnn.core.image import Image
+from mpsnn.core.image_batch import ImageBatch
+from mpsnn.core.state import AccumulatorState, StateBatch
+from mpsnn.ops.batch_norm import bn_forward, bn_merge, bn_statistics, bn_variance
+
+__all__ = [
+    "BatchNormalization",
+    "BatchNormalizationRecord",
+    "BatchNormalizationState",
+    "BatchNormalizationStatistics",
+    "read_normalization_vectors",
+]
+
+_STATS, _GRADS = 0, 1  # the state's slots
+
+
+class MasterPair:
+    """Two (C,) master tensors a kernel owns on its device (gamma/beta, or the running
+    mean/variance), updated in place by reloads: work recorded earlier reads the new values."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self, first: torch.Tensor, second: torch.Tensor, device: Device) -> None:
+        dev = device.torch_device
+        dtype = torch.float64 if first.dtype == torch.float64 else torch.float32
+        self.first = first.to(dev, dtype, copy=True)
+        self.second = second.to(dev, dtype, copy=True)
+
+    def load(self, first: torch.Tensor, second: torch.Tensor) -> None:
+        self.first.copy_(first)
+        self.second.copy_(second)
+
+
+def read_normalization_vectors(
+    who: str, data_source: Any, names: Sequence[str], channels: int | None = None
+) -> list[torch.Tensor]:
+    """Call ``load``, read ``names`` (methods returning (C,) vectors; beta None means 0),
+    ``purge``; check the shapes."""
+    if not callable(getattr(data_source, "gamma", None)):
+        raise TypeError(
+            f"[{who}] data_source must be a normalization data source (with gamma(), beta(), "
+            f"number_of_feature_channels), got {type(data_source).__name__}"
+        )
+    if data_source.load() is False:
+        raise ValueError(f"[{who}] the data source's load() must succeed, got False")
+    try:
+        c = int(data_source.number_of_feature_channels) if channels is None else channels
+        out = []
+        for name in names:
+            v = getattr(data_source, name)()
+            t = torch.zeros(c) if v is None else torch.as_tensor(v).detach()
+            if tuple(t.shape) != (c,):
+                raise ValueError(
+                    f"[{who}] the data source's {name}() must have shape ({c},), "
+                    f"got {tuple(t.shape)}"
+                )
+            out.append(t.to(torch.float64 if t.dtype == torch.float64 else torch.float32))
+    finally:
+        data_source.purge()
+    return out
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class BatchNormalizationRecord(PointwiseRecord):
+    """What a batch-normalization forward hands its gradients: the channels it normalized,
+    epsilon, the fused neuron and the kernel's master gamma/beta."""
+
+    channels: int
+    epsilon: float
+    neuron: FusedNeuron | None
+    affine: MasterPair
+
+
+class BatchNormalizationState(AccumulatorState):
+    """Statistics of one batch and their gradients (MPS ``MPSCNNBatchNormalizationState``).
+
+    Written by: `BatchNormalizationStatistics` (sums of the batch: count, mean, m2, slot 0),
+    `BatchNormalization` (its record: geometry, epsilon, neuron), and
+    `BatchNormalizationStatisticsGradient` (Σgy·xhat and Σgy, slot 1). Read by: the forward
+    (training mode), both gradient kernels, the data source's updates and optimizers.
+
+    ``gamma``/``beta`` are the kernel's values (the source state of a gamma/beta update);
+    ``mean``/``variance`` those of the batch accumulated so far (biased variance); the
+    gradients None before any gradient ran. `reset` clears the sums for a new batch.
+    """
+
+    def __init__(
+        self,
+        device: Device,
+        batch_normalization: BatchNormalization,
+        *,
+        command_buffer: CommandBuffer | None = None,
+        label: str | None = None,
+    ) -> None:
+        super().__init__(device, command_buffer=command_buffer, label=label)
+        self._kernel = batch_normalization
+        self._channels = batch_normalization.number_of_feature_channels
+        self._statistics_encoded = False
+        self._gradients_encoded = False
+
+    @property
+    def batch_normalization(self) -> BatchNormalization:
+        """The kernel that made this state."""
+        return self._kernel
+
+    @property
+    def number_of_feature_channels(self) -> int:
+        return self._channels
+
+    @property
+    def gamma(self) -> torch.Tensor:
+        return self._kernel._affine.first
+
+    @property
+    def beta(self) -> torch.Tensor:
+        return self._kernel._affine.second
+
+    def _batch(self, who: str) -> list[torch.Tensor]:
+        self._check_live(who)
+        if not self._statistics_encoded:
+            raise ValueError(
+                f"[{who}] the state must hold batch statistics (encode "
+                "BatchNormalizationStatistics into it first), got none"
+            )
+        sums = self._slots.get(_STATS)
+        if sums is None:
+            raise ValueError(
+                f"[{who}] the statistics encoded into the state must have run (commit their "
+                "command buffer first), got none yet"
+            )
+        return sums
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """The batch's mean so far, (C,)."""
+        return self._batch("BatchNormalizationState")[1]
+
+    @property
+    def variance(self) -> torch.Tensor:
+        """The batch's biased variance so far, (C,)."""
+        count, _, m2 = self._batch("BatchNormalizationState")
+        return bn_variance(count, m2)
+
+    @property
+    def gradient_for_gamma(self) -> torch.Tensor | None:
+        sums = self._slots.get(_GRADS)
+        return None if sums is None else sums[0]
+
+    @property
+    def gradient_for_beta(self) -> torch.Tensor | None:
+        sums = self._slots.get(_GRADS)
+        return None if sums is None else sums[1]
+
+    def reset(self) -> None:
+        """Clear the statistics and their gradients (a new batch)."""
+        super().reset()
+        self._statistics_encoded = self._gradients_encoded = False
+
+    def _statistics_tensors(self, who: str) -> Callable[[], list[torch.Tensor]]:
+        """``(count, mean, m2)`` of the batch, read when the work runs (checked now)."""
+        if not self._statistics_encoded:
+            self._batch(who)  # raises the missing-statistics error
+        return lambda: self._slots[_STATS]
+
+    def _gamma_beta_gradients(self, who: str) -> Callable[[], list[torch.Tensor]]:
+        """``[dL/dgamma, dL/dbeta]``, read when the work runs (checked now)."""
+        if not self._gradients_encoded:
+            raise ValueError(
+                f"[{who}] the state must hold gamma/beta gradients (encode "
+                "BatchNormalizationStatisticsGradient into it first), got none"
+            )
+        return lambda: self._slots[_GRADS]
+
+
+def _check_bn_state(kernel: Any, cb: CommandBuffer, state: Any, name: str) -> Any:
+    """One `BatchNormalizationState` (a StateBatch must repeat one state)."""
+    if isinstance(state, Sequence) and not isinstance(state, str | bytes):
+        unique = StateBatch(state).unique()
+        if len(unique) != 1:
+            raise ValueError(
+                f"[{type(kernel).__name__}] {name} must be one state (or a StateBatch repeating "
+                f"one), got {len(unique)} distinct states"
+            )
+        state = unique[0]
+    return kernel._check_state(cb, state, name, BatchNormalizationState)
+
+
+class BatchNormalizationStatistics(CNNKernel):
+    """Accumulates a batch's per-channel statistics into a state (MPS
+    ``MPSCNNBatchNormalizationStatistics``), over one or several ``encode_batch`` calls
+    (sub-batches). It reads whole images, channels ``source_feature_channel_offset`` on (as
+    many as the state's normalization has)."""
+
+    _batch_barrier = True
+
+    def encode_batch(  # type: ignore[override]
+        self,
+        command_buffer: CommandBuffer,
+        source_images: ImageBatch,
+        batch_normalization_state: BatchNormalizationState,
+    ) -> None:
+        """Add the statistics of ``source_images`` to ``batch_normalization_state``."""
+        cb = command_buffer
+        self._check_command_buffer(cb)
+        src = self._check_batch(cb, source_images, "source_images")
+        state = _check_bn_state(self, cb, batch_normalization_state, "batch_normalization_state")
+        c, c0 = state._channels, self._sco
+        if c0 + c > src.feature_channels:
+            raise ValueError(
+                f"[BatchNormalizationStatistics] the source must have source_feature_channel_"
+                f"offset + {c} = {c0 + c} channels (the state's normalization), got "
+                f"{src.feature_channels}"
+            )
+
+        def run() -> None:
+            x = src._read()
+            if c0 or c != x.shape[1]:
+                x = x[:, c0 : c0 + c]
+            state._accumulate(cb, bn_statistics(x), bn_merge, slot=_STATS)
+
+        def note() -> None:
+            state._statistics_encoded = True
+
+        self._apply(cb, Encoding(run, (), (src, state), after=note))
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            "[BatchNormalizationStatistics] encode is not available (as in MPS): use "
+            "encode_batch(command_buffer, source_images, batch_normalization_state)"
+        )
+
+
+class BatchNormalization(PointwiseKernel):
+    """``y = f(gamma (x - mean)/sqrt(var + eps) + beta)`` per channel (MPS
+    ``MPSCNNBatchNormalization``).
+
+    Args:
+        device: the kernel's device.
+        data_source: a `BatchNormalizationDataSource` (gamma, beta, running mean and variance,
+            epsilon), read now and at reloads only.
+        fused_neuron_descriptor: a neuron applied after gamma/beta (None or NONE: none).
+
+    ``encode(command_buffer, source_image, batch_normalization_state=None,
+    destination_image=None)``: with a state holding batch statistics, training mode (the
+    batch's mean and biased variance, and the state records what the gradients need);
+    otherwise inference mode on the running statistics. The channels read
+    (``source_feature_channel_offset`` on) must be ``number_of_feature_channels``; offsets,
+    clip rect and edge mode apply as for any 1x1-window kernel.
+    """
+
+    def __init__(
+        self,
+        device: Device,
+        data_source: BatchNormalizationDataSource,
+        fused_neuron_descriptor: Any = None,
+    ) -> None:
+        super().__init__(device)
+        who = "BatchNormalization"
+        g, b, mu, var = read_normalization_vectors(
+            who, data_source, ("gamma", "beta", "mean", "variance")
+        )
+        self._data_source = data_source
+        self._channels = g.shape[0]
+        self.epsilon = float(data_source.epsilon)
+        self._neuron = FusedNeuron.of(who, fused_neuron_descriptor)
+        self._fused_descriptor = fused_neuron_descriptor
+        self._affine = MasterPair(g, b, device)
+        self._running = MasterPair(mu, var.to(mu.dtype), device)
+
+    @property
+    def data_source(self) -> BatchNormalizationDataSource:
+        return self._data_source
+
+    @property
+    def number_of_feature_channels(self) -> int:
+        return self._channels
+
+    @property
+    def fused_neuron_descriptor(self) -> Any:
+        return self._fused_descriptor
+
+    @property
+    def gamma(self) -> torch.Tensor:
+        """The master gamma (C,), updated in place by reloads."""
+        return self._affine.first
+
+    @property
+    def beta(self) -> torch.Tensor:
+        return self._affine.second
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """The running mean used in inference mode (the data source's, as of the last reload)."""
+        return self._running.first
+
+    @property
+    def variance(self) -> torch.Tensor:
+        return self._running.second
+
+    # -- reloads ------------------------------------------------------------------------------
+
+    def reload_gamma_and_beta_from_data_source(self) -> None:
+        """Copy the data source's gamma and beta into the kernel, in place, now."""
+        g, b = read_normalization_vectors(
+            "BatchNormalization", self._data_source, ("gamma", "beta"), self._channels
+        )
+        self._affine.load(g.to(self._affine.first.device), b.to(self._affine.first.device))
+
+    def reload_mean_and_variance_from_data_source(self) -> None:
+        """Copy the data source's running mean and variance into the kernel, now."""
+        mu, var = read_normalization_vectors(
+            "BatchNormalization", self._data_source, ("mean", "variance"), self._channels
+        )
+        self._running.load(mu.to(self._running.first.device), var.to(self._running.first.device))
+
+    def reload_gamma_and_beta(
+        self, command_buffer: CommandBuffer, gamma_and_beta_state: NormalizationGammaAndBetaState
+    ) -> None:
+        """Copy ``gamma_and_beta_state`` into the kernel as recorded work."""
+        self._reload(command_buffer, gamma_and_beta_state, NormalizationGammaAndBetaState,
+                     "gamma_and_beta_state", self._affine)  # fmt: skip
+
+    def reload_mean_and_variance(
+        self,
+        command_buffer: CommandBuffer,
+        mean_and_variance_state: NormalizationMeanAndVarianceState,
+    ) -> None:
+        """Copy ``mean_and_variance_state`` into the kernel's running statistics as recorded
+        work."""
+        self._reload(command_buffer, mean_and_variance_state, NormalizationMeanAndVarianceState,
+                     "mean_and_variance_state", self._running)  # fmt: skip
+
+    def _reload(
+        self, cb: CommandBuffer, state: Any, kind: type, name: str, pair: MasterPair
+    ) -> None:
+        self._check_command_buffer(cb)
+        self._check_state(cb, state, name, kind)
+        if state.number_of_feature_channels != self._channels:
+            raise ValueError(
+                f"[BatchNormalization] {name} must hold {self._channels} channels, "
+                f"got {state.number_of_feature_channels}"
+            )
+        a, b = state._get()
+
+        def run() -> None:
+            pair.load(a, b)
+
+        self._apply(cb, Encoding(run, (), (state,)))
+
+    # -- states ------------------------------------------------------------------------------
+
+    def result_state(
+        self, source_image: Image, source_states: Any = None, destination_image: Any = None
+    ) -> BatchNormalizationState:
+        """A new state for a batch (gamma/beta are the kernel's, no statistics yet)."""
+        return BatchNormalizationState(self._device, self)
+
+    def result_state_batch(
+        self, source_images: ImageBatch, source_states: Any = None, destination_images: Any = None
+    ) -> StateBatch:
+        """One state shared by the whole batch (MPS: the state is reused across the batch)."""
+        return StateBatch([BatchNormalizationState(self._device, self)] * len(source_images))
+
+    def temporary_result_state(
+        self,
+        command_buffer: CommandBuffer,
+        source_image: Image,
+        source_states: Any = None,
+        destination_image: Any = None,
+    ) -> BatchNormalizationState:
+        self._check_command_buffer(command_buffer)
+        return BatchNormalizationState(self._device, self, command_buffer=command_buffer)
+
+    def temporary_result_state_batch(
+        self,
+        command_buffer: CommandBuffer,
+        source_images: ImageBatch,
+        source_states: Any = None,
+        destination_images: Any = None,
+    ) -> StateBatch:
+        """One temporary state shared by the whole batch."""
+        self._check_command_buffer(command_buffer)
+        state = BatchNormalizationState(self._device, self, command_buffer=command_buffer)
+        return StateBatch([state] * len(source_images))
+
+    _reused_across_batch = True
+
+    # -- encode -----------------------------------------------------------------------------
+
+    def encode(  # type: ignore[override]
+        self,
+        command_buffer: CommandBuffer,
+        source_image: Image,
+        batch_normalization_state: BatchNormalizationState | None = None,
+        destination_image: Image | None = None,
+    ) -> Image:
+        """Normalize ``source_image`` (see the class); returns the destination."""
+        self._check_command_buffer(command_buffer)
+        self._check_image(command_buffer, source_image, "source_image")
+        states = self._states(command_buffer, batch_normalization_state, 1)
+        return self._encode(command_buffer, source_image, destination_image, states, batch=False)
+
+    def encode_batch(  # type: ignore[override]
+        self,
+        command_buffer: CommandBuffer,
+        source_images: ImageBatch,
+        batch_normalization_state: BatchNormalizationState | None = None,
+        destination_images: ImageBatch | None = None,
+    ) -> ImageBatch:
+        """Normalize a batch (one operation); returns the destination batch."""
+        cb = command_buffer
+        self._check_command_buffer(cb)
+        src = self._check_batch(cb, source_images, "source_images")
+        dst = None
+        if destination_images is not None:
+            dst = self._check_batch(cb, destination_images, "destination_images")
+        states = self._states(cb, batch_normalization_state, len(source_images))
+        out = self._encode(cb, src, dst, states, batch=True)
+        return destination_images if destination_images is not None else ImageBatch(out)
+
+    def _states(self, cb: CommandBuffer, state: Any, n: int) -> list[Any]:
+        if state is None:
+            return []
+        st = _check_bn_state(self, cb, state, "batch_normalization_state")
+        if st._kernel is not self:
+            raise ValueError(
+                "[BatchNormalization] batch_normalization_state must come from this kernel's "
+                "result_state (it holds this kernel's gamma and beta), got one of another "
+                "BatchNormalization"
+            )
+        return [st]
+
+    def _destination_channels(self, source_channels: int) -> int:
+        if source_channels != self._channels:
+            raise ValueError(
+                f"[BatchNormalization] the source must provide number_of_feature_channels="
+                f"{self._channels} channels (after source_feature_channel_offset={self._sco}), "
+                f"got {source_channels}"
+            )
+        return source_channels
+
+    def _state_kind(self) -> type:
+        return BatchNormalizationState
+
+    def _record_params(self, window: Window, memo: dict[str, Any]) -> BatchNormalizationRecord:
+        return BatchNormalizationRecord(
+            self._extract_plan(window, memo), self._channels, self.epsilon, self._neuron,
+            self._affine,
+        )  # fmt: skip
+
+    def _pointwise(self, window: Window, records: Records) -> Pointwise:
+        eps, affine = self.epsilon, self._affine
+        neuron = None if self._neuron is None else self._neuron.params
+        training = bool(records) and records[0][0]._statistics_encoded
+        if training:
+            state = records[0][0]
+
+            def stats() -> tuple[torch.Tensor, torch.Tensor]:
+                count, mean, m2 = state._slots[_STATS]
+                return mean, bn_variance(count, m2)
+
+        else:
+            running = self._running
+
+            def stats() -> tuple[torch.Tensor, torch.Tensor]:
+                return running.first, running.second
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            mean, var = stats()
+            return bn_forward(x, mean, var, affine.first, affine.second, eps, neuron)
+
+        return forward

@@ -1,0 +1,203 @@
+"""The batch-normalization gradient kernels (MPS ``MPSCNNBatchNormalizationStatisticsGradient``,
+``MPSCNNBatchNormalizationGradient``): the gradient sums ``Σ gy·xhat`` and ``Σ gy`` accumulated
+into the state over every sub-batch, then ``dL/dx`` from the whole batch's statistics and sums;
+the fused neuron's gradient is applied first in both.
+
+They read what the forward side left in the `BatchNormalizationState` and its
+`BatchNormalizationRecord` (`mpsnn.cnn.normalization.batch_norm_forward`), and are registered
+as the gradients of `BatchNormalization` here. `mpsnn.cnn.normalization.batch_norm` describes
+the training step as a whole and re-exports both sides.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mpsnn.cnn._pointwise import PointwiseBackward, PointwiseGradient
+from mpsnn.cnn.neuron_descriptor import FusedNeuron
+from mpsnn.cnn.normalization.batch_norm_forward import (
+    _GRADS,
+    _STATS,
+    BatchNormalization,
+    BatchNormalizationRecord,
+    BatchNormalizationState,
+    _check_bn_state,
+)
+from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.encode import Encoding
+from mpsnn.core.geometry import Window
+from mpsnn.core.image import Image
+from mpsnn.core.image_batch import ImageBatch
+from mpsnn.core.registry import gradient_of
+from mpsnn.core.state import ForwardRecord
+from mpsnn.ops.batch_norm import bn_backward, bn_gradient_sums, bn_variance
+from mpsnn.ops.window import apply_extract
+
+__all__ = ["BatchNormalizationGradient", "BatchNormalizationStatisticsGradient"]
+
+
+class _BatchNormalizationGradientBase(PointwiseGradient):
+    """Shared by the two gradient kernels: the fused neuron, the state checks, MPS's encode
+    signature (the state third)."""
+
+    _state_class = BatchNormalizationState
+
+    def __init__(self, device: Device, fused_neuron_descriptor: Any = None) -> None:
+        super().__init__(device)
+        who = type(self).__name__
+        self._neuron = FusedNeuron.of(who, fused_neuron_descriptor)
+        self._fused_descriptor = fused_neuron_descriptor
+
+    @property
+    def fused_neuron_descriptor(self) -> Any:
+        return self._fused_descriptor
+
+    def _check_forward(self, record: ForwardRecord) -> None:
+        who = type(self).__name__
+        theirs = record.params.neuron
+        if theirs != self._neuron:
+            show = None if theirs is None else theirs.descriptor
+            raise ValueError(
+                f"[{who}] fused_neuron_descriptor must equal the forward batch normalization's "
+                f"({show!r}), got {self._fused_descriptor!r}"
+            )
+
+    def _states_for(self, cb: CommandBuffer, state: Any, n: int) -> list[Any]:
+        st = _check_bn_state(self, cb, state, "batch_normalization_state")
+        if not st._statistics_encoded:
+            st._batch(type(self).__name__)  # raises: the gradients need batch statistics
+        return [st] * n
+
+
+@gradient_of(BatchNormalization)
+class BatchNormalizationStatisticsGradient(_BatchNormalizationGradientBase):
+    """Accumulates ``Σ gy·xhat`` and ``Σ gy`` per channel into the state (MPS
+    ``MPSCNNBatchNormalizationStatisticsGradient``): ``gradient_for_gamma`` and
+    ``gradient_for_beta``, complete once every sub-batch ran. ``gy = g f'(z)``: the fused
+    neuron's gradient is applied first (``z`` recomputed from ``x`` and the statistics)."""
+
+    def encode_batch(  # type: ignore[override]
+        self,
+        command_buffer: CommandBuffer,
+        source_gradients: ImageBatch,
+        source_images: ImageBatch,
+        batch_normalization_state: BatchNormalizationState,
+    ) -> None:
+        """Add this sub-batch's gradient sums to ``batch_normalization_state``."""
+        n = len(source_images) if isinstance(source_images, ImageBatch) else 1
+        states = self._states_for(command_buffer, batch_normalization_state, n)
+        super().encode_batch(command_buffer, source_gradients, source_images, states)
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            "[BatchNormalizationStatisticsGradient] encode is not available (as in MPS): use "
+            "encode_batch(command_buffer, source_gradients, source_images, "
+            "batch_normalization_state)"
+        )
+
+    def _wants_data_gradient(self) -> bool:
+        return False
+
+    def _pointwise_backward(self, record: ForwardRecord, states: list[Any]) -> PointwiseBackward:
+        raise AssertionError("unused: _make_backward is overridden")  # pragma: no cover
+
+    def _make_backward(
+        self, cb: CommandBuffer, record: ForwardRecord, window: Window, states: list[Any]
+    ) -> Any:
+        p: BatchNormalizationRecord = record.params
+        state = states[0]
+        neuron = None if p.neuron is None else p.neuron.params
+
+        def backward(g: torch.Tensor, x: torch.Tensor) -> None:
+            count, mean, m2 = state._slots[_STATS]
+            xb = apply_extract(x, p.plan)
+            sums = bn_gradient_sums(
+                g, xb, mean, bn_variance(count, m2), p.affine.first, p.affine.second,
+                p.epsilon, neuron,
+            )  # fmt: skip
+            state._accumulate(cb, (sums[1], sums[0]), slot=_GRADS)  # [dgamma, dbeta]
+            return
+
+        return backward
+
+    def _plan_gradient(
+        self,
+        cb: CommandBuffer,
+        grad: Image,
+        src: Image,
+        record: ForwardRecord,
+        states: list[Any],
+        dst: Image | None,
+        batch: bool,
+    ) -> Encoding:
+        enc = super()._plan_gradient(cb, grad, src, record, states, dst, batch)
+        state = states[0]
+
+        def note() -> None:
+            state._gradients_encoded = True
+
+        enc.after = note
+        return enc
+
+
+@gradient_of(BatchNormalization)
+class BatchNormalizationGradient(_BatchNormalizationGradientBase):
+    """``dL/dx = gamma/sqrt(var + eps) (gy - Σgy/m - xhat Σgy·xhat/m)`` (MPS
+    ``MPSCNNBatchNormalizationGradient``), from the whole batch's statistics and gradient sums
+    (encode `BatchNormalizationStatisticsGradient` over every sub-batch first); the fused
+    neuron's gradient is applied first."""
+
+    def encode(  # type: ignore[override]
+        self,
+        command_buffer: CommandBuffer,
+        source_gradient: Image,
+        source_image: Image,
+        batch_normalization_state: BatchNormalizationState,
+        destination_gradient: Image | None = None,
+    ) -> Image:
+        """dL/d(source_image) for one (multi-image) image."""
+        self._require_gradients(batch_normalization_state)
+        return super().encode(
+            command_buffer, source_gradient, source_image, batch_normalization_state,
+            destination_gradient,
+        )  # fmt: skip
+
+    def encode_batch(  # type: ignore[override]
+        self,
+        command_buffer: CommandBuffer,
+        source_gradients: ImageBatch,
+        source_images: ImageBatch,
+        batch_normalization_state: BatchNormalizationState,
+        destination_gradients: ImageBatch | None = None,
+    ) -> ImageBatch:
+        """dL/d(source_images) for a (sub-)batch."""
+        n = len(source_images) if isinstance(source_images, ImageBatch) else 1
+        states = self._states_for(command_buffer, batch_normalization_state, n)
+        self._require_gradients(states[0])
+        return super().encode_batch(
+            command_buffer, source_gradients, source_images, states, destination_gradients
+        )
+
+    def _require_gradients(self, state: Any) -> None:
+        if isinstance(state, BatchNormalizationState) and not state._gradients_encoded:
+            raise ValueError(
+                "[BatchNormalizationGradient] the state must hold the gradient sums (encode "
+                "BatchNormalizationStatisticsGradient over the batch first), got none"
+            )
+
+    def _pointwise_backward(self, record: ForwardRecord, states: list[Any]) -> PointwiseBackward:
+        p: BatchNormalizationRecord = record.params
+        state = states[0]
+        neuron = None if p.neuron is None else p.neuron.params
+
+        def backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            count, mean, m2 = state._slots[_STATS]
+            dgamma, dbeta = state._slots[_GRADS]
+            return bn_backward(
+                g, x, mean, bn_variance(count, m2), p.affine.first, p.affine.second, p.epsilon,
+                dbeta, dgamma, count, neuron,
+            )  # fmt: skip
+
+        return backward
