@@ -9,11 +9,12 @@ Each world size runs in fresh processes (``torch.multiprocessing`` spawn, one pe
 ResNet-18 (``mpsnn.models.ResNet18``) on synthetic 32×32×3 images, ``--batch-per-gpu`` images
 per GPU (the global batch grows with the GPUs: weak scaling), SGD with momentum 0.9:
 
-* mpsnn: the training graph in bfloat16 storage (float32 master weights), steps encoded
-  eagerly (a data-parallel graph is not captured as a CUDA graph), ``graph.data_parallel =
-  DataParallel()`` on N GPUs (gradients bucketed and all-reduced while the backward runs,
+* mpsnn: the training graph in bfloat16 storage (float32 master weights), ``graph.data_parallel
+  = DataParallel()`` on N GPUs (gradients bucketed and all-reduced while the backward runs,
   batch-norm statistics and gradient sums combined across GPUs: synchronized batch norm);
-  one GPU runs the plain graph;
+  one GPU runs the plain graph. ``--mpsnn-modes``: ``replay`` (`Graph.compile`: the step,
+  NCCL collectives included, recorded once as a CUDA graph and replayed) and/or ``eager``
+  (every step encoded and committed);
 * PyTorch: the model's twin (``model.torch_module()``), channels-last, autocast bfloat16,
   ``DistributedDataParallel`` on N GPUs (its batch norm is per GPU), the plain module on one.
 
@@ -82,7 +83,7 @@ def _timed(step: Any, sync: Any, world: int, args: argparse.Namespace) -> float:
 
 
 def _mpsnn(rank: int, world: int, args: argparse.Namespace, x: torch.Tensor,
-           y: torch.Tensor) -> dict[str, Any]:  # fmt: skip
+           y: torch.Tensor, mode: str) -> dict[str, Any]:  # fmt: skip
     import mpsnn as m
 
     dev = m.Device(f"cuda:{rank}" if args.device == "cuda" else "cpu")
@@ -98,23 +99,34 @@ def _mpsnn(rank: int, world: int, args: argparse.Namespace, x: torch.Tensor,
         graph.data_parallel = m.DataParallel(bucket_mib=args.bucket_mib)
     queue = dev.new_command_queue()
     images = [m.ImageBatch.from_tensor(x)]
-    labels = [m.LossLabels(dev, y.view(-1, 1, 1))]
+    labels = [m.LossLabels(dev, y.view(-1, 1, 1), max_index=9)]
     last: list[Any] = [None]
+    compiled = graph.compile(queue) if mode == "replay" else None
 
     def step() -> None:
+        if compiled is not None:
+            compiled(images, labels)
+            return
         cb = queue.command_buffer()
         graph.encode_batch(cb, images, labels)
         cb.commit()
         last[0] = cb
 
     def sync() -> None:
-        if last[0] is not None:
+        if compiled is not None:
+            compiled.wait_until_completed()
+        elif last[0] is not None:
             last[0].wait_until_completed()
 
     rate = _timed(step, sync, world, args)
-    loss = float(labels[0].loss_image().tensor.sum()) * world
-    return {"framework": "mpsnn", "variant": "eager graph" + (" + DataParallel" if world > 1
-            else ""), "gpus": world, "images_per_s": rate, "loss": loss}  # fmt: skip
+    states = compiled.source_states[0] if compiled is not None else labels
+    loss = float(states[0].loss_image().tensor.sum()) * world
+    if compiled is not None and args.device == "cuda" and not compiled.is_captured:
+        raise RuntimeError(f"the compiled step ran eagerly: {compiled.eager_reason}")
+    variant = "eager graph" if compiled is None else (
+        "replayed graph" if compiled.is_captured else "compiled graph (runs eagerly)")  # fmt: skip
+    return {"framework": "mpsnn", "variant": variant + (" + DataParallel" if world > 1 else ""),
+            "gpus": world, "images_per_s": rate, "loss": loss}  # fmt: skip
 
 
 def _torch(rank: int, world: int, args: argparse.Namespace, x: torch.Tensor,
@@ -174,8 +186,14 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     x = torch.randn(args.batch_per_gpu, *shape, generator=g).to(dev)
     y = torch.randint(0, 10, (args.batch_per_gpu,), generator=g).to(dev)
     rows = []
+    runs = []
     for name in args.frameworks.split(","):
-        rows.append({"mpsnn": _mpsnn, "pytorch": _torch}[name](rank, world, args, x, y))
+        if name == "mpsnn":
+            runs += [(_mpsnn, (mode,)) for mode in args.mpsnn_modes.split(",") if mode]
+        else:
+            runs.append((_torch, ()))
+    for fn, extra in runs:
+        rows.append(fn(rank, world, args, x, y, *extra))
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -194,11 +212,14 @@ def _run(world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    single = {r["framework"]: r["images_per_s"] for r in rows if r["gpus"] == 1}
+    def kind(r: dict[str, Any]) -> tuple[str, str]:  # the same variant on 1 and N GPUs
+        return r["framework"], r["variant"].replace(" + DataParallel", "").replace("DDP, ", "")
+
+    single = {kind(r): r["images_per_s"] for r in rows if r["gpus"] == 1}
     lines = [f"{'framework':<10} {'variant':<38} {'GPUs':>4} {'images/s':>10} "
              f"{'per GPU':>9} {'scaling':>8}"]  # fmt: skip
     for r in rows:
-        base = single.get(r["framework"])
+        base = single.get(kind(r))
         eff = r["images_per_s"] / (r["gpus"] * base) if base and r["gpus"] > 1 else None
         r["scaling_efficiency"] = eff
         lines.append(
@@ -218,6 +239,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--bucket-mib", type=float, default=25.0)
     parser.add_argument("--frameworks", default="mpsnn,pytorch")
+    parser.add_argument("--mpsnn-modes", default="replay,eager",
+                        help="mpsnn steps: replay (CUDA graph) and/or eager")  # fmt: skip
     parser.add_argument("--json", default=None, help="write the rows to this file")
     args = parser.parse_args()
     os.environ.update(NCCL_ENV)  # before anything initializes NCCL (inherited by the workers)

@@ -218,10 +218,12 @@ class _Display:
         t, c = self.trainer, self.trainer.config
         params = sum(p.numel() for p in t.model.twin.parameters())
         mode = "replayed CUDA graph" if t.step is not None and t.device.type == "cuda" else "eager"
+        why = None if t.step is None or t.device.type != "cuda" else t.step.eager_reason
+        if why is not None:
+            mode = f"eager ({why})"
         where = t.device.name
         if t.dist is not None:
             where = f"{t.world} ranks ({t.dist.backend}, {t.device.type})"
-            mode = "eager (CUDA graphs off: data parallel)"
         self.console.print(
             f"mpsnn train: [bold]{c.model}[/] ({params:,} parameters) on {c.dataset} "
             f"({len(t.train_x):,} train / {len(t.test_x):,} test images), {where}, "

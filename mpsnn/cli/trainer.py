@@ -171,11 +171,11 @@ class Trainer:
             for counter, saved in zip(self._dropout_counters(), checkpoint["dropout"], strict=True):
                 counter.copy_(saved)
         self.queue = self.device.new_command_queue()
-        self.step = self.graph.compile(self.queue) if c.compile and distributed is None else None
-        if distributed is not None:  # eager steps: collectives are not captured
+        if distributed is not None:  # before compiling: NCCL steps are recorded with them
             from mpsnn.distributed import DataParallel
 
             self.graph.data_parallel = DataParallel(check_every=check_every)
+        self.step = self.graph.compile(self.queue) if c.compile else None
 
     # -- data ------------------------------------------------------------------------------
 

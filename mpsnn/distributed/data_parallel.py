@@ -42,9 +42,19 @@ so any difference is a divergence, and `DistributedError` names the ranks that d
 majority (ties: from rank 0's group).
 
 Dropout kernels of the graph draw the masks of the global batch's images: rank ``r`` sets
-``image_offset = r · B / W`` at each step. A graph with these hooks runs every step eagerly
-(``capturable = False``): CUDA-graph capture of the collectives and of their error handling is
-not attempted.
+``image_offset = r · B / W`` at each step.
+
+**Replayed steps** (`Graph.compile` on CUDA with the NCCL backend: ``capturable``). Every
+collective above is recorded in the step's CUDA graph: NCCL launches captured on the queue's
+stream (NCCL's own stream joins the capture through events), so a replay runs the whole step,
+collectives included, with one launch and no host work — each rank replays its own recording
+of the same sequence of collectives, which NCCL requires. What is host work is done around the
+replays instead: `DataParallel.replayed` counts the step, marks the monitor's progress and runs
+the weight check when one is due (outside the recording; its comparison needs the host).
+A collective that fails inside a replay cannot raise from its command (nothing runs on the host
+then): the `RankMonitor` ends a rank whose peer died or hung within its timeout, naming the
+peer. With Gloo (CPU) nothing is captured: ``capturable`` is False and compiled steps run
+eagerly.
 """
 
 from __future__ import annotations
@@ -83,11 +93,9 @@ class DataParallel:
 
     Attributes:
         rank, world_size: this process in the group.
-        steps: training steps encoded so far.
-        capturable: False (``Graph.compile`` runs such a graph eagerly).
+        backend: the process group's backend (``"nccl"``, ``"gloo"``).
+        steps: training steps run so far (encoded, or replayed).
     """
-
-    capturable = False
 
     def __init__(
         self,
@@ -117,7 +125,35 @@ class DataParallel:
         self.bucket_bytes = int(bucket_mib * 2**20)
         self.check_every = check_every
         self.monitor = monitor
+        self.backend = str(dist.get_backend(process_group)).lower()
         self.steps = 0
+        self._named: list[tuple[str, torch.Tensor]] | None = None  # the last step's weights
+
+    @property
+    def capturable(self) -> bool:
+        """Whether a CUDA graph may record this graph's steps, collectives included (the NCCL
+        backend, or a group of one rank: no collectives). ``Graph.compile`` runs the steps of
+        a graph whose hooks are not capturable eagerly."""
+        return self.world_size == 1 or self.backend == "nccl"
+
+    def replayed(self, new_step: bool = True) -> None:
+        """The host work of one replay of a recorded step (`CompiledGraph` calls it after
+        the replay, on the queue's stream): count the step (``new_step`` False for the replay
+        that runs the recorded step itself, counted when it was encoded), mark progress, and
+        check the weights when a check is due."""
+        if new_step:
+            self.steps += 1
+        self._mark()
+        if self._named is not None and self.check_every and self.steps % self.check_every == 0:
+            self._check(self._named, self.steps)
+
+    def _check(self, named: list[tuple[str, torch.Tensor]], step_number: int) -> None:
+        """Compare the ranks' weights bit for bit (`DistributedError` names who differs)."""
+        parts = [torch.stack([t.double().sum(), t.double().square().sum()])
+                 for _, t in named]  # fmt: skip
+        local = torch.cat(parts) if parts else torch.zeros(2, dtype=torch.float64)
+        rows = self._all_gather(f"the weight check of step {step_number}", local).cpu()
+        _compare(rows, [name for name, _ in named], step_number, self.rank)
 
     def begin_step(self, step: Any) -> _StepCollectives:
         """The graph's hook: the collectives of one ``encode_batch`` (``step``: its `_Step`)."""
@@ -292,17 +328,17 @@ class _StepCollectives:
     def after_updates(self) -> None:
         dp = self.dp
         dp.steps += 1
-        if self.single or not dp.check_every or dp.steps % dp.check_every:
+        if self.single or not dp.check_every:
             return
-        named = _weights(self.step)
+        named = dp._named = _weights(self.step)  # master tensors: the same at every step
+        if dp.steps % dp.check_every:
+            return
         step_number = dp.steps
 
         def check() -> None:
-            parts = [torch.stack([t.double().sum(), t.double().square().sum()])
-                     for _, t in named]  # fmt: skip
-            local = torch.cat(parts) if parts else torch.zeros(2, dtype=torch.float64)
-            rows = dp._all_gather(f"the weight check of step {step_number}", local).cpu()
-            _compare(rows, [name for name, _ in named], step_number, dp.rank)
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                return  # recorded for replays: `DataParallel.replayed` checks them
+            dp._check(named, step_number)
 
         self.cb.record(f"weight check of step {step_number}", check)
 

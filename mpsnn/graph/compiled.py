@@ -21,9 +21,13 @@ optimizers' step counts and learning rates, the master weights and their low-pre
 copies, the gradient accumulators — and advances at each replay. The result image and the
 loss images are the same storage at every replay: read (or copy) them before the next call.
 
+A graph with ``data_parallel`` hooks (`mpsnn.DataParallel`) is recorded with its collectives
+when the hooks say ``capturable`` (NCCL): each rank records and replays its own step, and after
+every replay the hooks' ``replayed(new_step)`` does the step's host work (step count, progress
+mark, the periodic weight check), on the queue's stream.
+
 On the CPU there is nothing to record: every call is an eager step. So is every call of a
-graph whose ``data_parallel`` hooks say ``capturable = False`` (`mpsnn.DataParallel`: its
-collectives and their host-side error handling are not captured), and of a graph with a layer
+graph whose ``data_parallel`` hooks say ``capturable = False`` (Gloo), and of a graph with a layer
 updated through a data source's own ``update`` (a data source other than mpsnn's
 ``Tensor…DataSource`` with an optimizer): replays of such steps were measured to diverge from
 eager steps from the second replay on, a fault not yet found, so they are not recorded.
@@ -95,7 +99,8 @@ class CompiledGraph:
         """Why this graph's steps are not recorded (None: they are, on CUDA after warm-up)."""
         hooks = getattr(self._graph, "data_parallel", None)
         if hooks is not None and not getattr(hooks, "capturable", True):
-            return "data parallel: collectives are not captured"
+            backend = getattr(hooks, "backend", "this process group's backend")
+            return f"data parallel: collectives of {backend} cannot be recorded (NCCL can)"
         custom = _custom_updates(self._graph)
         if custom:
             return (
@@ -125,6 +130,7 @@ class CompiledGraph:
             self._refill(source_images, source_states)
             self._captured.replay()
             self.steps += 1
+            self._replayed(new_step=True)
             return self._result
         capturable = self.eager_reason is None
         if self.steps == 0 or self._queue._stream is None or not capturable:
@@ -133,6 +139,8 @@ class CompiledGraph:
             out = graph.encode_batch(cb, source_images, source_states)
             cb.commit()
             self._last_eager = cb
+            if cb.error is not None:  # a command that raised (a failed collective, ...)
+                raise cb.error
             self._last_states = [_as_list(s) for s in (source_states or [])]
             self.steps += 1
             return out
@@ -153,7 +161,19 @@ class CompiledGraph:
         self._last_states = self._states
         self._captured.replay()
         self.steps += 1
+        self._replayed(new_step=False)  # the recorded step: counted when it was encoded
         return self._result
+
+    def _replayed(self, new_step: bool) -> None:
+        """The data-parallel hooks' host work after a replay, ordered after it on the
+        queue's stream."""
+        hooks = getattr(self._graph, "data_parallel", None)
+        replayed = getattr(hooks, "replayed", None)
+        if replayed is None:
+            return
+        ctx = self._queue._enter_stream()
+        with ctx if ctx is not None else contextlib.nullcontext():
+            replayed(new_step)
 
     def wait_until_completed(self) -> None:
         """Wait for the last step."""

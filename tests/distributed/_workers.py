@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,6 +34,22 @@ def equivalence(out: Path, run: m.DistributedRun) -> None:
     except m.DistributedError as exc:
         message = str(exc)
     (out / f"diverge-rank{run.rank}.txt").write_text(message)
+    # the host work of a replayed step (`DataParallel.replayed`): counted, and checked when due
+    graph, sources = _nets.build(False, "sgd")
+    dp = graph.data_parallel = m.DataParallel(check_every=2)
+    _nets.train(graph, run.rank, run.world_size, steps=1)  # step 1: not due
+    dp.replayed()  # step 2: due, equal
+    if run.rank == 1:
+        sources[0].weights().add_(1e-9)
+        graph.reload_from_data_sources()
+    try:
+        dp.replayed(new_step=False)  # the same step again (a capture's first replay): checked
+        message = "no error"
+    except m.DistributedError as exc:
+        message = str(exc)
+    (out / f"replayed-rank{run.rank}.txt").write_text(
+        f"capturable={dp.capturable} backend={dp.backend} steps={dp.steps}\n{message}"
+    )
 
 
 def die(out: Path, run: m.DistributedRun) -> None:
@@ -65,12 +82,80 @@ def hang(out: Path, run: m.DistributedRun) -> None:
         _nets.train(graph, run.rank, run.world_size, steps=1)
 
 
+def nccl_replay(out: Path, run: m.DistributedRun) -> None:
+    """CUDA, NCCL: a ResNet-18 graph with `DataParallel` stepped eagerly and the same graph
+    compiled (warm-up, capture, replays) from the same weights on the same shards: the weights
+    after every step equal bit for bit; then a planted divergence caught by a replay's check."""
+    from mpsnn.cli.common import build_model
+
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    dev, n, world = run.device, 16, run.world_size
+    g = torch.Generator().manual_seed(5)
+    xs = torch.randn(6, n * world, 3, 32, 32, generator=g)
+    ys = torch.randint(0, 10, (6, n * world), generator=g)
+    shard = slice(run.rank * n, (run.rank + 1) * n)
+
+    def model() -> tuple[Any, Any]:
+        sgd = m.SGD(dev, momentum_scale=0.9, descriptor=m.OptimizerDescriptor(learning_rate=0.05))
+        net = build_model("resnet18", dev, sgd, seed=0)
+        return net, net.training_graph(n * world, storage=m.FeatureChannelFormat.FLOAT32)
+
+    def batch(i: int) -> tuple[list[Any], list[Any]]:
+        x, y = xs[i, shard].to(dev.torch_device), ys[i, shard].to(dev.torch_device)
+        return [m.ImageBatch.from_tensor(x)], [m.LossLabels(dev, y.view(-1, 1, 1), max_index=9)]
+
+    def weights(graph: Any) -> list[torch.Tensor]:
+        return [t.detach().clone() for _, t in _weights_of(graph)]
+
+    _, eager = model()
+    eager.data_parallel = m.DataParallel()
+    queue = dev.new_command_queue()
+    _, graph = model()
+    dp = graph.data_parallel = m.DataParallel(check_every=2)
+    compiled = graph.compile()
+    lines = [f"eager_reason={compiled.eager_reason}"]
+    for i in range(4):
+        cb = queue.command_buffer()
+        eager.encode_batch(cb, *batch(i))
+        cb.commit()
+        cb.wait_until_completed()
+        compiled(*batch(i))
+        compiled.wait_until_completed()
+        same = all(torch.equal(a, b) for a, b in
+                   zip(weights(eager), weights(graph), strict=True))  # fmt: skip
+        lines.append(f"step {i + 1} captured={compiled.is_captured} same={same}")
+    if run.rank == 1:  # one rank's weights drift: the check of step 6 (a replay) names it
+        _weights_of(graph)[0][1].add_(1e-6)
+        torch.cuda.synchronize()  # ordered before the next replay (on the queue's stream)
+    try:
+        for i in (4, 5):
+            compiled(*batch(i))
+        compiled.wait_until_completed()
+        message = "no error"
+    except m.DistributedError as exc:
+        message = str(exc)
+    lines += [f"replays={compiled.replays} steps={dp.steps}", message]
+    (out / f"nccl-rank{run.rank}.txt").write_text("\n".join(lines))
+
+
+def _weights_of(graph: Any) -> list[tuple[str, torch.Tensor]]:
+    """The master tensors of a graph's trainable layers (what the weight check compares)."""
+    from types import SimpleNamespace
+
+    from mpsnn.distributed.data_parallel import _weights
+
+    updates = [(node, graph._kernels[node._forward._id], None) for node in graph._order
+               if getattr(node, "_forward", None) is not None and node.trainable]  # fmt: skip
+    return _weights(SimpleNamespace(updates=updates))  # what `_weights` reads of a step
+
+
 def main() -> None:
     case, out = sys.argv[1], Path(sys.argv[2])
     timeout = float(os.environ.get("TEST_TIMEOUT", "30"))
-    run = m.init_distributed("cpu", timeout=timeout)
+    run = m.init_distributed("cuda" if case.startswith("nccl") else "cpu", timeout=timeout)
     assert run is not None
-    {"equivalence": equivalence, "die": die, "hang": hang}[case](out, run)
+    cases = {"equivalence": equivalence, "die": die, "hang": hang, "nccl_replay": nccl_replay}
+    cases[case](out, run)
     run.close()
 
 

@@ -72,3 +72,35 @@ def test_a_hung_rank_ends_every_rank_after_the_timeout(tmp_path: Path) -> None:
 def test_data_parallel_needs_a_process_group() -> None:
     with pytest.raises(ValueError, match=r"needs an initialized torch\.distributed process group"):
         m.DataParallel()
+
+
+def test_the_host_work_of_a_replayed_step_counts_it_and_checks_the_weights(
+    equivalence_run: Path,
+) -> None:
+    """`DataParallel.replayed` (what a compiled step calls after each replay): step 2 counted
+    and checked equal; after rank 1's weights drift, the replay of the same step is checked
+    again and names rank 1. Gloo collectives are not recorded (``capturable`` False)."""
+    for r in (0, 1):
+        head, message = (equivalence_run / f"replayed-rank{r}.txt").read_text().split("\n", 1)
+        assert head == "capturable=False backend=gloo steps=2", head
+        assert message.startswith("[DataParallel] the weights diverged after step 2: rank 1 "
+                                  "differs from rank 0"), message  # fmt: skip
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="NCCL needs 2 GPUs"
+)
+def test_nccl_steps_replayed_with_their_collectives_equal_eager_steps(tmp_path: Path) -> None:
+    """Two GPUs, NCCL: a compiled ResNet-18 data-parallel step (collectives recorded in its
+    CUDA graph) gives the eager steps' weights bit for bit at every step, and the periodic
+    weight check runs after replays and names the rank that drifted."""
+    ranks, _ = spawn("nccl_replay", tmp_path, deadline=300, timeout=120)
+    for r, rank in enumerate(ranks):
+        assert rank.code == 0, f"rank {r}: {rank.code}\n{rank.out}\n{rank.err[-3000:]}"
+    for r in (0, 1):
+        lines = (tmp_path / f"nccl-rank{r}.txt").read_text().splitlines()
+        assert lines[0] == "eager_reason=None", lines
+        assert lines[1:5] == [f"step {i} captured={i >= 2} same=True" for i in range(1, 5)], lines
+        assert lines[5] == "replays=5 steps=6", lines
+        assert lines[6].startswith("[DataParallel] the weights diverged after step 6: rank 1 "
+                                   "differs from rank 0"), lines  # fmt: skip
