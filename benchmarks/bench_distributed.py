@@ -13,8 +13,9 @@ per GPU (the global batch grows with the GPUs: weak scaling), SGD with momentum 
   = DataParallel()`` on N GPUs (gradients bucketed and all-reduced while the backward runs,
   batch-norm statistics and gradient sums combined across GPUs: synchronized batch norm);
   one GPU runs the plain graph. ``--mpsnn-modes``: ``replay`` (`Graph.compile`: the step,
-  NCCL collectives included, recorded once as a CUDA graph and replayed) and/or ``eager``
-  (every step encoded and committed);
+  NCCL collectives included, recorded once as a CUDA graph and replayed), ``replay-local``
+  (the same with ``DataParallel(sync_batch_norm=False)``: each GPU's own batch-norm
+  statistics, as DDP's batch norm) and ``eager`` (every step encoded and committed);
 * PyTorch: the model's twin (``model.torch_module()``), channels-last, autocast bfloat16,
   ``DistributedDataParallel`` on N GPUs (its batch norm is per GPU), the plain module on one.
 
@@ -95,13 +96,15 @@ def _mpsnn(rank: int, world: int, args: argparse.Namespace, x: torch.Tensor,
         else (m.FeatureChannelFormat.FLOAT32)
     )
     graph = model.training_graph(args.batch_per_gpu * world, storage=storage)
+    local = mode.endswith("-local")
     if world > 1:
-        graph.data_parallel = m.DataParallel(bucket_mib=args.bucket_mib)
+        graph.data_parallel = m.DataParallel(bucket_mib=args.bucket_mib,
+                                             sync_batch_norm=not local)  # fmt: skip
     queue = dev.new_command_queue()
     images = [m.ImageBatch.from_tensor(x)]
     labels = [m.LossLabels(dev, y.view(-1, 1, 1), max_index=9)]
     last: list[Any] = [None]
-    compiled = graph.compile(queue) if mode == "replay" else None
+    compiled = graph.compile(queue) if mode.startswith("replay") else None
 
     def step() -> None:
         if compiled is not None:
@@ -125,6 +128,7 @@ def _mpsnn(rank: int, world: int, args: argparse.Namespace, x: torch.Tensor,
         raise RuntimeError(f"the compiled step ran eagerly: {compiled.eager_reason}")
     variant = "eager graph" if compiled is None else (
         "replayed graph" if compiled.is_captured else "compiled graph (runs eagerly)")  # fmt: skip
+    variant += ", local BN" if local else ""
     return {"framework": "mpsnn", "variant": variant + (" + DataParallel" if world > 1 else ""),
             "gpus": world, "images_per_s": rate, "loss": loss}  # fmt: skip
 
@@ -216,14 +220,14 @@ def _table(rows: list[dict[str, Any]]) -> str:
         return r["framework"], r["variant"].replace(" + DataParallel", "").replace("DDP, ", "")
 
     single = {kind(r): r["images_per_s"] for r in rows if r["gpus"] == 1}
-    lines = [f"{'framework':<10} {'variant':<38} {'GPUs':>4} {'images/s':>10} "
+    lines = [f"{'framework':<10} {'variant':<50} {'GPUs':>4} {'images/s':>10} "
              f"{'per GPU':>9} {'scaling':>8}"]  # fmt: skip
     for r in rows:
         base = single.get(kind(r))
         eff = r["images_per_s"] / (r["gpus"] * base) if base and r["gpus"] > 1 else None
         r["scaling_efficiency"] = eff
         lines.append(
-            f"{r['framework']:<10} {r['variant']:<38} {r['gpus']:>4} {r['images_per_s']:>10,.0f} "
+            f"{r['framework']:<10} {r['variant']:<50} {r['gpus']:>4} {r['images_per_s']:>10,.0f} "
             f"{r['images_per_s'] / r['gpus']:>9,.0f} " + (f"{eff:>8.1%}" if eff else f"{'':>8}")
         )
     return "\n".join(lines)
@@ -239,8 +243,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--bucket-mib", type=float, default=25.0)
     parser.add_argument("--frameworks", default="mpsnn,pytorch")
-    parser.add_argument("--mpsnn-modes", default="replay,eager",
-                        help="mpsnn steps: replay (CUDA graph) and/or eager")  # fmt: skip
+    parser.add_argument("--mpsnn-modes", default="replay,replay-local,eager",
+                        help="mpsnn steps: replay (CUDA graph), replay-local (each GPU's own "
+                        "batch-norm statistics) and/or eager")  # fmt: skip
     parser.add_argument("--json", default=None, help="write the rows to this file")
     args = parser.parse_args()
     os.environ.update(NCCL_ENV)  # before anything initializes NCCL (inherited by the workers)

@@ -8,11 +8,10 @@ calls the hooks of `StepCollectives` (``mpsnn.graph.step``) at four places of it
 records its collective as a command (``cb.record``), so it runs in command order:
 
 * **batch-normalization statistics** (after the statistics kernel, before the normalization):
-  every rank's per-channel triple ``(count, mean, m2)`` is all-gathered and merged in rank
-  order with Chan's update (`mpsnn.ops.batch_norm.bn_merge`), exactly as the sub-batches of
-  one process are::
+  every rank's per-channel triple ``(count, mean, m2)`` is all-gathered and merged with the
+  closed form of Chan's pairwise update (`mpsnn.ops.batch_norm.bn_merge_all`)::
 
-      n = na + nb,   d = mb - ma,   mean = ma + d nb / n,   m2 = m2a + m2b + d² na nb / n
+      n = Σ n_r,   mean = Σ n_r mean_r / n,   m2 = Σ m2_r + Σ n_r (mean_r - mean)²
 
   so every rank normalizes with the global batch's mean and biased variance ``m2 / n``, and
   updates its running statistics identically;
@@ -44,6 +43,17 @@ majority (ties: from rank 0's group).
 Dropout kernels of the graph draw the masks of the global batch's images: rank ``r`` sets
 ``image_offset = r · B / W`` at each step.
 
+**Local batch normalization** (``sync_batch_norm=False``, what PyTorch's
+``DistributedDataParallel`` does without ``SyncBatchNorm``): each rank normalizes its shard
+with the shard's own statistics and differentiates that, so no collective sits between a
+normalization's statistics and its output (two small collectives per layer and step fewer on
+the critical path). The gamma/beta gradient sums join the weight-gradient buckets, so every
+rank applies the same update: the sum over the shards of their gradients. After the backward
+the statistics of every layer are gathered in **one** all-gather and merged as above, and the
+running statistics are updated from the merged ones: identical on every rank (so the weight
+check still holds), the whole batch's. The weights are then not one process's on the whole
+batch (the normalization differs), but those of the shards' summed gradients.
+
 **Replayed steps** (`Graph.compile` on CUDA with the NCCL backend: ``capturable``). Every
 collective above is recorded in the step's CUDA graph: NCCL launches captured on the queue's
 stream (NCCL's own stream joins the capture through events), so a replay runs the whole step,
@@ -71,7 +81,7 @@ from mpsnn.cnn.normalization.batch_norm import BatchNormalizationState
 from mpsnn.core.state import AccumulatorState, StateBatch
 from mpsnn.distributed.runtime import current_monitor
 from mpsnn.errors import DistributedError
-from mpsnn.ops.batch_norm import bn_merge
+from mpsnn.ops.batch_norm import bn_merge_all
 
 __all__ = ["DataParallel"]
 
@@ -90,6 +100,11 @@ class DataParallel:
         check_every: compare the ranks' weights every this many steps (0: never).
         monitor: the `RankMonitor` that names failed ranks (None: the one `init_distributed`
             started, if any).
+        sync_batch_norm: True: batch normalization normalizes with the global batch's
+            statistics (the weights one process would get). False: with this rank's own, as
+            PyTorch's ``DistributedDataParallel`` does without ``SyncBatchNorm`` (no collective
+            on the critical path of a normalization; see "local batch normalization" in the
+            module docstring).
 
     Attributes:
         rank, world_size: this process in the group.
@@ -104,6 +119,7 @@ class DataParallel:
         bucket_mib: float = 25.0,
         check_every: int = 0,
         monitor: Any = None,
+        sync_batch_norm: bool = True,
     ) -> None:
         who = "DataParallel"
         if not dist.is_available() or not dist.is_initialized():
@@ -119,6 +135,11 @@ class DataParallel:
             raise TypeError(f"[{who}] check_every must be an int, got {type(check_every).__name__}")
         if check_every < 0:
             raise ValueError(f"[{who}] check_every must be >= 0, got {check_every}")
+        if not isinstance(sync_batch_norm, bool):
+            raise TypeError(
+                f"[{who}] sync_batch_norm must be a bool, got {type(sync_batch_norm).__name__}"
+            )
+        self.sync_batch_norm = sync_batch_norm
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
@@ -217,7 +238,7 @@ class _Bucket:
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.states: list[AccumulatorState] = []
+        self.states: list[tuple[AccumulatorState, int]] = []  # (state, slot summed)
         self.labels: list[str] = []
         self.nbytes = 0
         self.pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
@@ -234,6 +255,7 @@ class _StepCollectives:
         self.single = dp.world_size == 1
         self.buckets: list[_Bucket] = []
         self.open = _Bucket(0)
+        self.statistics: list[Any] = []  # local batch norms: their statistics states
 
     # -- batch normalization -----------------------------------------------------------------
 
@@ -249,17 +271,18 @@ class _StepCollectives:
             packed = torch.cat([count.reshape(-1).to(mean.dtype), mean.reshape(-1),
                                 m2.reshape(-1)])  # fmt: skip
             rows = dp._all_gather(what, packed)
-            acc = [rows[0, :k].clone(), rows[0, k : k + c].clone(), rows[0, k + c :].clone()]
-            for r in range(1, dp.world_size):  # rank order, as sub-batches on one device
-                bn_merge(acc, (rows[r, :k], rows[r, k : k + c], rows[r, k + c :]))
-            for dst, src in zip(sums, acc, strict=True):
+            n, mean_all, m2_all = bn_merge_all(rows[:, :k], rows[:, k : k + c], rows[:, k + c :])
+            for dst, src in zip(sums, (n[:k], mean_all, m2_all), strict=True):
                 dst.copy_(src.reshape(dst.shape))
 
+        if not self.dp.sync_batch_norm:  # merged after the backward (`_merge_statistics`)
+            self.statistics.append(state)
+            return
         self.cb.record(f"all-gather {what}", combine)
 
     def batch_norm_gradient_sums(self, node: Any, state: Any) -> None:
-        if self.single:
-            return
+        if self.single or not self.dp.sync_batch_norm:
+            return  # local statistics: the sums join a weight-gradient bucket
         dp, what = self.dp, f"the all-reduce of the batch-norm gradient sums of {_name(node)}"
 
         def reduce() -> None:
@@ -277,10 +300,15 @@ class _StepCollectives:
         if self.single:
             return
         state = StateBatch(states if isinstance(states, list) else [states]).unique()[0]
-        if isinstance(state, BatchNormalizationState) or not isinstance(state, AccumulatorState):
-            return  # batch norm: its sums were all-reduced before its input gradient
+        slot = 0
+        if isinstance(state, BatchNormalizationState):
+            if self.dp.sync_batch_norm:
+                return  # its sums were all-reduced before its input gradient
+            slot = 1  # local statistics: [Σgy·xhat, Σgy] summed for the gamma/beta update
+        elif not isinstance(state, AccumulatorState):
+            return
         bucket = self.open
-        bucket.states.append(state)
+        bucket.states.append((state, slot))
         bucket.labels.append(_name(node))
         bucket.nbytes += _gradient_bytes(state, kernel)
         if bucket.nbytes >= self.dp.bucket_bytes:
@@ -294,8 +322,8 @@ class _StepCollectives:
 
         def launch() -> None:
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for st in bucket.states:
-                for t in _sums(st):
+            for st, slot in bucket.states:
+                for t in _sums(st, slot):
                     by_dtype.setdefault(t.dtype, []).append(t)
             for tensors in by_dtype.values():
                 flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -309,6 +337,7 @@ class _StepCollectives:
             return
         if self.open.states:
             self._launch()
+        self._merge_statistics()
         if not self.buckets:
             return
         buckets, dp = self.buckets, self.dp
@@ -322,6 +351,39 @@ class _StepCollectives:
                 bucket.pending = []
 
         self.cb.record(f"wait for the gradient all-reduces ({len(buckets)} buckets)", wait)
+
+    def _merge_statistics(self) -> None:
+        """Local batch normalization: every layer's (count, mean, m2) of this rank, gathered
+        in one all-gather after the backward and merged into the whole batch's, which the
+        running statistics' updates then read (identical on every rank)."""
+        states = self.statistics
+        if not states:
+            return
+        dp, what = self.dp, f"the all-gather of {len(states)} batch-norm statistics"
+
+        def merge() -> None:
+            triples = [st._slots[0] for st in states]
+            sizes = [t[1].numel() for t in triples]
+            counts = [
+                t[0].to(t[1].dtype).reshape(-1).expand(c)
+                for t, c in zip(triples, sizes, strict=True)
+            ]
+            means = [t[1].reshape(-1) for t in triples]
+            m2s = [t[2].reshape(-1) for t in triples]
+            packed = torch.cat(counts + means + m2s)
+            rows = dp._all_gather(what, packed)
+            total = sum(sizes)
+            n, mean, m2 = bn_merge_all(rows[:, :total], rows[:, total : 2 * total],
+                                       rows[:, 2 * total :])  # fmt: skip
+            dst: list[torch.Tensor] = []
+            src: list[torch.Tensor] = []
+            for (count, mu, q), ns, ms, qs in zip(triples, n.split(sizes), mean.split(sizes),
+                                                  m2.split(sizes), strict=True):  # fmt: skip
+                dst += [count, mu, q]
+                src += [ns[: count.numel()].view_as(count), ms.view_as(mu), qs.view_as(q)]
+            torch._foreach_copy_(dst, src)
+
+        self.cb.record(f"merge {what}", merge)
 
     # -- the weight check ---------------------------------------------------------------------
 
@@ -352,11 +414,11 @@ def _name(node: Any) -> str:
     return repr(label) if label else f"{type(forward).__name__} #{getattr(forward, '_id', '?')}"
 
 
-def _sums(state: AccumulatorState) -> list[torch.Tensor]:
-    """The state's gradient sums (slot 0), zeros when no gradient ran into it."""
-    if state._slots.get(0) is None:
-        state._sum(0)  # a convolution state makes its zeros; others must have run
-    return state._slots[0]
+def _sums(state: AccumulatorState, slot: int = 0) -> list[torch.Tensor]:
+    """The state's gradient sums (``slot``), zeros when no gradient ran into it."""
+    if state._slots.get(slot) is None:
+        state._sum(slot)  # a convolution state makes its zeros; others must have run
+    return state._slots[slot]
 
 
 def _gradient_bytes(state: Any, kernel: Any) -> int:

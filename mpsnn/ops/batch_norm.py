@@ -68,6 +68,7 @@ __all__ = [
     "bn_gradient_sums",
     "bn_gradient_sums_portable",
     "bn_merge",
+    "bn_merge_all",
     "bn_statistics",
     "bn_statistics_portable",
     "bn_variance",
@@ -199,6 +200,43 @@ def bn_merge(acc: list[torch.Tensor], new: Sequence[torch.Tensor]) -> None:
             acc[i].copy_(value)
         else:
             acc[i] = value
+
+
+def bn_merge_all(
+    count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge ``W`` triples at once: rows ``r`` of ``count`` (W, C) or (W, 1), ``mean`` and
+    ``m2`` (W, C) summarize disjoint parts of one batch (e.g. the ranks of a data-parallel
+    step); returns the whole batch's ``(count, mean, m2)``, each (C,).
+
+    The closed form of W pairwise merges (`bn_merge` in row order gives the same up to
+    rounding)::
+
+        n = Σ n_r,   mean = Σ n_r mean_r / n,   m2 = Σ m2_r + Σ n_r (mean_r - mean)²
+
+    In a few kernels whatever W is, where the pairwise form takes W - 1 merges of a dozen
+    kernels each (on the critical path of a synchronized batch normalization). Rows with
+    ``n_r = 0`` contribute nothing (their mean and m2 are ignored, NaN included); a channel
+    with ``n = 0`` gets mean and m2 0.
+    """
+    if mean.dim() != 2 or m2.shape != mean.shape or count.dim() != 2:
+        raise ValueError(
+            "[bn_merge_all] mean and m2 must be (W, C) and count (W, C) or (W, 1), got "
+            f"{tuple(count.shape)}, {tuple(mean.shape)}, {tuple(m2.shape)}"
+        )
+    if count.shape[0] != mean.shape[0] or count.shape[1] not in (1, mean.shape[1]):
+        raise ValueError(
+            f"[bn_merge_all] count must be (W, C) or (W, 1) for mean {tuple(mean.shape)}, "
+            f"got {tuple(count.shape)}"
+        )
+    nr = count.to(mean.dtype).expand_as(mean)
+    present = nr > 0
+    n = nr.sum(0)
+    safe = torch.where(n > 0, n, 1.0)
+    mean_all = torch.where(present, nr * mean, 0.0).sum(0) / safe
+    d = mean - mean_all
+    m2_all = torch.where(present, m2 + nr * d * d, 0.0).sum(0)
+    return n, mean_all, m2_all
 
 
 def bn_variance(count: torch.Tensor, m2: torch.Tensor, unbiased: bool = False) -> torch.Tensor:

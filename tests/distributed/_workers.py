@@ -34,6 +34,11 @@ def equivalence(out: Path, run: m.DistributedRun) -> None:
     except m.DistributedError as exc:
         message = str(exc)
     (out / f"diverge-rank{run.rank}.txt").write_text(message)
+    # local batch normalization (each rank's own statistics), one step
+    graph, sources = _nets.build(True, "sgd")
+    graph.data_parallel = m.DataParallel(sync_batch_norm=False, bucket_mib=0)
+    _nets.train(graph, run.rank, run.world_size, steps=1)
+    torch.save(_nets.values(sources), out / f"localbn-rank{run.rank}.pt")
     # the host work of a replayed step (`DataParallel.replayed`): counted, and checked when due
     graph, sources = _nets.build(False, "sgd")
     dp = graph.data_parallel = m.DataParallel(check_every=2)
@@ -125,7 +130,9 @@ def nccl_replay(out: Path, run: m.DistributedRun) -> None:
                    zip(weights(eager), weights(graph), strict=True))  # fmt: skip
         lines.append(f"step {i + 1} captured={compiled.is_captured} same={same}")
     if run.rank == 1:  # one rank's weights drift: the check of step 6 (a replay) names it
-        _weights_of(graph)[0][1].add_(1e-6)
+        node = next(n for n in graph._order if getattr(n, "_forward", None) is not None)
+        node._forward.data_source.weights().add_(1e-6)  # a view of the data source's values
+        graph.reload_from_data_sources()  # in place: the recorded step reads them
         torch.cuda.synchronize()  # ordered before the next replay (on the queue's stream)
     try:
         for i in (4, 5):

@@ -104,3 +104,40 @@ def test_nccl_steps_replayed_with_their_collectives_equal_eager_steps(tmp_path: 
         assert lines[5] == "replays=5 steps=6", lines
         assert lines[6].startswith("[DataParallel] the weights diverged after step 6: rank 1 "
                                    "differs from rank 0"), lines  # fmt: skip
+
+
+def test_local_batch_normalization_sums_the_shards_gradients(equivalence_run: Path) -> None:
+    """``sync_batch_norm=False`` (PyTorch DDP's batch norm): each rank normalizes with its own
+    shard's statistics, so one step's gradient is the sum of the two half-batch graphs'
+    gradients (loss weight 1/B on each): after one SGD step from the same weights (the
+    momentum is still zero), ``w = w_a + w_b - w0`` for weights, biases, gamma and beta. The
+    running statistics are updated from the merged statistics of the whole batch: recovered
+    here from each half's running update, merged with Chan's formula."""
+    initial = _nets.values(_nets.build(True, "sgd")[1])
+    halves = []
+    for h in (0, 1):
+        graph, sources = _nets.build(True, "sgd")
+        _nets.train(graph, h, 2, steps=1)  # one process on half h, weight 1/BATCH
+        halves.append(_nets.values(sources))
+    rank0 = torch.load(equivalence_run / "localbn-rank0.pt")
+    rank1 = torch.load(equivalence_run / "localbn-rank1.pt")
+    # values: conv1 w, bn1 (gamma, beta, mean, var), conv2 w, bn2 (...), fc w, fc b
+    running = {3: 256, 4: 256, 8: 64, 9: 64}  # index -> elements per channel of one half
+    momentum = 0.1
+    for i, (a, b, w0) in enumerate(zip(rank0, rank1, initial, strict=True)):
+        assert torch.equal(a, b), f"value {i} differs between the ranks"
+        h0, h1 = halves[0][i], halves[1][i]
+        if i not in running:
+            want = h0 + h1 - w0
+        elif i in (3, 8):  # running mean: 0.9 * 0 + 0.1 * mean of the whole batch
+            want = (h0 + h1) / 2
+        else:  # running variance: 0.9 * 1 + 0.1 * unbiased variance of the whole batch
+            nh = running[i]
+            m0, m1 = (halves[0][i - 1] / momentum, halves[1][i - 1] / momentum)
+            v0, v1 = ((h - (1 - momentum)) / momentum for h in (h0, h1))
+            m2 = (v0 + v1) * (nh - 1) + (m1 - m0) ** 2 * nh / 2
+            want = (1 - momentum) + momentum * m2 / (2 * nh - 1)
+        scale = want.norm().clamp_min(1e-300)
+        assert (a - want).norm() / scale < 1e-12, f"value {i}: {(a - want).norm() / scale}"
+        if i in (0, 5):
+            assert (a - h0).norm() / scale > 1e-6, "both shards must contribute"

@@ -22,6 +22,7 @@ from mpsnn.ops.batch_norm import (
     bn_gradient_sums,
     bn_gradient_sums_portable,
     bn_merge,
+    bn_merge_all,
     bn_statistics,
     bn_statistics_portable,
     bn_variance,
@@ -503,3 +504,34 @@ def test_dispatch_picks_triton_only_where_it_applies() -> None:
             assert not fast_paths.batch_norm_eligible(gpu)
         finally:
             fast_paths.set_enabled(True)
+
+
+def test_bn_merge_all_equals_pairwise_merges_and_ignores_empty_rows() -> None:
+    """The closed form over W rows equals W - 1 pairwise Chan merges (float64, to rounding),
+    with (W, 1) and (W, C) counts; a row with count 0 is ignored even when it holds NaN."""
+    g = torch.Generator().manual_seed(3)
+    parts = [torch.randn(n, 5, 3, 2, generator=g, dtype=torch.float64) * 3 + 10 for n in (2, 5, 1)]
+    triples = [bn_statistics(p) for p in parts]
+    acc = [t.clone() for t in triples[0]]
+    for t in triples[1:]:
+        bn_merge(acc, t)
+    whole = bn_statistics(torch.cat(parts))
+    for counts in ("scalar", "per channel"):
+        count = torch.stack([t[0].reshape(-1) for t in triples])
+        if counts == "per channel":
+            count = count.expand(-1, 5).contiguous()
+        n, mean, m2 = bn_merge_all(count, torch.stack([t[1] for t in triples]),
+                                   torch.stack([t[2] for t in triples]))  # fmt: skip
+        for got, pairwise, direct in zip((n, mean, m2), acc, whole, strict=True):
+            torch.testing.assert_close(got, pairwise.expand_as(got), rtol=1e-13, atol=1e-12)
+            torch.testing.assert_close(got, direct.expand_as(got), rtol=1e-13, atol=1e-12)
+    nan = torch.full((1, 5), float("nan"), dtype=torch.float64)
+    count = torch.cat([torch.stack([t[0].reshape(-1) for t in triples]), torch.zeros(1, 1,
+                       dtype=torch.float64)])  # fmt: skip
+    n2, mean2, m22 = bn_merge_all(count, torch.cat([torch.stack([t[1] for t in triples]), nan]),
+                                  torch.cat([torch.stack([t[2] for t in triples]), nan]))  # fmt: skip
+    torch.testing.assert_close(n2, n, rtol=0, atol=0)
+    torch.testing.assert_close(mean2, mean, rtol=0, atol=0)
+    torch.testing.assert_close(m22, m2, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"\[bn_merge_all\] count must be \(W, C\) or \(W, 1\)"):
+        bn_merge_all(torch.ones(2, 3), torch.zeros(2, 5), torch.zeros(2, 5))
