@@ -544,8 +544,12 @@ class Loss(CNNKernel):
         has_weights = weighted.pop() is not None
         dz = 0 if batch else self._clip.origin.z
 
+        whole = first == 0 and count == n  # no slice to make (a batch encode)
+
         def run(grad: Image, loss: Image) -> None:
-            y = src._read()[first : first + count]
+            y = src._read()
+            if not whole:
+                y = y[first : first + count]
             if several:
                 t = torch.cat([lab._labels for lab in labels])
                 wt = torch.cat([lab._weights for lab in labels]) if has_weights else None

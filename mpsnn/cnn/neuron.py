@@ -34,7 +34,7 @@ from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import Window
 from mpsnn.core.image import Image
 from mpsnn.core.registry import gradient_of
-from mpsnn.core.state import ForwardRecord, GradientState
+from mpsnn.core.state import ForwardRecord, GradientState, _unique
 from mpsnn.ops.neuron import activation, activation_backward
 
 __all__ = ["Neuron", "NeuronGradient", "NeuronRecord"]
@@ -195,10 +195,10 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
         """dL/d(pre-activation) of a kernel's fused neuron, shaped like that kernel's result;
         zero outside the region the forward wrote."""
         who = "NeuronGradient"
-        if len({id(s) for s in states}) != 1:
+        if len(_unique(states)) != 1:
             raise ValueError(
                 f"[{who}] gradient_states must repeat one state (see result_state_batch), "
-                f"got {len({id(s) for s in states})} distinct states"
+                f"got {len(_unique(states))} distinct states"
             )
         shape = record.destination_shape
         for image, name in ((grad, "source_gradient"), (result, "source_image")):
@@ -225,8 +225,16 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
             slice(w.dst_x, w.dst_x + w.x.count),
         )
 
+        whole = (w.dst_image, w.dst_channel, w.dst_y, w.dst_x) == (0, 0, 0, 0) and (
+            w.images,
+            w.dst_channels,
+            w.y.count,
+            w.x.count,
+        ) == grad._shape  # no view to make of the gradient (at every step)
+
         def run(out: Image) -> None:
-            dz = fused.backward(grad._read()[region], state._preactivation)
+            g = grad._read()
+            dz = fused.backward(g if whole else g[region], state._preactivation)
             if dz.shape != out._shape:  # outside what the forward wrote: no gradient
                 full = dz.new_zeros(out._shape)
                 full[region] = dz

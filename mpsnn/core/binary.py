@@ -405,6 +405,23 @@ class GradientKernel(BinaryKernel):
             return None
         return destination_gradients if destination_gradients is not None else ImageBatch(out)
 
+    def _graph_encode_batch(
+        self,
+        command_buffer: CommandBuffer,
+        source_gradients: ImageBatch,
+        source_images: ImageBatch,
+        gradient_states: list[Any],
+    ) -> ImageBatch | None:
+        """`encode_batch` for a graph node, without the argument checks (see
+        `CNNKernel._graph_encode_batch`): the states are still checked against their forward
+        record and the images against its shapes. Families that override `encode_batch` keep
+        it."""
+        cb, g, x, states = command_buffer, source_gradients, source_images, gradient_states
+        if type(self).encode_batch is not GradientKernel.encode_batch:
+            return self.encode_batch(cb, g, x, states)
+        out = self._encode(cb, g._image, x._image, states, None, batch=True)
+        return None if out is None else ImageBatch(out)
+
     def _encode(
         self,
         cb: CommandBuffer,
@@ -494,7 +511,10 @@ class GradientKernel(BinaryKernel):
             self._dco,
             (y0, ny, x0, nx),
         )
-        return Encoding(run, (out,), (grad, src, *states), (), {"_last_record": record}, batch)
+        # reads: each distinct state once (a batch repeats a shared state once per image, and
+        # the reads are walked in Python at every encode)
+        reads = (grad, src, *_unique(states))
+        return Encoding(run, (out,), reads, (), {"_last_record": record}, batch)
 
     def _check_shape(
         self,
@@ -531,25 +551,35 @@ def _backward_command(
 
     # mixed formats (MPS reads every format as float): compute in the wider one; a UNORM8
     # image is read as k/255 directly in that dtype
-    wide = torch.promote_types(grad._read_dtype, src._read_dtype)
+    a, b = grad._read_dtype, src._read_dtype
+    wide = a if a == b else torch.promote_types(a, b)
+    # whole images need no indexing (a view op per read, at every step, saved)
+    dst_block = (z_dst, n, fw.dst_channel, fw.dst_channels, fw.dst_y, fw.y.count, fw.dst_x,
+                 fw.x.count)  # fmt: skip
+    g_whole = _covers(grad._shape, dst_block)
+    if secondary_is_result:
+        x_whole = _covers(src._shape, dst_block)
+    else:
+        sn, sc = src._shape[:2]
+        x_whole = z_src == 0 and n == sn and fw.src_channel == 0 and fw.src_channels == sc
+
+    region = (
+        slice(z_dst, z_dst + n),
+        slice(fw.dst_channel, fw.dst_channel + fw.dst_channels),
+        slice(fw.dst_y, fw.dst_y + fw.y.count),
+        slice(fw.dst_x, fw.dst_x + fw.x.count),
+    )
 
     def run(out: Image | None) -> None:
-        g = grad._read(wide)[
-            z_dst : z_dst + n,
-            fw.dst_channel : fw.dst_channel + fw.dst_channels,
-            fw.dst_y : fw.dst_y + fw.y.count,
-            fw.dst_x : fw.dst_x + fw.x.count,
-        ]
-        if secondary_is_result:
-            x = src._read(wide)[
-                z_dst : z_dst + n,
-                fw.dst_channel : fw.dst_channel + fw.dst_channels,
-                fw.dst_y : fw.dst_y + fw.y.count,
-                fw.dst_x : fw.dst_x + fw.x.count,
-            ]
-        else:
+        g = grad._read(wide)
+        if not g_whole:
+            g = g[region]
+        x = src._read(wide)
+        if not x_whole and secondary_is_result:
+            x = x[region]
+        elif not x_whole:
             c0, nc = fw.src_channel, fw.src_channels
-            x = src._read(wide)[z_src : z_src + n, c0 : c0 + nc]
+            x = x[z_src : z_src + n, c0 : c0 + nc]
         if g.dtype != x.dtype:
             g, x = g.to(wide), x.to(wide)
         dx = backward(g, x)
@@ -561,6 +591,14 @@ def _backward_command(
             dx = full
         if ny != dx.shape[2] or nx != dx.shape[3]:  # a clip rect on the gradient kernel
             dx = dx[:, :, y0 : y0 + ny, x0 : x0 + nx]
-        out._write_block(dx, z_src, dco, y0, x0, grad._data())
+        # the result must not share storage with an input: a backward that returns one of
+        # them unchanged (now the storage itself, no longer a view of it) gets copied
+        out._write_block(dx, z_src, dco, y0, x0, x if dx is x else grad._data())
 
     return run
+
+
+def _covers(shape: tuple[int, int, int, int], block: tuple[int, ...]) -> bool:
+    """Whether ``block`` (z, images, c, channels, y, rows, x, cols) is the whole image."""
+    z, n, c, nc, y, ny, x, nx = block
+    return (z, c, y, x) == (0, 0, 0, 0) and (n, nc, ny, nx) == shape

@@ -384,6 +384,19 @@ class CNNKernel(SharedProperties, Kernel):
         out = self._encode(command_buffer, src, dst, states, batch=True)
         return destination_images if destination_images is not None else ImageBatch(out)
 
+    def _graph_encode_batch(
+        self, command_buffer: CommandBuffer, source_images: ImageBatch, states: Any
+    ) -> ImageBatch:
+        """`encode_batch` for a graph node (`mpsnn.graph`): the graph checked its command
+        buffer and sources when its encode began, and made every other image and state it
+        passes on this buffer in this encode (live, of this device, one state per image), so
+        the argument checks are skipped, not the planning's (at every layer of every step).
+        Families that override `encode_batch` keep it."""
+        if type(self).encode_batch is not CNNKernel.encode_batch:
+            return self.encode_batch(command_buffer, source_images, destination_states=states)
+        out = self._encode(command_buffer, source_images._image, None, states or [], batch=True)
+        return ImageBatch(out)
+
     def _state_kind(self) -> type:
         if self._gradient_state_class is None:
             raise ValueError(

@@ -63,13 +63,16 @@ def apply_encoding(kernel: Any, cb: CommandBuffer, enc: Encoding) -> list[Image 
         for o in enc.outputs
     ]
     run = enc.run
-    if outs:
+    if len(outs) == 1:  # the common case: no argument tuple to unpack when it runs
+        out = outs[0]
+        cb.record(who, lambda: run(out))
+    elif outs:
         cb.record(who, lambda: run(*outs))
     else:
         cb.record(who, run)
     for o in outs:
         if o is not None:
-            o._note_writer(cb)
+            o._root()._writer = cb
     for state, record in enc.records:
         state._forward = record
     if enc.properties:
@@ -81,8 +84,9 @@ def apply_encoding(kernel: Any, cb: CommandBuffer, enc: Encoding) -> list[Image 
             continue
         if isinstance(r, Image):
             r = r._root()
-        if id(r) not in seen:
-            seen.add(id(r))
+        key = id(r)
+        if key not in seen:
+            seen.add(key)
             r._consume_read(cb, who)
     if enc.after is not None:
         enc.after()

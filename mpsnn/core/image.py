@@ -462,6 +462,18 @@ class TemporaryImage(Image):
         command_buffer._on_enqueued(_release_temporary(self))
 
     @classmethod
+    def _make_on(cls, command_buffer: CommandBuffer, descriptor: ImageDescriptor) -> TemporaryImage:
+        """Internal: a temporary image for a descriptor known to be valid, on a buffer known to
+        be encodable (a graph's intermediates: no checks, at every allocation of every step)."""
+        image = cls._make(command_buffer._queue._device, descriptor)
+        image._command_buffer = command_buffer
+        image._read_count = 1
+        image._released_by = None
+        image._freed = False
+        command_buffer._on_enqueued(_release_temporary(image))
+        return image
+
+    @classmethod
     def from_descriptor(
         cls,
         command_buffer: CommandBuffer,

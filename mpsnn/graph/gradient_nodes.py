@@ -52,7 +52,11 @@ class UnaryGradientNode(GradientFilterNode):
         g = step.image(self._sources[0])
         x = step.image(self._sources[1])
         states = step.state(self._state)
-        dx = kernel.encode_batch(step.cb, g, x, states)
+        trusted = getattr(kernel, "_graph_encode_batch", None)
+        if trusted is not None:  # mpsnn's kernels: the graph made (and checked) the arguments
+            dx = trusted(step.cb, g, x, states)
+        else:
+            dx = kernel.encode_batch(step.cb, g, x, states)
         if dx is not None:
             step.set_image(self.result_image, dx)
         if self.trainable:

@@ -172,24 +172,33 @@ class Graph:
 
     def _allocate(self, cb: CommandBuffer, node: ImageNode, desc: ImageDescriptor) -> Image:
         fmt = node.format or self.format
-        desc = ImageDescriptor(fmt, desc.width, desc.height, desc.feature_channels,
-                               desc.number_of_images)  # fmt: skip
+        # a new descriptor (the kernel's may be cached in its plans); checked already
+        desc = ImageDescriptor._make(fmt, desc._w, desc._h, desc._c, desc._n)
         if node._id in self._permanent:
             alloc = node.image_allocator or (
                 self.destination_image_allocator if node is self._results[0] else None
             )
-            image = alloc.image(cb, desc, None) if alloc is not None else Image(self._device, desc)
+            if alloc is None:
+                image = Image(self._device, desc)
+            else:
+                image = _checked_image(
+                    "Graph", f"{node!r}'s image", alloc.image(cb, desc, None), cb
+                )
         elif node.image_allocator is not None:
             image = node.image_allocator.image(cb, desc, None)
+            _checked_image("Graph", f"{node!r}'s image", image, cb)
             if image.is_temporary:
                 image.read_count = _HELD  # the graph releases it after its last reader
         else:
-            image = TemporaryImage(cb, desc)
-            image.read_count = _HELD
+            # the graph's own intermediates (most images of a step): the buffer is encodable
+            # and the descriptor valid, so the checked constructor is skipped
+            image = TemporaryImage._make_on(cb, desc)
+            image._read_count = _HELD
         step = self._current
         if step is not None:
             step.bytes += nbytes(image)
-            step.peak = max(step.peak, step.bytes)
+            if step.bytes > step.peak:
+                step.peak = step.bytes
         return image
 
     # -- encode --------------------------------------------------------------------------------
@@ -230,6 +239,9 @@ class Graph:
                 raise ValueError(
                     f"[{who}] source_images[{i}] must be on {self._device}, got {b.device}"
                 )
+            # the checks a kernel makes of its sources: the graph's kernels skip them for the
+            # images the graph passes them (`_checked_image`)
+            _checked_image(who, f"source_images[{i}]", b._image, command_buffer)
         n = len(images[0]) if images else 0
         for i, b in enumerate(images):
             if len(b) != n:
@@ -268,7 +280,8 @@ class Graph:
         finally:
             self._current = None
         self._intermediates = [step.images.get(x._id) for x in self._exported]
-        self._last_plan_report = {"peak_bytes": step.peak, "total_bytes": self._total(step)}
+        # the total is computed when asked for (debug_description), not at every step
+        self._last_plan_report = {"peak_bytes": step.peak, "images": step.images}
         if not self._needed[0]:
             return None
         return step.image(self._results[0])
@@ -317,10 +330,10 @@ class Graph:
 
     _current: _Step | None = None
 
-    def _total(self, step: _Step) -> int:
+    def _total(self, step_images: dict[int, Any]) -> int:
         images = {  # fused and passed-on nodes share their image: count it once
             id(v.image._root()): v.image._root()
-            for key, v in step.images.items()
+            for key, v in step_images.items()
             if isinstance(v, ImageBatch) and key not in self._source_ids
         }
         return sum(nbytes(im) for im in images.values())
@@ -366,14 +379,33 @@ class Graph:
             lines.append(f"  updates after the gradients: {', '.join(self._updates_planned)}")
         if self._last_plan_report:
             r = self._last_plan_report
+            total = self._total(r["images"])
             lines.append(
                 f"  intermediates: peak {r['peak_bytes'] / 2**20:.2f} MiB of "
-                f"{r['total_bytes'] / 2**20:.2f} MiB allocated in the last encode"
+                f"{total / 2**20:.2f} MiB allocated in the last encode"
             )
         return "\n".join(lines)
 
     def __repr__(self) -> str:
         return f"<Graph on {self._device}: {len(self._order)} filters>"
+
+
+def _checked_image(who: str, name: str, image: Any, cb: CommandBuffer) -> Image:
+    """An image a graph hands its kernels that it did not make itself (a source, or what an
+    allocator of the user's returned), checked as a kernel checks a source: an `Image` of the
+    command buffer's device, live, and no temporary image of another command buffer."""
+    if not isinstance(image, Image):
+        raise TypeError(f"[{who}] {name} must be an Image, got {type(image).__name__}")
+    if image._device != cb._queue._device:
+        raise ValueError(f"[{who}] {name} must be on {cb._queue._device}, got {image._device}")
+    root = image._root()
+    root._check_live(who)
+    if isinstance(root, TemporaryImage) and root._command_buffer is not cb:
+        raise ValueError(
+            f"[{who}] {name} is a TemporaryImage of another command buffer; a temporary "
+            "image must be used on the command buffer it was made for"
+        )
+    return image
 
 
 def _labels_batch(graph: Graph, value: Any, n: int, index: int) -> list[Any]:

@@ -12,7 +12,7 @@ from mpsnn.core.descriptor import FeatureChannelFormat, ImageDescriptor
 from mpsnn.core.device import CommandBuffer
 from mpsnn.core.image import Image, TemporaryImage
 from mpsnn.core.image_batch import ImageBatch
-from mpsnn.core.state import GradientState, State, StateBatch
+from mpsnn.core.state import GradientState, State, StateBatch, _unique
 
 
 class _Node(Protocol):
@@ -125,7 +125,7 @@ class _Step:
         else:
             batch = kernel.temporary_result_state_batch(self.cb, source)
         for st in batch.unique():
-            st.read_count = _HELD
+            st._read_count = _HELD  # new temporary states of this buffer: no checks needed
         return batch
 
     def weight_gradient_ready(self, node: _Node, kernel: Any, states: Any) -> None:
@@ -141,9 +141,10 @@ class _Step:
 
     def done(self, node: _Node) -> None:
         """``node`` ran: release the images and states it was the last reader of."""
+        remaining = self.remaining
         for key in self.graph._reads_by[node._id]:
-            left = self.remaining[key] - 1
-            self.remaining[key] = left
+            left = remaining[key] - 1
+            remaining[key] = left
             if left == 0:
                 self._release(key)
 
@@ -152,21 +153,27 @@ class _Step:
         if value is not None:
             root = value.image._root() if isinstance(value, ImageBatch) else value._root()
             if isinstance(root, TemporaryImage) and root._released_by is None:
-                root.read_count = 0  # freed after the last command that reads it
+                root._read_count = 0  # freed after the last command that reads it
+                root._release("read_count = 0")
                 self.bytes -= nbytes(root)
             return
         states = self.states.get(key)
         if states is not None:
-            for st in StateBatch(states if isinstance(states, list) else [states]).unique():
-                if isinstance(st, State) and st.is_temporary and st._released_by is None:
-                    st.read_count = 0
+            for st in _unique(states if isinstance(states, list) else [states]):
+                temporary = isinstance(st, State) and st._command_buffer is not None
+                if temporary and st._released_by is None:
+                    st._read_count = 0
+                    st._release("read_count = 0")
 
 
 def nbytes(image: Image) -> int:
-    n, c, h, w = image.shape
-    return n * c * h * w * itemsize(image.feature_channel_format)
+    n, c, h, w = image._shape
+    return n * c * h * w * _ITEMSIZE.get(image._fmt, 2)
 
 
 def itemsize(fmt: FeatureChannelFormat) -> int:
-    return {FeatureChannelFormat.FLOAT64: 8, FeatureChannelFormat.FLOAT32: 4,
-            FeatureChannelFormat.UNORM8: 1}.get(fmt, 2)  # fmt: skip
+    return _ITEMSIZE.get(fmt, 2)
+
+
+_ITEMSIZE = {FeatureChannelFormat.FLOAT64: 8, FeatureChannelFormat.FLOAT32: 4,
+             FeatureChannelFormat.UNORM8: 1}  # fmt: skip

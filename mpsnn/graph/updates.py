@@ -26,6 +26,7 @@ __all__ = ["encode_updates"]
 
 def encode_updates(graph: Any, step: Any) -> None:
     from mpsnn.cnn.convolution import TensorConvolutionDataSource
+    from mpsnn.cnn.convolution.kernels import reload_weights_and_biases
     from mpsnn.graph.normalization_nodes import BatchNormalizationNode
 
     cb = step.cb
@@ -60,8 +61,7 @@ def encode_updates(graph: Any, step: Any) -> None:
             continue
         _gamma_beta(step, ds, fkernel, state, groups)  # instance and group normalization
     _update_groups(cb, groups)
-    for kernel, ds in reloads:
-        kernel.reload_weights_and_biases(cb, ds.state)
+    reload_weights_and_biases(cb, [(kernel, ds.state) for kernel, ds in reloads])
     for kernel, ds in step.gamma_beta_reloads:
         kernel.reload_gamma_and_beta(cb, ds._gb)
     if cpu:

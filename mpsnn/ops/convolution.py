@@ -159,16 +159,36 @@ def conv_backward(
 # -- fully connected -------------------------------------------------------------------------
 
 
-def fc_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def fc_matrix(weight: torch.Tensor) -> torch.Tensor:
+    """The ``(O, C kH kW)`` matrix of OIHW ``weight``, a view (a caller may keep it: in-place
+    changes of the weights show through it)."""
+    return weight.reshape(weight.shape[0], -1)
+
+
+def _pixels(x: torch.Tensor, kh: int, kw: int) -> torch.Tensor:
+    """The top-left ``kH x kW`` pixels of ``x`` as ``(N, C kH kW)`` (no slice when that is all
+    of ``x``: one view op less per layer and step)."""
+    if x.shape[2] != kh or x.shape[3] != kw:
+        x = x[:, :, :kh, :kw]
+    return x.reshape(x.shape[0], -1)
+
+
+def fc_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    matrix: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``y[n, o] = b[o] + sum_{c, h, w} W[o, c, h, w] x[n, c, h, w]`` over the top-left
-    ``kH x kW`` pixels of ``x``; returns ``(N, O, 1, 1)``."""
+    ``kH x kW`` pixels of ``x``; returns ``(N, O, 1, 1)``. ``matrix``: `fc_matrix` of
+    ``weight``, when the caller keeps it."""
     n = x.shape[0]
     o, _, kh, kw = weight.shape
-    xin = x[:, :, :kh, :kw].reshape(n, -1)
+    xin = _pixels(x, kh, kw)
     # F.linear's own product (addmm, or mm without a bias), written into a new (N, O, 1, 1)
     # tensor rather than returned as a view: an image adopts a new tensor as its storage.
     out = x.new_empty((n, o, 1, 1))
-    w2t = weight.reshape(o, -1).t()
+    w2t = (fc_matrix(weight) if matrix is None else matrix).t()
     if bias is None:
         torch.mm(xin, w2t, out=out.view(n, o))
     else:
@@ -182,20 +202,22 @@ def fc_backward(
     weight: torch.Tensor,
     need_data: bool = True,
     need_weights: bool = True,
+    matrix: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """Gradients of `fc_forward`: ``dx = E W``, ``dW = E^T x`` (float32), ``db = sum E``."""
+    """Gradients of `fc_forward`: ``dx = E W``, ``dW = E^T x`` (float32), ``db = sum E``;
+    ``matrix``: `fc_matrix` of ``weight``, when the caller keeps it."""
     n, c, h, w = x.shape
     o, _, kh, kw = weight.shape
     g2 = grad.reshape(n, o)
     dx = dw = None
     if need_data:
         dx = grad.new_empty((n, c, kh, kw))  # a new tensor, not a view (see fc_forward)
-        torch.mm(g2, weight.reshape(o, -1), out=dx.view(n, -1))
+        w2 = fc_matrix(weight) if matrix is None else matrix
+        torch.mm(g2, w2, out=dx.view(n, -1))
         if (kh, kw) != (h, w):
             dx = F.pad(dx, (0, w - kw, 0, h - kh))
     if need_weights:
-        xin = x[:, :, :kh, :kw].reshape(n, -1)
-        dw = (g2.t() @ xin).view(o, c, kh, kw)
+        dw = (g2.t() @ _pixels(x, kh, kw)).view(o, c, kh, kw)
     return dx, dw, g2.sum(0, dtype=acc_dtype(grad.dtype))
 
 

@@ -162,7 +162,9 @@ def loss_forward_backward(
             loss, grad, units, count = _cosine(yw, labels[:, :c].to(acc), wt, params.weight)
         else:
             a = _class_terms(labels, wt, params, c, yw)
-            loss, grad = _cross_entropy(kind, yw, a, params.epsilon)
+            loss, grad = _cross_entropy(
+                kind, yw, a, params.epsilon, _one_hot_sum(labels, wt, params)
+            )
             units, count = h * w, None
             if wt is not None:  # a pixel counts when any class weight is non-zero
                 count = (wt != 0).any(1).sum((1, 2))
@@ -247,6 +249,10 @@ def _class_terms(
         if ls:
             a = a * (1 - ls) + ls / k
     else:  # one-hot (1 - ls) at the class index, plus ls / K everywhere
+        if _one_hot_sum(labels, wt, p) is not None:
+            # ``weight`` scattered directly: the bits of ``1.0 * weight`` at the class and of
+            # ``0.0 * weight`` (+0.0, weight > 0) elsewhere, without the product's pass
+            return torch.zeros_like(y).scatter_(1, labels.unsqueeze(1), p.weight)
         a = torch.zeros_like(y).scatter_(1, labels.unsqueeze(1), 1 - ls)
         if ls:
             a += ls / k
@@ -257,14 +263,30 @@ def _class_terms(
     return a
 
 
+def _one_hot_sum(labels: torch.Tensor, wt: torch.Tensor | None, p: LossParams) -> float | None:
+    """``sum_c a_c`` of every pixel when the class terms are a one-hot ``weight`` (class
+    indices, no label smoothing, no per-element weights, ``weight > 0``), else None. Then every
+    pixel's sum is exactly ``weight`` (one non-zero term; the others +0.0), so the gradient
+    needs no reduction over the classes. (With ``weight <= 0`` the zeros' signs could differ
+    from those of ``0.0 * weight``: that case keeps the general form.)"""
+    if labels.is_floating_point() or wt is not None or p.label_smoothing or not p.weight > 0:
+        return None
+    return p.weight
+
+
 def _cross_entropy(
-    kind: int, y: torch.Tensor, a: torch.Tensor, eps: float
+    kind: int, y: torch.Tensor, a: torch.Tensor, eps: float, a_sum: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-pixel loss ``-sum_c a_c log p_c`` (N, 1, H, W) and its derivative (N, C, H, W)."""
+    """Per-pixel loss ``-sum_c a_c log p_c`` (N, 1, H, W) and its derivative (N, C, H, W);
+    ``a_sum``: ``sum_c a_c``, when it is one number for every pixel (`_one_hot_sum`)."""
     if kind == SOFTMAX_CROSS_ENTROPY:
         logp = torch.log_softmax(y, dim=1)
         loss = -(a * logp).sum(1, keepdim=True)
-        return loss, a.sum(1, keepdim=True) * torch.exp(logp) - a
+        if a_sum is None:
+            return loss, a.sum(1, keepdim=True) * torch.exp(logp) - a
+        # the same products as ``a_sum * exp(logp)`` with the sums' tensor (``x * 1.0`` is x)
+        p = torch.exp(logp)
+        return loss, (p if a_sum == 1 else p.mul_(a_sum)) - a
     p = y.clamp(min=eps)
     loss = -(a * torch.log(p)).sum(1, keepdim=True)
     # a / p is finite where the clamp holds (p = eps); the mask zeroes it there. A NaN y gives

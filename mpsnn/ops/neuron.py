@@ -28,8 +28,9 @@ Domains: POWER with a non-integer ``c`` is real only where ``a x + b >= 0`` (NaN
 ``torch.pow``); LOGARITHM needs ``a x + b > 0`` (``-inf`` at 0, NaN below). Inputs outside the
 domain give what PyTorch gives; they are not errors.
 
-RELU with ``a = +0.0`` (the plain ReLU) runs as ``(x >= 0) x`` and ``(x >= 0) g``, two
-vectorized passes with the general formulas' bits (`plain_relu` decides and says why).
+RELU with ``a = +0.0`` (the plain ReLU) runs as ``(x >= 0) x`` and ``(x >= 0) g`` with the
+general formulas' bits: two vectorized passes on the CPU, two launches on CUDA (`plain_relu`
+decides and says why).
 """
 
 from __future__ import annotations
@@ -195,7 +196,10 @@ def plain_relu(p: NeuronParams, x: torch.Tensor) -> bool:
 
     ``a = -0.0`` keeps the general path: there ``x a`` is +0.0 for ``x < 0``, ``m x`` -0.0.
     Why: the general forms take 3 to 5 passes, where (and mixed bool-float products) are not
-    vectorized on the CPU; these take 2 vectorized passes.
+    vectorized on the CPU; these take 2 vectorized passes. Off the CPU the mask stays a bool
+    tensor, ``x * (x >= 0)``: the product promotes it to exactly 1.0/0.0 in ``x``'s dtype
+    inside the kernel (the same products, so the same bits), which saves allocating the float
+    mask and a third operation's host dispatch (two launches, each ReLU of a training step).
     """
     return p.kind == RELU and p.a == 0.0 and math.copysign(1.0, p.a) > 0 and x.is_floating_point()
 
@@ -210,10 +214,18 @@ def _times(m: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return m.mul_(t) if m.shape == t.shape else m * t
 
 
+def _relu_times(x: torch.Tensor, t: torch.Tensor, float_mask: bool | None = None) -> torch.Tensor:
+    """``(x >= 0) t``, a new tensor: with a float mask (``float_mask`` None: on the CPU) or a
+    bool one (elsewhere); see `plain_relu`."""
+    if x.device.type == "cpu" if float_mask is None else float_mask:
+        return _times(_nonnegative(x), t)
+    return t * (x >= 0)
+
+
 def activation(p: NeuronParams, x: torch.Tensor) -> torch.Tensor:
     """``f(x)`` in ``x``'s dtype (transcendental types computed in float32)."""
     if plain_relu(p, x):
-        return _times(_nonnegative(x), x)
+        return _relu_times(x, x)
     return neuron_forward(p.kind, _upcast(p, x), p.a, p.b, p.c, p.data).to(x.dtype)
 
 
@@ -230,5 +242,5 @@ def activation_backward(p: NeuronParams, g: torch.Tensor, x: torch.Tensor) -> to
         wide = torch.promote_types(g.dtype, x.dtype)
         return (g.to(wide) * activation_slope(p, x.to(wide))).to(g.dtype)
     if plain_relu(p, x):
-        return _times(_nonnegative(x), g)
+        return _relu_times(x, g)
     return g * activation_slope(p, x)

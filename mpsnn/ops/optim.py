@@ -56,9 +56,11 @@ tensors, same rule and options) checks the lists and builds the Triton kernel's 
 a capture the tables are cached per list, keyed on the addresses of all tensors, the shapes of
 the values and the gradient dtypes; the cache holds 64 lists at most, and the least recently
 used goes first. Later updates copy nothing from the host and never wait for the device.
-Gradients at new addresses at every step cost a check and a small copy of the address table at
-every step. A list first seen inside a capture gets tables staged through pinned host memory
-for that capture alone. Examples are gradients allocated in the captured region, as in a
+Gradients at new addresses at every step (a training graph's gradients are new tensors at every
+step) cost a check of the gradients alone (the other lists' checks are kept per list, keyed on
+everything but the gradient addresses) and a small copy of the address table, which never waits
+for the device either. A list first seen inside a capture gets tables staged through pinned
+host memory for that capture alone. Examples are gradients allocated in the captured region, as in a
 compiled training step. The graph copies those tables again at each replay, a few kilobytes,
 and they are not cached. Tables that a graph records, whether built there or taken from the
 cache, are kept alive for the graph: eviction from the cache does not free them. See
@@ -323,6 +325,9 @@ def apply_update(
 
 _PLANS: OrderedDict[int, tuple[tuple, Any]] = OrderedDict()
 _MAX_PLANS = 64
+# Lists checked already, keyed on everything but the gradient addresses: new gradients of
+# checked lists need only their own check.
+_CHECKED: OrderedDict[int, tuple] = OrderedDict()
 _data_ptr = torch.Tensor.data_ptr
 _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
@@ -341,10 +346,13 @@ def _plan(rule: UpdateRule, lists: tuple[Sequence[torch.Tensor], ...], hyper: to
     (`mpsnn.ops.triton.optim`)."""
     from mpsnn.ops import triton as fast_paths
 
-    flat = [t for lst in lists for t in lst]
+    others = [t for k, lst in enumerate(lists) if k != 1 for t in lst]
+    grads = lists[1]
+    # the gradient addresses last: the key without them is the key of the lists' checks
     key = (
         fast_paths.enabled(), len(lists), hyper.device, lists[0][0].dtype,
-        *map(_data_ptr, flat), *map(_shape, lists[0]), *map(_dtype, lists[1]),
+        *map(_data_ptr, others), *map(_shape, lists[0]), *map(_dtype, grads),
+        *map(_data_ptr, grads),
     )  # fmt: skip
     h = hash(key)  # hashed once: a long tuple does not cache its hash
     entry = _PLANS.get(h)
@@ -354,7 +362,16 @@ def _plan(rule: UpdateRule, lists: tuple[Sequence[torch.Tensor], ...], hyper: to
         if plan is not None and _capturing(hyper):
             plan.keep_for_graphs()  # this capture records the cached tables' addresses
         return plan
-    _check_lists(rule, lists, hyper.device)
+    checked = key[: len(key) - len(grads)]
+    hc = hash(checked)
+    if _CHECKED.get(hc) == checked:
+        _CHECKED.move_to_end(hc)
+        _check_lists(rule, lists, hyper.device, only_grads=True)
+    else:
+        _check_lists(rule, lists, hyper.device)
+        _CHECKED[hc] = checked
+        if len(_CHECKED) > _MAX_PLANS:
+            _CHECKED.popitem(last=False)
     capturing = _capturing(hyper)
     plan = fast_paths.optimizer_tables(lists, capturing=capturing)
     if capturing and plan is not None:
@@ -372,8 +389,13 @@ def _capturing(hyper: torch.Tensor) -> bool:
 
 
 def _check_lists(
-    rule: UpdateRule, lists: tuple[Sequence[torch.Tensor], ...], device: torch.device
+    rule: UpdateRule,
+    lists: tuple[Sequence[torch.Tensor], ...],
+    device: torch.device,
+    only_grads: bool = False,
 ) -> None:
+    """Raise unless the lists fit the rule (see `apply_update`); ``only_grads``: the other
+    lists passed this check already (the key of `_CHECKED` covers what it read of them)."""
     who = f"[apply_update {rule.name}]"
     names = ("values", "grads", "results", *rule.state_names)
     if len(lists) != len(names):
@@ -385,6 +407,8 @@ def _check_lists(
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"{who} values must be float32 or float64, got {dtype}")
     for name, lst in zip(names, lists, strict=True):
+        if only_grads and name != "grads":
+            continue
         if len(lst) != n:
             raise ValueError(f"{who} {name} has {len(lst)} tensors, values has {n}")
         for i, t in enumerate(lst):

@@ -230,8 +230,11 @@ class Optimizer(Kernel):
         who = type(self).__name__
         rule = self._rule(len(states))
         dev = self._device.torch_device
+        # device indices compared (-1: the CPU): no torch.device made per tensor, for the
+        # dozens of tensors a training graph's grouped update checks at every step
+        index = -1 if dev.index is None else dev.index
         for t in (*values, *results, *(v for s in states for v in s)):
-            if t.device != dev:
+            if t.get_device() != index:
                 raise ValueError(
                     f"[{who}] tensors must be on the optimizer's device {dev}, got one on "
                     f"{t.device}"

@@ -165,3 +165,110 @@ def test_cpu_update_path_trains_a_linear_fit() -> None:
         cb.wait_until_completed()
     assert_close(ds.weights().flatten(), torch.tensor([3.0]), "learned slope", tol=1e-3)
     assert_close(ds.bias_terms(), torch.tensor([-1.0]), "learned bias", tol=1e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reloads_of_several_kernels_as_one_command(device: str) -> None:
+    """`reload_weights_and_biases` (the module function a training graph uses) gives each
+    kernel the weights its own reload gives, as one command, and drops each pair's read count
+    once (a state reloaded into two kernels drops twice). A layer without bias gains one."""
+    from mpsnn.cnn.convolution.kernels import reload_weights_and_biases
+
+    dev = m.Device(device)
+    gen = torch.Generator().manual_seed(3)
+    descs = [m.ConvolutionDescriptor(3, 3, 2, 4), m.ConvolutionDescriptor(2, 2, 4, 3)]
+    fc_desc = m.ConvolutionDescriptor(2, 2, 3, 5)
+
+    def kernels():
+        convs = [
+            m.Convolution(dev, m.TensorConvolutionDataSource(d, torch.randn(d.weights_shape)))
+            for d in descs
+        ]
+        fc = m.FullyConnected(
+            dev, m.TensorConvolutionDataSource(fc_desc, torch.randn(fc_desc.weights_shape))
+        )
+        return [*convs, fc]
+
+    def states(cb):
+        out = []
+        for d in (*descs, fc_desc):
+            st = m.ConvolutionWeightsAndBiasesState.temporary(cb, d)
+            st.weights.copy_(torch.randn(d.weights_shape, generator=gen))
+            st.biases.copy_(torch.randn(d.output_feature_channels, generator=gen))
+            out.append(st)
+        return out
+
+    q = dev.new_command_queue()
+    one, each = kernels(), kernels()
+    cb = q.command_buffer()
+    news = states(cb)
+    copies = [m.ConvolutionWeightsAndBiasesState(st.weights, st.biases) for st in news]
+    shared = news[0]
+    shared.read_count = 2  # reloaded into two kernels below
+    extra = m.Convolution(dev, m.TensorConvolutionDataSource(descs[0], torch.zeros(4, 3, 3, 2)))
+    n = len(cb)
+    reload_weights_and_biases(cb, [*zip(one, news, strict=True), (extra, shared)])
+    assert len(cb) == n + 1  # one command for all
+    assert [s.read_count for s in news] == [0, 0, 0]
+    cb2 = q.command_buffer()
+    for k, st in zip(each, copies, strict=True):
+        k.reload_weights_and_biases(cb2, st)
+    run(cb2)
+    run(cb)
+    for a, b in zip([*one, extra], [*each, each[0]], strict=True):
+        assert torch.equal(a.weights, b.weights) and torch.equal(a.biases, b.biases)
+
+
+def test_batched_reload_checks_every_pair_first() -> None:
+    """A wrong pair raises the per-kernel message, and nothing was recorded or changed: no
+    command, no read count dropped, no bias gained by the kernels before it."""
+    from mpsnn.cnn.convolution.kernels import reload_weights_and_biases
+
+    dev = m.Device("cpu")
+    desc = m.ConvolutionDescriptor(1, 1, 1, 1)
+    fc_desc = m.ConvolutionDescriptor(2, 2, 3, 5)
+    conv = m.Convolution(dev, m.TensorConvolutionDataSource(desc, torch.ones(1, 1, 1, 1)))
+    fc = m.FullyConnected(
+        dev, m.TensorConvolutionDataSource(fc_desc, torch.ones(fc_desc.weights_shape))
+    )
+    cb = dev.new_command_queue().command_buffer()
+    good = m.ConvolutionWeightsAndBiasesState.temporary(cb, desc)  # with biases: conv gains one
+    bad = m.ConvolutionWeightsAndBiasesState(torch.zeros(5, 3, 2, 2), command_buffer=cb)
+    with pytest.raises(
+        ValueError,
+        match=r"\[FullyConnected\] state.weights must have the OHWI shape \(5, 2, 2, 3\), "
+        r"got \(5, 3, 2, 2\)",
+    ):
+        reload_weights_and_biases(cb, [(conv, good), (fc, bad)])
+    assert len(cb) == 0 and good.read_count == bad.read_count == 1 and conv.biases is None
+    other = dev.new_command_queue().command_buffer()
+    with pytest.raises(ValueError, match=r"\[Convolution\] state is a temporary state of another"):
+        reload_weights_and_biases(other, [(conv, good)])
+    with pytest.raises(TypeError, match=r"\[Convolution\] state must be a ConvolutionWeights"):
+        reload_weights_and_biases(cb, [(conv, object())])
+    reload_weights_and_biases(cb, [])  # nothing to do
+    assert len(cb) == 0
+
+
+def test_fully_connected_matrix_view_follows_the_weights() -> None:
+    """The (O, C kH kW) matrix a fully connected layer keeps is a view of the weights it was
+    made for: in-place updates (reloads, optimizers) show through it, and another tensor (a
+    cast, new weights) gets its own."""
+    desc = m.ConvolutionDescriptor(2, 2, 3, 5)
+    fc = m.FullyConnected(
+        m.Device("cpu"), m.TensorConvolutionDataSource(desc, torch.randn(desc.weights_shape))
+    )
+    ws = fc._weights
+    mat = ws.matrix(ws.weight)
+    assert mat.shape == (5, 12) and mat.data_ptr() == ws.weight.data_ptr()
+    assert ws.matrix(ws.weight) is mat
+    ws.weight.mul_(2)
+    assert torch.equal(mat, ws.weight.reshape(5, -1))
+    half, _ = ws.cast(torch.float64)
+    assert ws.matrix(half) is not mat and torch.equal(ws.matrix(half), half.reshape(5, -1))
+    x = m.ImageBatch.from_tensor(torch.randn(4, 3, 2, 2))
+    cb = m.Device("cpu").new_command_queue().command_buffer()
+    y = fc.encode_batch(cb, x)
+    run(cb)
+    want = x.tensor.reshape(4, -1) @ ws.weight.reshape(5, -1).t()  # no bias: mm
+    assert torch.equal(y.tensor.reshape(4, 5), want)

@@ -243,6 +243,42 @@ def test_wrong_source_images_and_command_buffers() -> None:
         graph.encode_batch(cb, [x], [labels])
 
 
+def test_stale_or_foreign_temporary_sources_and_allocated_images() -> None:
+    """The graph's kernels skip the checks of the images the graph hands them, so the graph
+    checks what it did not make itself: its source images (a released temporary image, one of
+    another command buffer) and what an image allocator of the user's returns."""
+    graph = _net().graph
+    _, labels = _inputs()
+    data = torch.randn(3, 2, 4, 4)
+    other = new_cb()
+    foreign = m.TemporaryImage(other, m.ImageDescriptor(m.FeatureChannelFormat.FLOAT32, 4, 4, 2, 3))
+    cb = new_cb()
+    with pytest.raises(
+        ValueError,
+        match=r"\[Graph\] source_images\[0\] is a TemporaryImage of another command buffer",
+    ):
+        graph.encode_batch(cb, [m.ImageBatch(foreign)], [labels])
+    stale = m.TemporaryImage(cb, m.ImageDescriptor(m.FeatureChannelFormat.FLOAT32, 4, 4, 2, 3))
+    stale.read_count = 0
+    with pytest.raises(
+        m.StaleResourceError, match=r"\[Graph\] TemporaryImage 3x2x4x4 must be live"
+    ):
+        graph.encode_batch(cb, [m.ImageBatch(stale)], [labels])
+    assert len(cb) == 0
+
+    class Foreign:
+        def image(self, command_buffer, descriptor, kernel):
+            return m.TemporaryImage(other, descriptor)
+
+    net = _net()
+    net.c1.result_image.image_allocator = Foreign()
+    graph = m.Graph(DEV, net.terminal.result_image)
+    cb = new_cb()
+    with pytest.raises(ValueError, match=r"\[Graph\] .*'s image is a TemporaryImage of another"):
+        graph.encode_batch(cb, [m.ImageBatch.from_tensor(data)], [labels])
+    assert len(cb) == 0
+
+
 def test_source_batches_of_different_sizes() -> None:
     g = gen(64)
     a, b = m.ImageNode("a"), m.ImageNode("b")

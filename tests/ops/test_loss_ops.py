@@ -630,3 +630,40 @@ def test_inconsistent_shapes_raise():
     for yy, labels, weights, p, msg in bad:
         with pytest.raises(ValueError, match=r"^\[loss\] .*" + msg):
             loss_forward_backward(yy, labels, weights, p)
+
+
+_INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(_INT_VIEW[t.element_size()])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16], ids=str)
+@pytest.mark.parametrize("weight", [1.0, 0.25, 3.0, 0.0, -2.0])
+@pytest.mark.parametrize("reduction", [L.NONE, L.SUM, L.MEAN])
+def test_one_hot_cross_entropy_shortcut_keeps_the_bits(
+    reduction, weight, dtype, device, monkeypatch
+):
+    """Softmax cross entropy with class indices (no smoothing, no per-element weights) scatters
+    the scalar weight and uses it for the per-pixel class-term sum: the same bits as the general
+    form (scatter 1, multiply, reduce over the classes), also for ±inf and NaN logits, logits
+    whose softmax is exactly one-hot, and pixels (H, W > 1)."""
+    gen = torch.Generator().manual_seed(11)
+    y = torch.randn(4, 5, 2, 3, generator=gen, dtype=torch.float64) * 3
+    y[0, :, 0, 0] = torch.tensor([float("inf"), 0.0, 1.0, 2.0, 3.0])
+    y[0, :, 0, 1] = torch.tensor([-float("inf"), 0.0, 1.0, 2.0, 3.0])
+    y[1, :, 1, 2] = torch.tensor([float("nan"), 0.0, 1.0, 2.0, 3.0])
+    y[2, :, 0, 0] = torch.tensor([200.0, -200.0, -300.0, 0.0, -250.0])  # softmax one-hot
+    y = y.to(device=device, dtype=dtype)
+    labels = torch.randint(0, 5, (4, 2, 3), generator=gen).to(device)
+    labels[2, 0, 0] = 0
+    params = LossParams(L.SOFTMAX_CROSS_ENTROPY, reduction, weight)
+    assert (L._one_hot_sum(labels, None, params) is not None) == (weight > 0)
+    fast = loss_forward_backward(y, labels, None, params)
+    monkeypatch.setattr(L, "_one_hot_sum", lambda *args: None)
+    general = loss_forward_backward(y, labels, None, params)
+    for a, b in zip(fast, general, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(_bits(a), _bits(b))

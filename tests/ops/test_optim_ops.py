@@ -211,6 +211,35 @@ def test_lists_are_checked_once_per_list(monkeypatch) -> None:
     assert len(calls) == 2
 
 
+def test_new_gradients_of_checked_lists_check_the_gradients_alone(monkeypatch) -> None:
+    """Gradients at new addresses (a training graph's, at every step) re-check the gradient
+    list only, and a bad gradient still raises, at a checked key too."""
+    monkeypatch.setattr(optim, "_PLANS", type(optim._PLANS)())
+    monkeypatch.setattr(optim, "_CHECKED", type(optim._CHECKED)())
+    checks = []
+    real = optim._check_lists
+    monkeypatch.setattr(
+        optim,
+        "_check_lists",
+        lambda *a, only_grads=False: checks.append(only_grads) or real(*a, only_grads=only_grads),
+    )
+    w = [torch.randn(4), torch.randn(2, 2)]
+    hyper = optim.make_hyper("cpu", learning_rate=0.1)
+    kept = [[torch.randn(4), torch.randn(2, 2)] for _ in range(2)]  # alive: new addresses
+    optim.sgd_update(w, kept[0], w, None, hyper)
+    optim.sgd_update(w, kept[1], w, None, hyper)
+    assert checks == [False, True]
+    with pytest.raises(ValueError, match=r"grads\[1\] has shape \(3,\), values\[1\] \(2, 2\)"):
+        optim.sgd_update(w, [torch.randn(4), torch.randn(3)], w, None, hyper)
+    with pytest.raises(ValueError, match="grads has 1 tensors, values has 2"):
+        optim.sgd_update(w, [torch.randn(4)], w, None, hyper)
+    with pytest.raises(TypeError, match=r"grads\[0\] is torch.float64 with torch.float32 values"):
+        optim.sgd_update(w, [torch.randn(4).double(), torch.randn(2, 2)], w, None, hyper)
+    other = [torch.randn(4), torch.randn(2, 2)]  # new results: every list is checked again
+    optim.sgd_update(w, kept[0], other, None, hyper)
+    assert checks[-1] is False
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.optim where the formulas coincide
 

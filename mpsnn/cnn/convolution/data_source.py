@@ -18,6 +18,7 @@ from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.kernel import TrainingStyle
 from mpsnn.core.state import State
 from mpsnn.ops._dtypes import widen
+from mpsnn.ops.convolution import fc_matrix
 
 __all__ = [
     "ConvolutionDataSource",
@@ -266,12 +267,13 @@ class ConvWeights:
     them at every replay. A copy is therefore never stale.
     """
 
-    __slots__ = ("_casts", "bias", "weight")
+    __slots__ = ("_casts", "_matrix", "bias", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight
         self.bias = bias
         self._casts: dict[torch.dtype, tuple[int, torch.Tensor, torch.Tensor | None]] = {}
+        self._matrix: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_ohwi(
@@ -316,6 +318,15 @@ class ConvWeights:
             got = (version, self.weight.to(dtype), b)
             self._casts[dtype] = got
         return got[1], got[2]
+
+    def matrix(self, w: torch.Tensor) -> torch.Tensor:
+        """`fc_matrix` of ``w`` (the masters, or a cast of them from `cast`), kept while ``w``
+        is the tensor it was made for: a view, so in-place updates show through it, and a
+        fully connected layer makes none at every step."""
+        got = self._matrix
+        if got is None or got[0] is not w:
+            got = self._matrix = (w, fc_matrix(w))
+        return got[1]
 
     @property
     def ohwi(self) -> torch.Tensor:

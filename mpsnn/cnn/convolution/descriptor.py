@@ -118,11 +118,12 @@ class ConvolutionDescriptor:
     @property
     def weights_shape(self) -> tuple[int, int, int, int]:
         """OHWI shape of the weights: ``(O, kH, kW, I / groups)``."""
+        # the validated fields read directly (this runs at every training step)
         return (
-            self.output_feature_channels,
-            self.kernel_height,
-            self.kernel_width,
-            self.input_feature_channels // self.groups,
+            self._output_feature_channels,
+            self._kernel_height,
+            self._kernel_width,
+            self._input_feature_channels // self._groups,
         )
 
     def copy(self) -> ConvolutionDescriptor:
@@ -140,16 +141,18 @@ class ConvolutionDescriptor:
         )
 
     def _key(self) -> tuple[int, ...]:
+        # the validated fields read directly: gradient kernels compare descriptors at every
+        # encode
         return (
-            self.kernel_width,
-            self.kernel_height,
-            self.input_feature_channels,
-            self.output_feature_channels,
-            self.stride_in_pixels_x,
-            self.stride_in_pixels_y,
-            self.dilation_rate_x,
-            self.dilation_rate_y,
-            self.groups,
+            self._kernel_width,
+            self._kernel_height,
+            self._input_feature_channels,
+            self._output_feature_channels,
+            self._stride_in_pixels_x,
+            self._stride_in_pixels_y,
+            self._dilation_rate_x,
+            self._dilation_rate_y,
+            self._groups,
         )
 
     def __eq__(self, other: object) -> bool:

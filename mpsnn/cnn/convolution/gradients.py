@@ -213,7 +213,8 @@ class FullyConnectedGradient(ConvolutionGradient):
     """
 
     def _grads(self, record: ForwardRecord) -> Callable[..., Grads]:
-        return lambda g, x, w, nd, nw: fc_backward(g, x, w, nd, nw)
+        ws = record.params.weights
+        return lambda g, x, w, nd, nw: fc_backward(g, x, w, nd, nw, ws.matrix(w))
 
 
 @gradient_of(ConvolutionTranspose)

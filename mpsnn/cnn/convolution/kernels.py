@@ -9,7 +9,7 @@ its gradient is a typed `ConvolutionRecord`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +51,13 @@ from mpsnn.ops.convolution import (
     fc_forward,
 )
 
-__all__ = ["Convolution", "ConvolutionRecord", "ConvolutionTranspose", "FullyConnected"]
+__all__ = [
+    "Convolution",
+    "ConvolutionRecord",
+    "ConvolutionTranspose",
+    "FullyConnected",
+    "reload_weights_and_biases",
+]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -207,18 +213,10 @@ class _ConvolutionBase(CNNKernel):
     ) -> None:
         """Command-buffer path: copy ``state``'s weights into the master weights as recorded
         work; later commands read them. The state's read count drops by one
-        (MPS ``reloadWeightsAndBiasesWithCommandBuffer:state:``)."""
-        who = type(self).__name__
-        self._check_command_buffer(command_buffer)
-        self._check_state(command_buffer, state, "state", ConvolutionWeightsAndBiasesState)
-        want = self._descriptor.weights_shape
-        have = tuple(state.weights.shape)
-        if have != want:
-            raise ValueError(f"[{who}] state.weights must have the OHWI shape {want}, got {have}")
-        ws = self._weights
-        if ws.bias is None and state._biases is not None:  # the layer gains a bias
-            ws.bias = torch.zeros(want[0], dtype=ws.weight.dtype, device=ws.weight.device)
-        sw, sb = state._oihw, state._biases  # the state may be released before it runs
+        (MPS ``reloadWeightsAndBiasesWithCommandBuffer:state:``). `reload_weights_and_biases`
+        (the module function) reloads several kernels as one command."""
+        self._check_reload(command_buffer, state)
+        ws, sw, sb = self._reload_sources(state)
 
         def run() -> None:
             ws.weight.copy_(sw)
@@ -226,6 +224,27 @@ class _ConvolutionBase(CNNKernel):
                 ws.bias.copy_(sb)  # type: ignore[union-attr]
 
         self._apply(command_buffer, Encoding(run, (), (state,)))
+
+    def _check_reload(self, cb: CommandBuffer, state: Any) -> None:
+        """Raise unless ``state`` can be reloaded into this kernel on ``cb`` (changes nothing)."""
+        self._check_command_buffer(cb)
+        self._check_state(cb, state, "state", ConvolutionWeightsAndBiasesState)
+        o, i, kh, kw = state._oihw.shape  # live (checked): the OIHW storage, no OHWI view made
+        if state._oihw.shape != self._weights.weight.shape:
+            want = self._descriptor.weights_shape
+            raise ValueError(
+                f"[{type(self).__name__}] state.weights must have the OHWI shape {want}, "
+                f"got {(o, kh, kw, i)}"
+            )
+
+    def _reload_sources(self, state: Any) -> tuple[ConvWeights, Any, Any]:
+        """The masters and the state's tensors a reload copies (taken now: the state may be
+        released before the command runs); a layer without bias gains one here."""
+        ws = self._weights
+        if ws.bias is None and state._biases is not None:
+            w = ws.weight
+            ws.bias = torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
+        return ws, state._oihw, state._biases
 
     def export_weights_and_biases(
         self, command_buffer: CommandBuffer, result_state_can_be_temporary: bool = False
@@ -305,6 +324,36 @@ class _ConvolutionBase(CNNKernel):
         return forward
 
 
+def reload_weights_and_biases(
+    command_buffer: CommandBuffer,
+    pairs: Sequence[tuple[_ConvolutionBase, ConvolutionWeightsAndBiasesState]],
+) -> None:
+    """``kernel.reload_weights_and_biases(command_buffer, state)`` for every ``(kernel,
+    state)`` pair, as one command: one multi-tensor copy (one launch on CUDA, where the
+    per-kernel form costs two launches and their host dispatch per layer at every training
+    step). Every pair is checked before anything changes, with the per-kernel messages; each
+    pair drops its state's read count by one, as its own reload would."""
+    for kernel, state in pairs:
+        kernel._check_reload(command_buffer, state)
+    if not pairs:
+        return
+    parts = [kernel._reload_sources(state) for kernel, state in pairs]
+
+    def run() -> None:
+        dst, src = [], []
+        for ws, sw, sb in parts:
+            dst.append(ws.weight)
+            src.append(sw)
+            if sb is not None:
+                dst.append(ws.bias)
+                src.append(sb)
+        torch._foreach_copy_(dst, src)
+
+    command_buffer.record("reload_weights_and_biases", run)
+    for kernel, state in pairs:
+        state._consume_read(command_buffer, type(kernel).__name__)
+
+
 class Convolution(_ConvolutionBase):
     """2-D convolution with MPS geometry (MPS ``MPSCNNConvolution``).
 
@@ -378,7 +427,8 @@ class FullyConnected(_ConvolutionBase):
             )
 
     def _make_forward(self, window: Window, records: Records, memo: dict[str, Any]) -> Forward:
-        return self._with_precision(fc_forward, records)
+        ws = self._weights
+        return self._with_precision(lambda x, w, b: fc_forward(x, w, b, ws.matrix(w)), records)
 
 
 class ConvolutionTranspose(_ConvolutionBase):

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from mpsnn.cnn.convolution.descriptor import ConvolutionDescriptor
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.state import AccumulatorState
 
@@ -37,7 +38,12 @@ class ConvolutionGradientState(AccumulatorState):
     ) -> None:
         super().__init__(device, command_buffer=command_buffer, label=label)
         self._convolution = convolution
-        o, kh, kw, ig = convolution.descriptor.weights_shape
+        # mpsnn's kernels: their own descriptor, read in place (the public property copies it,
+        # at every training step of every layer)
+        desc = getattr(convolution, "_descriptor", None)
+        if not isinstance(desc, ConvolutionDescriptor):
+            desc = convolution.descriptor
+        o, kh, kw, ig = desc.weights_shape
         self._oihw = (o, ig, kh, kw)
         self._preactivation: torch.Tensor | None = None  # fused neuron input (run time)
 

@@ -35,7 +35,7 @@ from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import Window
 from mpsnn.core.registry import gradient_of
-from mpsnn.core.state import AccumulatorState, ForwardRecord
+from mpsnn.core.state import AccumulatorState, ForwardRecord, _unique
 from mpsnn.ops.group_norm import group_norm_backward, group_norm_forward
 from mpsnn.ops.window import apply_extract, apply_extract_adjoint
 
@@ -298,10 +298,10 @@ class _GroupNormalizationGradientBase(PointwiseGradient):
         dst: Any,
         batch: bool,
     ) -> Encoding:
-        if len({id(s) for s in states}) != 1:
+        if len(_unique(states)) != 1:
             raise ValueError(
                 f"[{type(self).__name__}] gradient_states must repeat one state (see "
-                f"result_state_batch), got {len({id(s) for s in states})} distinct states"
+                f"result_state_batch), got {len(_unique(states))} distinct states"
             )
         enc = super()._plan_gradient(cb, grad, src, record, states, dst, batch)
         state = states[0]

@@ -19,9 +19,15 @@ CUDA graphs. A graph records the device addresses of the tables its update kerne
 those tables must hold the right values at every replay and must outlive the graph. Tables are
 immutable once built. How they reach the device depends on when they are built:
 
-* Outside a capture: copied from pageable host memory by a synchronous copy, so they hold
-  their values before any later capture or replay. The chunk tables are shared between lists
-  of the same sizes and gradient dtypes (``_CHUNKS``).
+* Outside a capture: written into a pinned host buffer and copied to the device with a
+  non-blocking copy on the current stream, so the host never waits for the device (a copy
+  from pageable memory would synchronize the stream: the host would wait for all the work
+  queued before the update, at every step whose gradients are new tensors). The update that
+  reads the table is queued after the copy on the same stream; PyTorch's pinned-memory
+  allocator keeps the buffer until the copy ran; and ``torch.cuda.graph`` (which
+  `mpsnn.CommandBuffer.capture` uses) synchronizes the device when a capture begins, so a
+  later capture that records a cached table finds it written. The chunk tables are shared
+  between lists of the same sizes and gradient dtypes (``_CHUNKS``).
 * During a capture (a list first seen there, e.g. gradients allocated in the captured region):
   a synchronous copy cannot be captured. The table is written on the host into a **pinned**
   buffer and copied into a device table allocated in the capture (from the graph's memory
@@ -389,20 +395,23 @@ def _upload(
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """``host`` as a device table, and the staged host buffers a capture's copy reads.
 
-    Outside a capture: a synchronous copy from pageable memory (nothing staged). During one:
-    ``host`` is written into a new pinned buffer (a plain CPU buffer when ``device`` is the CPU,
-    where nothing is captured). Then it is copied with ``non_blocking=True`` into a new device
-    table, which the capture records as a memcpy node that reads the buffer at every replay.
-    The buffer is new, written here once, and never written again.
+    ``host`` is written into a new pinned buffer (a plain CPU buffer when ``device`` is the
+    CPU) and copied with ``non_blocking=True`` into a new device table. Outside a capture the
+    buffer is not kept (nothing staged): the pinned-memory allocator reuses it once the copy
+    ran. During one, the capture records the copy as a memcpy node that reads the buffer at
+    every replay: the buffer is new, written here once, never written again, and returned to
+    be kept for the graph.
     """
-    src = torch.from_numpy(host)
-    if not capturing:
-        return src.to(device), ()
-    staged = torch.empty(src.shape, dtype=src.dtype, pin_memory=device.type == "cuda")
-    staged.copy_(src)  # host to host, now
-    table = torch.empty(src.shape, dtype=src.dtype, device=device)
-    table.copy_(staged, non_blocking=True)  # captured: repeated at every replay
-    return table, (staged,)
+    cuda = device.type == "cuda"
+    if not (cuda or capturing):
+        return torch.from_numpy(host), ()
+    staged = torch.empty(host.shape, dtype=torch.int64, pin_memory=cuda)
+    staged.numpy()[...] = host  # host to host, now
+    if cuda:
+        table = staged.to(device, non_blocking=True)  # captured: repeated at every replay
+    else:
+        table = staged.clone()
+    return table, (staged,) if capturing else ()
 
 
 # Chunk tables depend on the sizes and gradient dtypes only: shared by every list of tensors
