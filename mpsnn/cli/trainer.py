@@ -116,7 +116,8 @@ class Trainer:
         config: the run.
         checkpoint: a loaded checkpoint to resume from (see `save_checkpoint`).
         distributed: this rank of a data-parallel run (None: one process).
-        check_every: data parallel: compare the ranks' weights every this many steps.
+        parallel: data parallel: keyword arguments of `mpsnn.DataParallel` (``check_every``,
+            ``sync_batch_norm``).
     """
 
     def __init__(
@@ -124,7 +125,7 @@ class Trainer:
         config: TrainConfig,
         checkpoint: dict[str, Any] | None = None,
         distributed: Any = None,
-        check_every: int = 0,
+        parallel: dict[str, Any] | None = None,
     ) -> None:
         self.config = c = config
         self.dist = distributed
@@ -174,7 +175,7 @@ class Trainer:
         if distributed is not None:  # before compiling: NCCL steps are recorded with them
             from mpsnn.distributed import DataParallel
 
-            self.graph.data_parallel = DataParallel(check_every=check_every)
+            self.graph.data_parallel = DataParallel(**(parallel or {}))
         self.step = self.graph.compile(self.queue) if c.compile else None
 
     # -- data ------------------------------------------------------------------------------
@@ -326,7 +327,11 @@ class Trainer:
 
     @classmethod
     def resume(
-        cls, folder: Path, distributed: Any = None, check_every: int = 0, **overrides: Any
+        cls,
+        folder: Path,
+        distributed: Any = None,
+        parallel: dict[str, Any] | None = None,
+        **overrides: Any,
     ) -> Trainer:
         """A trainer continuing the run whose checkpoint is in ``folder`` (``overrides``:
         settings that may change on resume, e.g. ``epochs`` to train further, ``device``), on
@@ -351,7 +356,7 @@ class Trainer:
         for key, value in overrides.items():
             if value is not None:
                 saved[key] = value
-        return cls(TrainConfig(**saved), ckpt, distributed, check_every)
+        return cls(TrainConfig(**saved), ckpt, distributed, parallel)
 
 
 def append_metrics(path: Path, record: dict[str, Any]) -> None:

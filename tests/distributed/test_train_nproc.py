@@ -48,7 +48,7 @@ def _values(folder: Path) -> list[torch.Tensor]:
 def two_epochs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     folder = tmp_path_factory.mktemp("two-ranks")
     done = _mpsnn("train", *SMALL, "--nproc", "2", "--epochs", "2", "--checkpoint-dir",
-                  str(folder), "--check-every", "3")  # fmt: skip
+                  str(folder), "--check-every", "3", "--local-batch-norm")  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     return folder, done.stdout
 
@@ -56,7 +56,7 @@ def two_epochs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 def test_two_ranks_print_once_and_rank_0_writes(two_epochs: tuple[Path, str]) -> None:
     folder, out = two_epochs
     assert out.count("mpsnn train: cnn (421,642 parameters)") == 1, out
-    assert "2 ranks (gloo, cpu)" in out and "steps eager" in out
+    assert "2 ranks (gloo, cpu, local batch norm)" in out and "steps eager" in out
     assert out.count("mpsnn epoch   1  loss") == 1 and out.count("mpsnn epoch   2  loss") == 1
     assert out.count("per epoch") == 1 and out.count("summary") == 1
     records = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
