@@ -419,6 +419,9 @@ class GradientKernel(BinaryKernel):
         cb, g, x, states = command_buffer, source_gradients, source_images, gradient_states
         if type(self).encode_batch is not GradientKernel.encode_batch:
             return self.encode_batch(cb, g, x, states)
+        who = type(self).__name__
+        g._image._root()._check_live(who)  # a user's source may have been released already
+        x._image._root()._check_live(who)
         out = self._encode(cb, g._image, x._image, states, None, batch=True)
         return None if out is None else ImageBatch(out)
 

@@ -389,12 +389,15 @@ class CNNKernel(SharedProperties, Kernel):
     ) -> ImageBatch:
         """`encode_batch` for a graph node (`mpsnn.graph`): the graph checked its command
         buffer and sources when its encode began, and made every other image and state it
-        passes on this buffer in this encode (live, of this device, one state per image), so
-        the argument checks are skipped, not the planning's (at every layer of every step).
-        Families that override `encode_batch` keep it."""
+        passes on this buffer in this encode (of this device, one state per image), so the
+        argument checks are skipped but liveness (a source a user handed the graph may have
+        been released by an earlier read in this encode) and the planning's checks. Families
+        that override `encode_batch` keep it."""
         if type(self).encode_batch is not CNNKernel.encode_batch:
             return self.encode_batch(command_buffer, source_images, destination_states=states)
-        out = self._encode(command_buffer, source_images._image, None, states or [], batch=True)
+        src = source_images._image
+        src._root()._check_live(type(self).__name__)
+        out = self._encode(command_buffer, src, None, states or [], batch=True)
         return ImageBatch(out)
 
     def _state_kind(self) -> type:

@@ -170,6 +170,22 @@ class Graph:
 
     # -- allocation (called by the kernels' allocators) -------------------------------------
 
+    def _check_formats(self, who: str) -> None:
+        """``format`` of the graph and of every result image node (plain attributes a user
+        may set) is a `FeatureChannelFormat`: checked before anything is encoded, since the
+        allocator trusts them."""
+        if not isinstance(self.format, FeatureChannelFormat):
+            raise TypeError(
+                f"[{who}] format must be a FeatureChannelFormat, got {type(self.format).__name__}"
+            )
+        for node in self._order:
+            fmt = node.result_image.format
+            if fmt is not None and not isinstance(fmt, FeatureChannelFormat):
+                raise TypeError(
+                    f"[{who}] {node.result_image!r}'s format must be a FeatureChannelFormat or "
+                    f"None, got {type(fmt).__name__}"
+                )
+
     def _allocate(self, cb: CommandBuffer, node: ImageNode, desc: ImageDescriptor) -> Image:
         fmt = node.format or self.format
         # a new descriptor (the kernel's may be cached in its plans); checked already
@@ -224,6 +240,7 @@ class Graph:
                 f"[{who}] the command buffer must be on {self._device}, got one on "
                 f"{command_buffer.device}"
             )
+        self._check_formats(who)
         images = list(source_images)
         if len(images) != len(self._sources):
             raise ValueError(
@@ -281,7 +298,10 @@ class Graph:
             self._current = None
         self._intermediates = [step.images.get(x._id) for x in self._exported]
         # the total is computed when asked for (debug_description), not at every step
-        self._last_plan_report = {"peak_bytes": step.peak, "images": step.images}
+        self._last_plan_report = {
+            "peak_bytes": step.peak,
+            "images": [v for k, v in step.images.items() if k not in self._source_ids],
+        }
         if not self._needed[0]:
             return None
         return step.image(self._results[0])
@@ -330,11 +350,10 @@ class Graph:
 
     _current: _Step | None = None
 
-    def _total(self, step_images: dict[int, Any]) -> int:
+    def _total(self, step_images: list[Any]) -> int:
+        """Bytes of the intermediates of an encode (its images but the sources)."""
         images = {  # fused and passed-on nodes share their image: count it once
-            id(v.image._root()): v.image._root()
-            for key, v in step_images.items()
-            if isinstance(v, ImageBatch) and key not in self._source_ids
+            id(v.image._root()): v.image._root() for v in step_images if isinstance(v, ImageBatch)
         }
         return sum(nbytes(im) for im in images.values())
 

@@ -163,7 +163,7 @@ def loss_forward_backward(
         else:
             a = _class_terms(labels, wt, params, c, yw)
             loss, grad = _cross_entropy(
-                kind, yw, a, params.epsilon, _one_hot_sum(labels, wt, params)
+                kind, yw, a, params.epsilon, _one_hot_sum(labels, wt, params, yw)
             )
             units, count = h * w, None
             if wt is not None:  # a pixel counts when any class weight is non-zero
@@ -249,7 +249,7 @@ def _class_terms(
         if ls:
             a = a * (1 - ls) + ls / k
     else:  # one-hot (1 - ls) at the class index, plus ls / K everywhere
-        if _one_hot_sum(labels, wt, p) is not None:
+        if _one_hot_sum(labels, wt, p, y) is not None:
             # ``weight`` scattered directly: the bits of ``1.0 * weight`` at the class and of
             # ``0.0 * weight`` (+0.0, weight > 0) elsewhere, without the product's pass
             return torch.zeros_like(y).scatter_(1, labels.unsqueeze(1), p.weight)
@@ -263,13 +263,18 @@ def _class_terms(
     return a
 
 
-def _one_hot_sum(labels: torch.Tensor, wt: torch.Tensor | None, p: LossParams) -> float | None:
+def _one_hot_sum(
+    labels: torch.Tensor, wt: torch.Tensor | None, p: LossParams, y: torch.Tensor
+) -> float | None:
     """``sum_c a_c`` of every pixel when the class terms are a one-hot ``weight`` (class
     indices, no label smoothing, no per-element weights, ``weight > 0``), else None. Then every
     pixel's sum is exactly ``weight`` (one non-zero term; the others +0.0), so the gradient
     needs no reduction over the classes. (With ``weight <= 0`` the zeros' signs could differ
-    from those of ``0.0 * weight``: that case keeps the general form.)"""
+    from those of ``0.0 * weight``: that case keeps the general form; so does a weight beyond
+    ``y``'s dtype's range, whose general products overflow to inf/NaN.)"""
     if labels.is_floating_point() or wt is not None or p.label_smoothing or not p.weight > 0:
+        return None
+    if not p.weight <= torch.finfo(y.dtype).max:
         return None
     return p.weight
 

@@ -53,23 +53,22 @@ fixes them when it makes an optimizer; changing them needs a new capture.
 
 CUDA graphs: updates can be captured and replayed. The first update of a list of tensors (same
 tensors, same rule and options) checks the lists and builds the Triton kernel's tables. Outside
-a capture the tables are cached per list, keyed on the addresses of all tensors, the shapes of
-the values and the gradient dtypes; the cache holds 64 lists at most, and the least recently
-used goes first. Later updates copy nothing from the host and never wait for the device.
-Gradients at new addresses at every step (a training graph's gradients are new tensors at every
-step) cost a check of the gradients alone (the other lists' checks are kept per list, keyed on
-everything but the gradient addresses) and a small copy of the address table, which never waits
-for the device either. A list first seen inside a capture gets tables staged through pinned
-host memory for that capture alone. Examples are gradients allocated in the captured region, as in a
-compiled training step. The graph copies those tables again at each replay, a few kilobytes,
+a capture the tables are cached per list and stream, keyed on the addresses, dtypes, shapes and
+contiguity of all tensors but the gradients (their addresses and dtypes only) and the current
+stream; the cache holds 64 lists at most, and the least recently used goes first. Later
+updates copy nothing from the host and never wait for the device. Gradients at new addresses
+at every step (a training graph's gradients are new tensors at every step) cost a check of the
+gradients alone (the other lists' checks are kept per list, keyed on everything but the
+gradient addresses) and a small copy of the address table, which never waits for the device
+either. A list first seen inside a capture gets tables staged through pinned host memory for
+that capture alone. Examples are gradients allocated in the captured region, as in a compiled
+training step. The graph copies those tables again at each replay, a few kilobytes,
 and they are not cached. Tables that a graph records, whether built there or taken from the
 cache, are kept alive for the graph: eviction from the cache does not free them. See
 `mpsnn.ops.triton.optim` for the lifetimes and `release_graph_tables`. Still run one update
 with the same rule and options before capturing, so that the Triton kernel is compiled outside
-the capture. The portable path needs no warm-up beyond PyTorch's own. A cached check trusts
-what the key does not cover. A tensor placed at a checked address must have the layout and
-dtype of the one checked there: a non-contiguous view at such an address, or a gradient of
-another shape than its value, is not noticed.
+the capture. The portable path needs no warm-up beyond PyTorch's own. New gradients are always
+checked (shape, dtype, contiguity against their values).
 """
 
 from __future__ import annotations
@@ -331,6 +330,12 @@ _CHECKED: OrderedDict[int, tuple] = OrderedDict()
 _data_ptr = torch.Tensor.data_ptr
 _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
+_contiguous = torch.Tensor.is_contiguous
+
+
+def _stream(device: torch.device) -> int:
+    """The current CUDA stream of ``device`` (0 elsewhere)."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
 def _plan(rule: UpdateRule, lists: tuple[Sequence[torch.Tensor], ...], hyper: torch.Tensor) -> Any:
@@ -348,11 +353,14 @@ def _plan(rule: UpdateRule, lists: tuple[Sequence[torch.Tensor], ...], hyper: to
 
     others = [t for k, lst in enumerate(lists) if k != 1 for t in lst]
     grads = lists[1]
-    # the gradient addresses last: the key without them is the key of the lists' checks
+    # the gradient addresses last: the key without them is the key of the lists' checks.
+    # Every other tensor's address, dtype, shape and contiguity are in it (a tensor of another
+    # layout at a checked address is checked again), and the stream: tables are copied on the
+    # stream that first needs them, and used on that stream only.
     key = (
-        fast_paths.enabled(), len(lists), hyper.device, lists[0][0].dtype,
-        *map(_data_ptr, others), *map(_shape, lists[0]), *map(_dtype, grads),
-        *map(_data_ptr, grads),
+        fast_paths.enabled(), _stream(hyper.device), *map(len, lists), hyper.device,
+        *map(_data_ptr, others), *map(_dtype, others), *map(_shape, others),
+        *map(_contiguous, others), *map(_dtype, grads), *map(_data_ptr, grads),
     )  # fmt: skip
     h = hash(key)  # hashed once: a long tuple does not cache its hash
     entry = _PLANS.get(h)

@@ -279,6 +279,48 @@ def test_stale_or_foreign_temporary_sources_and_allocated_images() -> None:
     assert len(cb) == 0
 
 
+def test_a_temporary_source_released_by_an_earlier_read_of_the_same_encode() -> None:
+    """A temporary source image with read_count 1 that two of the graph's kernels read (the
+    convolution and its gradient): the second read raises the kernel's StaleResourceError at
+    encode time, and nothing is left encoded."""
+    g = gen(1)
+    x = m.ImageNode("x")
+    c1 = m.ConvolutionNode(x, conv_ds(g, 3, 3, 2, 3, sgd1()))
+    fc = m.FullyConnectedNode(c1.result_image, conv_ds(g, 4, 4, 3, 4, sgd1()))
+    (terminal,) = ce_loss(fc.result_image, 4).training_graph()
+    graph = m.Graph(DEV, terminal.result_image)
+    assert graph.read_count_for_source_image(0) == 2
+    cb = new_cb()
+    src = m.TemporaryImage(cb, m.ImageDescriptor(m.FeatureChannelFormat.FLOAT64, 4, 4, 2, 3))
+    labels = m.LossLabels(DEV, torch.randint(0, 4, (3, 1, 1)))
+    with pytest.raises(
+        m.StaleResourceError, match=r"\[ConvolutionGradient\] TemporaryImage 3x2x4x4 must be live"
+    ):
+        graph.encode_batch(cb, [m.ImageBatch(src)], [labels])
+    assert len(cb) == 0
+
+
+def test_a_format_that_is_not_a_feature_channel_format() -> None:
+    """``Graph.format`` and ``ImageNode.format`` are plain attributes: a wrong value is refused
+    before anything is encoded."""
+    net = _net()
+    x, labels = _inputs()
+    cb = new_cb()
+    for bad in (torch.float16, "float16"):
+        net.c1.result_image.format = bad
+        with pytest.raises(
+            TypeError, match=r"\[Graph\] .*'s format must be a FeatureChannelFormat"
+        ):
+            net.graph.encode_batch(cb, [x], [labels])
+    net.c1.result_image.format = None
+    net.graph.format = "float32"
+    with pytest.raises(
+        TypeError, match=r"\[Graph\] format must be a FeatureChannelFormat, got str"
+    ):
+        net.graph.encode_batch(cb, [x], [labels])
+    assert len(cb) == 0
+
+
 def test_source_batches_of_different_sizes() -> None:
     g = gen(64)
     a, b = m.ImageNode("a"), m.ImageNode("b")

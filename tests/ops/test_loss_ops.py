@@ -641,7 +641,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16], ids=str)
-@pytest.mark.parametrize("weight", [1.0, 0.25, 3.0, 0.0, -2.0])
+@pytest.mark.parametrize("weight", [1.0, 0.25, 3.0, 0.0, -2.0, 1e5, 1e39, float("inf")])
 @pytest.mark.parametrize("reduction", [L.NONE, L.SUM, L.MEAN])
 def test_one_hot_cross_entropy_shortcut_keeps_the_bits(
     reduction, weight, dtype, device, monkeypatch
@@ -649,7 +649,8 @@ def test_one_hot_cross_entropy_shortcut_keeps_the_bits(
     """Softmax cross entropy with class indices (no smoothing, no per-element weights) scatters
     the scalar weight and uses it for the per-pixel class-term sum: the same bits as the general
     form (scatter 1, multiply, reduce over the classes), also for ±inf and NaN logits, logits
-    whose softmax is exactly one-hot, and pixels (H, W > 1)."""
+    whose softmax is exactly one-hot, and pixels (H, W > 1). A weight beyond the dtype's range
+    (1e5 in float16, 1e39 in float32, inf) keeps the general form (its overflow to inf/NaN)."""
     gen = torch.Generator().manual_seed(11)
     y = torch.randn(4, 5, 2, 3, generator=gen, dtype=torch.float64) * 3
     y[0, :, 0, 0] = torch.tensor([float("inf"), 0.0, 1.0, 2.0, 3.0])
@@ -660,7 +661,8 @@ def test_one_hot_cross_entropy_shortcut_keeps_the_bits(
     labels = torch.randint(0, 5, (4, 2, 3), generator=gen).to(device)
     labels[2, 0, 0] = 0
     params = LossParams(L.SOFTMAX_CROSS_ENTROPY, reduction, weight)
-    assert (L._one_hot_sum(labels, None, params) is not None) == (weight > 0)
+    shortcut = 0 < weight <= torch.finfo(dtype).max
+    assert (L._one_hot_sum(labels, None, params, y) is not None) == shortcut
     fast = loss_forward_backward(y, labels, None, params)
     monkeypatch.setattr(L, "_one_hot_sum", lambda *args: None)
     general = loss_forward_backward(y, labels, None, params)

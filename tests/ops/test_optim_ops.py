@@ -240,6 +240,24 @@ def test_new_gradients_of_checked_lists_check_the_gradients_alone(monkeypatch) -
     assert checks[-1] is False
 
 
+def test_a_tensor_of_another_layout_at_a_checked_address_is_checked_again(monkeypatch) -> None:
+    """The cached check covers the dtype, shape and contiguity of every non-gradient tensor,
+    not only its address: a view at the same address with another dtype or shape is refused
+    (with new gradients, the key of a training step)."""
+    monkeypatch.setattr(optim, "_PLANS", type(optim._PLANS)())
+    monkeypatch.setattr(optim, "_CHECKED", type(optim._CHECKED)())
+    hyper = optim.make_hyper("cpu", learning_rate=0.1, momentum_scale=0.9)
+    rule = Rule.SGD_MOMENTUM
+    v, r, mom = torch.ones(4), torch.empty(4), torch.zeros(4)
+    optim.apply_update(rule, [v], [torch.ones(4)], [r], [[mom]], hyper)
+    with pytest.raises(TypeError, match=r"results\[0\] is torch.int32 with torch.float32"):
+        optim.apply_update(rule, [v], [torch.ones(4)], [r.view(torch.int32)], [[mom]], hyper)
+    with pytest.raises(ValueError, match=r"results\[0\] has shape \(2, 2\), values\[0\] \(4,\)"):
+        optim.apply_update(rule, [v], [torch.ones(4)], [r.view(2, 2)], [[mom]], hyper)
+    with pytest.raises(TypeError, match=r"momentum\[0\] is torch.int32 with torch.float32"):
+        optim.apply_update(rule, [v], [torch.ones(4)], [r], [[mom.view(torch.int32)]], hyper)
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.optim where the formulas coincide
 

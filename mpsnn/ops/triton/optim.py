@@ -23,11 +23,13 @@ immutable once built. How they reach the device depends on when they are built:
   non-blocking copy on the current stream, so the host never waits for the device (a copy
   from pageable memory would synchronize the stream: the host would wait for all the work
   queued before the update, at every step whose gradients are new tensors). The update that
-  reads the table is queued after the copy on the same stream; PyTorch's pinned-memory
-  allocator keeps the buffer until the copy ran; and ``torch.cuda.graph`` (which
-  `mpsnn.CommandBuffer.capture` uses) synchronizes the device when a capture begins, so a
-  later capture that records a cached table finds it written. The chunk tables are shared
-  between lists of the same sizes and gradient dtypes (``_CHUNKS``).
+  reads the table is queued after the copy on the same stream (`mpsnn.ops.optim` caches
+  tables per stream); PyTorch's pinned-memory allocator keeps the buffer until the copy ran;
+  and ``torch.cuda.graph`` (which `mpsnn.CommandBuffer.capture` uses) synchronizes the device
+  when a capture begins, so a later capture that records a cached table finds it written. The
+  chunk tables are shared between lists of the same sizes and gradient dtypes (``_CHUNKS``),
+  possibly on other streams: they are copied synchronously (once per set of sizes), so they
+  are written before any stream reads them.
 * During a capture (a list first seen there, e.g. gradients allocated in the captured region):
   a synchronous copy cannot be captured. The table is written on the host into a **pinned**
   buffer and copied into a device table allocated in the capture (from the graph's memory
@@ -391,7 +393,7 @@ def _chunk_rows(
 
 
 def _upload(
-    host: np.ndarray, device: torch.device, capturing: bool
+    host: np.ndarray, device: torch.device, capturing: bool, blocking: bool = False
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """``host`` as a device table, and the staged host buffers a capture's copy reads.
 
@@ -400,7 +402,8 @@ def _upload(
     buffer is not kept (nothing staged): the pinned-memory allocator reuses it once the copy
     ran. During one, the capture records the copy as a memcpy node that reads the buffer at
     every replay: the buffer is new, written here once, never written again, and returned to
-    be kept for the graph.
+    be kept for the graph. ``blocking`` (outside a capture): the host waits for the copy, so
+    the table is written before any stream reads it.
     """
     cuda = device.type == "cuda"
     if not (cuda or capturing):
@@ -408,7 +411,8 @@ def _upload(
     staged = torch.empty(host.shape, dtype=torch.int64, pin_memory=cuda)
     staged.numpy()[...] = host  # host to host, now
     if cuda:
-        table = staged.to(device, non_blocking=True)  # captured: repeated at every replay
+        # captured: repeated at every replay
+        table = staged.to(device, non_blocking=capturing or not blocking)
     else:
         table = staged.clone()
     return table, (staged,) if capturing else ()
@@ -437,7 +441,7 @@ def _chunk_tables(
         return groups, ()
     groups, staged = [], []
     for table, dtype in _chunk_rows(numels, g_dtypes):
-        dev, st = _upload(table, device, capturing)
+        dev, st = _upload(table, device, capturing, blocking=True)  # shared across streams
         groups.append((dev, len(table), _TL_DTYPES[dtype]))
         staged += st
     if capturing:
