@@ -31,6 +31,14 @@ graph whose ``data_parallel`` hooks say ``capturable = False`` (Gloo), and of a 
 updated through a data source's own ``update`` (a data source other than mpsnn's
 ``Tensor…DataSource`` with an optimizer): replays of such steps were measured to diverge from
 eager steps from the second replay on, a fault not yet found, so they are not recorded.
+What is known (H100, the Apple-sample network, weights compared after each of 4–6 steps): the
+first replay equals the eager step; from the second on, the weights differ, while the loss of
+that step (its forward) is still equal. Ruled out: float16 storage, per-image labels, the
+exported weights state (a data source whose optimizer reads its own state diverges too),
+Adam (SGD diverges too) and the optimizer kernels (portable and Triton paths both diverge).
+A data source whose ``update`` records only a copy of the gradient sums, or returns its state
+unchanged, replays exactly; so does the same network with mpsnn's grouped update. The fault
+lies in an optimizer's ``encode(..., convolution_gradient_state=...)`` recorded per layer.
 `CompiledGraph.eager_reason` says why a compiled graph runs eagerly.
 """
 
