@@ -417,7 +417,7 @@ def _name(node: Any) -> str:
 def _sums(state: AccumulatorState, slot: int = 0) -> list[torch.Tensor]:
     """The state's gradient sums (``slot``), zeros when no gradient ran into it."""
     if state._slots.get(slot) is None:
-        state._sum(slot)  # a convolution state makes its zeros; others must have run
+        state._sum(0, slot)  # a convolution state makes its zeros; others must have run
     return state._slots[slot]
 
 

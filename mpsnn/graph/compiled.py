@@ -27,18 +27,12 @@ every replay the hooks' ``replayed(new_step)`` does the step's host work (step c
 mark, the periodic weight check), on the queue's stream.
 
 On the CPU there is nothing to record: every call is an eager step. So is every call of a
-graph whose ``data_parallel`` hooks say ``capturable = False`` (Gloo), and of a graph with a layer
-updated through a data source's own ``update`` (a data source other than mpsnn's
-``Tensor…DataSource`` with an optimizer): replays of such steps were measured to diverge from
-eager steps from the second replay on, a fault not yet found, so they are not recorded.
-What is known (H100, the Apple-sample network, weights compared after each of 4–6 steps): the
-first replay equals the eager step; from the second on, the weights differ, while the loss of
-that step (its forward) is still equal. Ruled out: float16 storage, per-image labels, the
-exported weights state (a data source whose optimizer reads its own state diverges too),
-Adam (SGD diverges too) and the optimizer kernels (portable and Triton paths both diverge).
-A data source whose ``update`` records only a copy of the gradient sums, or returns its state
-unchanged, replays exactly; so does the same network with mpsnn's grouped update. The fault
-lies in an optimizer's ``encode(..., convolution_gradient_state=...)`` recorded per layer.
+graph whose ``data_parallel`` hooks say ``capturable = False`` (Gloo), and of a graph with a
+layer whose data source says ``capturable = False``. A data source's own ``update`` (the GPU
+update path of a data source other than mpsnn's grouped ``Tensor…DataSource`` s) runs once,
+when the step is recorded: the device work it encodes is replayed at every step, its host work
+(a Python counter, a value read back) is not. A data source whose update needs host work at
+every step sets ``capturable = False``.
 `CompiledGraph.eager_reason` says why a compiled graph runs eagerly.
 """
 
@@ -109,12 +103,11 @@ class CompiledGraph:
         if hooks is not None and not getattr(hooks, "capturable", True):
             backend = getattr(hooks, "backend", "this process group's backend")
             return f"data parallel: collectives of {backend} cannot be recorded (NCCL can)"
-        custom = _custom_updates(self._graph)
-        if custom:
+        refused = _uncapturable_sources(self._graph)
+        if refused:
             return (
-                "layers updated through their data source's own update ("
-                + ", ".join(custom)
-                + "): not captured (replays diverged from eager steps; see the module docstring)"
+                "data sources that need host work at every update (capturable = False): "
+                + ", ".join(refused)
             )
         return None
 
@@ -242,21 +235,15 @@ class CompiledGraph:
         return f"<CompiledGraph of {self._graph!r}: {self.steps} steps, {mode}>"
 
 
-def _custom_updates(graph: Any) -> list[str]:
-    """The trainable layers whose data sources update themselves (not mpsnn's grouped path)."""
-    from mpsnn.cnn.convolution import TensorConvolutionDataSource
-    from mpsnn.cnn.normalization.data_sources import _TensorGammaBeta
-
+def _uncapturable_sources(graph: Any) -> list[str]:
+    """The trainable layers whose data sources say ``capturable = False``."""
     names = []
     for node in graph._order:
         forward = getattr(node, "inference_node", None)
         if forward is None or not getattr(node, "trainable", False):
             continue
         ds = getattr(forward, "data_source", None)
-        grouped = isinstance(ds, TensorConvolutionDataSource | _TensorGammaBeta) and (
-            ds.optimizer is not None
-        )
-        if ds is not None and not grouped:
+        if ds is not None and getattr(ds, "capturable", True) is False:
             names.append(forward.label or type(forward).__name__)
     return names
 

@@ -328,7 +328,10 @@ class Optimizer(Kernel):
     def _encode_convolution(self, cb: CommandBuffer, form: dict[str, Any], vectors: dict) -> None:
         who = type(self).__name__
         gs = form["convolution_gradient_state"]
-        if not hasattr(gs, "gradient_for_weights") or not hasattr(gs, "_oihw"):
+        # the type's attribute, not the state's: reading the property would materialize zero
+        # sums at encode time, which the gradient would then add into instead of storing (a
+        # captured step then accumulated across replays)
+        if not hasattr(type(gs), "gradient_for_weights") or not hasattr(gs, "_oihw"):
             raise TypeError(
                 f"[{who}] convolution_gradient_state must be a ConvolutionGradientState, "
                 f"got {type(gs).__name__}"

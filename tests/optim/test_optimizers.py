@@ -100,6 +100,36 @@ def test_adam_time_step_counts_encodes_and_a_convolution_state_counts_once() -> 
     assert torch.equal(result.biases, before) and adam.time_step == 5
 
 
+def test_encoding_an_update_leaves_the_gradient_state_untouched() -> None:
+    """An optimizer's encode from a convolution gradient state reads the sums when the update
+    runs, and makes nothing at encode time: the gradient encoded before it still *stores* its
+    sums when it runs (no zero sums made early that it would add into: a recorded step would
+    then keep adding at every replay)."""
+    desc = m.ConvolutionDescriptor(3, 3, 2, 2)
+    gen = torch.Generator().manual_seed(4)
+    ds = m.TensorConvolutionDataSource(
+        desc, torch.randn(desc.weights_shape, generator=gen, dtype=torch.float64),
+        torch.randn(2, generator=gen, dtype=torch.float64),
+    )  # fmt: skip
+    conv, grad = m.Convolution(CPU, ds), m.ConvolutionGradient(CPU, ds)
+    q = CPU.new_command_queue()
+    x = m.ImageBatch.from_tensor(torch.randn(2, 2, 5, 5, generator=gen, dtype=torch.float64))
+    g = m.ImageBatch.from_tensor(torch.randn(2, 2, 5, 5, generator=gen, dtype=torch.float64))
+    st = conv.result_state_batch(x)
+    cb = q.command_buffer()
+    conv.encode_batch(cb, x, destination_states=st)
+    grad.encode_batch(cb, g, x, st)
+    source = conv.export_weights_and_biases(cb)
+    for opt in (m.SGD(CPU), m.Adam(CPU)):
+        vectors = {} if isinstance(opt, m.SGD) else {
+            "input_momentum_vectors": [torch.zeros_like(source.weights), torch.zeros(2)],
+            "input_velocity_vectors": [torch.zeros_like(source.weights), torch.zeros(2)],
+        }  # fmt: skip
+        opt.encode(cb, convolution_gradient_state=st[0], convolution_source_state=source,
+                   result_state=source, **vectors)  # fmt: skip
+        assert not st[0].has_accumulated, f"{type(opt).__name__}.encode made the sums early"
+
+
 def _layer(path: str, seed: int = 2):
     """A 1x1 convolution whose data source applies Adam (paths: cpu, gpu, optimizer-direct)."""
     gen = torch.Generator().manual_seed(seed)
