@@ -17,7 +17,8 @@ Data parallelism (a `DistributedRun`, ``docs/distributed.md``): ``batch_size`` s
 batch; rank ``r`` of ``W`` trains on images ``[r b/W, (r + 1) b/W)`` of each global batch of
 the same permutation, with the loss weight ``1 / b``, and the graph's `DataParallel` hooks sum
 the gradients and combine the batch-normalization statistics, so the weights are those of one
-process on the whole batch (up to rounding). Steps run eagerly. Each rank evaluates a
+process on the whole batch (up to rounding; ``--local-batch-norm``: each rank's own batch
+statistics). On GPUs the steps are replayed with their NCCL collectives. Each rank evaluates a
 contiguous shard of the test set and the counts are summed; the epoch's loss and accuracy are
 summed over the ranks too. The checkpoint holds the global state only: a run resumes on any
 number of ranks.
