@@ -539,6 +539,19 @@ class TemporaryImage(Image):
         self._freed = True
 
 
+def _check_usable(who: str, name: str, image: Image, command_buffer: Any) -> None:
+    """``image`` may be read by work encoded on ``command_buffer``: live, and not a temporary
+    image of another command buffer (what a kernel checks of a source, and a graph of the
+    images it did not make)."""
+    root = image._root()
+    root._check_live(who)
+    if isinstance(root, TemporaryImage) and root._command_buffer is not command_buffer:
+        raise ValueError(
+            f"[{who}] {name} is a TemporaryImage of another command buffer; a temporary "
+            "image must be used on the command buffer it was made for"
+        )
+
+
 def _release_temporary(image: TemporaryImage) -> Any:
     def hook() -> None:
         if image._released_by is None:

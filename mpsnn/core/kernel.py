@@ -19,7 +19,7 @@ from mpsnn.core._checks import check_int, check_type
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.encode import Encoding, apply_encoding
 from mpsnn.core.geometry import PaddingMethod, Region
-from mpsnn.core.image import Image, TemporaryImage
+from mpsnn.core.image import Image, _check_usable
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.state import StateBatch
 
@@ -107,13 +107,7 @@ class Kernel:
                 f"[{who}] {name} must be on the kernel's device {self._device}, "
                 f"got an image on {image._device}"
             )
-        root = image._root()
-        root._check_live(who)
-        if isinstance(root, TemporaryImage) and root._command_buffer is not cb:
-            raise ValueError(
-                f"[{who}] {name} is a TemporaryImage of another command buffer; a temporary "
-                "image must be used on the command buffer it was made for"
-            )
+        _check_usable(who, name, image, cb)
         return image
 
     def _check_destination(self, cb: CommandBuffer, image: Any, name: str, *inputs: Image) -> Image:

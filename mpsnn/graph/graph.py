@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpsnn.core.descriptor import FeatureChannelFormat, ImageDescriptor
 from mpsnn.core.device import CommandBuffer, CommandQueue, Device
-from mpsnn.core.image import Image, TemporaryImage
+from mpsnn.core.image import Image, TemporaryImage, _check_usable
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.state import State
 from mpsnn.graph.nodes import ImageNode
@@ -417,13 +417,7 @@ def _checked_image(who: str, name: str, image: Any, cb: CommandBuffer) -> Image:
         raise TypeError(f"[{who}] {name} must be an Image, got {type(image).__name__}")
     if image._device != cb._queue._device:
         raise ValueError(f"[{who}] {name} must be on {cb._queue._device}, got {image._device}")
-    root = image._root()
-    root._check_live(who)
-    if isinstance(root, TemporaryImage) and root._command_buffer is not cb:
-        raise ValueError(
-            f"[{who}] {name} is a TemporaryImage of another command buffer; a temporary "
-            "image must be used on the command buffer it was made for"
-        )
+    _check_usable(who, name, image, cb)
     return image
 
 

@@ -8,6 +8,7 @@ a layer trained end to end with each path, and the errors."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -54,15 +55,16 @@ def test_vector_form_follows_the_formula_with_a_changing_learning_rate(device) -
     assert opt.learning_rate == pytest.approx(0.02)
 
 
-def test_adam_time_step_counts_encodes_and_a_convolution_state_counts_once() -> None:
+def _encoded_gradient(seed: int) -> tuple[Any, ...]:
+    """A 3x3 convolution (float64) and its gradient encoded, not committed: (data source,
+    queue, command buffer, gradient states, exported weights state)."""
     desc = m.ConvolutionDescriptor(3, 3, 2, 2)
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seed)
     ds = m.TensorConvolutionDataSource(
         desc, torch.randn(desc.weights_shape, generator=gen, dtype=torch.float64),
         torch.randn(2, generator=gen, dtype=torch.float64),
     )  # fmt: skip
     conv, grad = m.Convolution(CPU, ds), m.ConvolutionGradient(CPU, ds)
-    adam = m.Adam(CPU, time_step=3)
     q = CPU.new_command_queue()
     x = m.ImageBatch.from_tensor(torch.randn(2, 2, 5, 5, generator=gen, dtype=torch.float64))
     g = m.ImageBatch.from_tensor(torch.randn(2, 2, 5, 5, generator=gen, dtype=torch.float64))
@@ -70,7 +72,12 @@ def test_adam_time_step_counts_encodes_and_a_convolution_state_counts_once() -> 
     cb = q.command_buffer()
     conv.encode_batch(cb, x, destination_states=st)
     grad.encode_batch(cb, g, x, st)
-    source = conv.export_weights_and_biases(cb)
+    return ds, q, cb, st, conv.export_weights_and_biases(cb)
+
+
+def test_adam_time_step_counts_encodes_and_a_convolution_state_counts_once() -> None:
+    ds, q, cb, st, source = _encoded_gradient(seed=1)
+    adam = m.Adam(CPU, time_step=3)
     result = m.ConvolutionWeightsAndBiasesState(
         torch.zeros_like(source.weights), torch.zeros(2, dtype=torch.float64)
     )
@@ -105,21 +112,7 @@ def test_encoding_an_update_leaves_the_gradient_state_untouched() -> None:
     runs, and makes nothing at encode time: the gradient encoded before it still *stores* its
     sums when it runs (no zero sums made early that it would add into: a recorded step would
     then keep adding at every replay)."""
-    desc = m.ConvolutionDescriptor(3, 3, 2, 2)
-    gen = torch.Generator().manual_seed(4)
-    ds = m.TensorConvolutionDataSource(
-        desc, torch.randn(desc.weights_shape, generator=gen, dtype=torch.float64),
-        torch.randn(2, generator=gen, dtype=torch.float64),
-    )  # fmt: skip
-    conv, grad = m.Convolution(CPU, ds), m.ConvolutionGradient(CPU, ds)
-    q = CPU.new_command_queue()
-    x = m.ImageBatch.from_tensor(torch.randn(2, 2, 5, 5, generator=gen, dtype=torch.float64))
-    g = m.ImageBatch.from_tensor(torch.randn(2, 2, 5, 5, generator=gen, dtype=torch.float64))
-    st = conv.result_state_batch(x)
-    cb = q.command_buffer()
-    conv.encode_batch(cb, x, destination_states=st)
-    grad.encode_batch(cb, g, x, st)
-    source = conv.export_weights_and_biases(cb)
+    _, _, cb, st, source = _encoded_gradient(seed=4)
     for opt in (m.SGD(CPU), m.Adam(CPU)):
         vectors = {} if isinstance(opt, m.SGD) else {
             "input_momentum_vectors": [torch.zeros_like(source.weights), torch.zeros(2)],
