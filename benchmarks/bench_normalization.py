@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 
 import torch
 import torch.nn.functional as F
 
+import mpsnn as m
 from benchmarks.bench_convolution import compare
 from mpsnn.ops.batch_norm import (
     bn_backward,
@@ -118,12 +118,6 @@ def bench_batch_norm(
     ]
 
 
-def _device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(torch.device(device))
-    return platform.processor() or platform.machine() or "cpu"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -142,7 +136,7 @@ def main() -> None:
     for name in args.dtypes.split(","):
         rows += bench_batch_norm(device, batch, getattr(torch, name), iters, args.trials, bw)
     shape = f"{batch}x{CHANNELS}x{SIZE}x{SIZE}"
-    print(f"# {_device_name(device)} | torch {torch.__version__} | {shape} | "
+    print(f"# {m.Device(device).name} | torch {torch.__version__} | {shape} | "
           f"copy {bw / 1e9:.0f} GB/s")  # fmt: skip
     print(f"{'case':28} {'impl':26} {'ms':>8} {'MB moved':>9} {'GB/s':>7} {'of floor':>8}")
     for r in rows:
@@ -160,7 +154,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                dict(device=_device_name(device), torch=torch.__version__, shape=shape,
+                dict(device=m.Device(device).name, torch=torch.__version__, shape=shape,
                      copy_bandwidth=bw, rows=rows, time=time.time()),
                 f, indent=1,
             )  # fmt: skip

@@ -256,9 +256,9 @@ class Graph:
                 raise ValueError(
                     f"[{who}] source_images[{i}] must be on {self._device}, got {b.device}"
                 )
-            # the checks a kernel makes of its sources: the graph's kernels skip them for the
-            # images the graph passes them (`_checked_image`)
-            _checked_image(who, f"source_images[{i}]", b._image, command_buffer)
+            # liveness and buffer, as a kernel checks its sources: the graph's kernels skip
+            # those checks for the images the graph passes them
+            _check_usable(who, f"source_images[{i}]", b._image, command_buffer)
         n = len(images[0]) if images else 0
         for i, b in enumerate(images):
             if len(b) != n:

@@ -60,6 +60,32 @@ class MasterPair:
         self.first.copy_(first)
         self.second.copy_(second)
 
+    def load_from_data_source(
+        self, who: str, data_source: Any, names: tuple[str, str], channels: int
+    ) -> None:
+        """Copy the data source's vectors ``names`` in place, now (`read_normalization_vectors`)."""
+        a, b = read_normalization_vectors(who, data_source, names, channels)
+        self.load(a.to(self.first.device), b.to(self.first.device))
+
+    def encode_load(
+        self, kernel: Any, cb: CommandBuffer, state: Any, kind: type, name: str, channels: int
+    ) -> None:
+        """Copy ``state`` (a ``kind`` of ``channels`` channels) in place as recorded work of
+        ``kernel`` on ``cb`` (the state's read count drops)."""
+        kernel._check_command_buffer(cb)
+        kernel._check_state(cb, state, name, kind)
+        if state.number_of_feature_channels != channels:
+            raise ValueError(
+                f"[{type(kernel).__name__}] {name} must hold {channels} channels, "
+                f"got {state.number_of_feature_channels}"
+            )
+        a, b = state._get()
+
+        def run() -> None:
+            self.load(a, b)
+
+        kernel._apply(cb, Encoding(run, (), (state,)))
+
 
 def read_normalization_vectors(
     who: str, data_source: Any, names: Sequence[str], channels: int | None = None
@@ -331,24 +357,23 @@ class BatchNormalization(PointwiseKernel):
 
     def reload_gamma_and_beta_from_data_source(self) -> None:
         """Copy the data source's gamma and beta into the kernel, in place, now."""
-        g, b = read_normalization_vectors(
+        self._affine.load_from_data_source(
             "BatchNormalization", self._data_source, ("gamma", "beta"), self._channels
         )
-        self._affine.load(g.to(self._affine.first.device), b.to(self._affine.first.device))
 
     def reload_mean_and_variance_from_data_source(self) -> None:
         """Copy the data source's running mean and variance into the kernel, now."""
-        mu, var = read_normalization_vectors(
+        self._running.load_from_data_source(
             "BatchNormalization", self._data_source, ("mean", "variance"), self._channels
         )
-        self._running.load(mu.to(self._running.first.device), var.to(self._running.first.device))
 
     def reload_gamma_and_beta(
         self, command_buffer: CommandBuffer, gamma_and_beta_state: NormalizationGammaAndBetaState
     ) -> None:
         """Copy ``gamma_and_beta_state`` into the kernel as recorded work."""
-        self._reload(command_buffer, gamma_and_beta_state, NormalizationGammaAndBetaState,
-                     "gamma_and_beta_state", self._affine)  # fmt: skip
+        self._affine.encode_load(self, command_buffer, gamma_and_beta_state,
+                                 NormalizationGammaAndBetaState, "gamma_and_beta_state",
+                                 self._channels)  # fmt: skip
 
     def reload_mean_and_variance(
         self,
@@ -357,25 +382,9 @@ class BatchNormalization(PointwiseKernel):
     ) -> None:
         """Copy ``mean_and_variance_state`` into the kernel's running statistics as recorded
         work."""
-        self._reload(command_buffer, mean_and_variance_state, NormalizationMeanAndVarianceState,
-                     "mean_and_variance_state", self._running)  # fmt: skip
-
-    def _reload(
-        self, cb: CommandBuffer, state: Any, kind: type, name: str, pair: MasterPair
-    ) -> None:
-        self._check_command_buffer(cb)
-        self._check_state(cb, state, name, kind)
-        if state.number_of_feature_channels != self._channels:
-            raise ValueError(
-                f"[BatchNormalization] {name} must hold {self._channels} channels, "
-                f"got {state.number_of_feature_channels}"
-            )
-        a, b = state._get()
-
-        def run() -> None:
-            pair.load(a, b)
-
-        self._apply(cb, Encoding(run, (), (state,)))
+        self._running.encode_load(self, command_buffer, mean_and_variance_state,
+                                  NormalizationMeanAndVarianceState, "mean_and_variance_state",
+                                  self._channels)  # fmt: skip
 
     # -- states ------------------------------------------------------------------------------
 

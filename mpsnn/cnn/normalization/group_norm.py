@@ -173,32 +173,17 @@ class _GroupNormalizationBase(PointwiseKernel):
 
     def reload_gamma_and_beta_from_data_source(self) -> None:
         """Copy the data source's gamma and beta into the kernel, in place, now."""
-        g, b = read_normalization_vectors(
+        self._affine.load_from_data_source(
             type(self).__name__, self._data_source, ("gamma", "beta"), self._channels
         )
-        dev = self._affine.first.device
-        self._affine.load(g.to(dev), b.to(dev))
 
     def reload_gamma_and_beta(
         self, command_buffer: CommandBuffer, gamma_and_beta_state: NormalizationGammaAndBetaState
     ) -> None:
         """Copy ``gamma_and_beta_state`` into the kernel as recorded work."""
-        who = type(self).__name__
-        self._check_command_buffer(command_buffer)
-        self._check_state(
-            command_buffer, gamma_and_beta_state, "gamma_and_beta_state",
-            NormalizationGammaAndBetaState,
-        )  # fmt: skip
-        if gamma_and_beta_state.number_of_feature_channels != self._channels:
-            raise ValueError(
-                f"[{who}] gamma_and_beta_state must hold {self._channels} channels, got "
-                f"{gamma_and_beta_state.number_of_feature_channels}"
-            )
-        g, b = gamma_and_beta_state._get()
-        affine = self._affine
-        self._apply(
-            command_buffer, Encoding(lambda: affine.load(g, b), (), (gamma_and_beta_state,))
-        )
+        self._affine.encode_load(self, command_buffer, gamma_and_beta_state,
+                                 NormalizationGammaAndBetaState, "gamma_and_beta_state",
+                                 self._channels)  # fmt: skip
 
     def _new_state(self, cb: CommandBuffer | None) -> Any:
         return self._gradient_state_class(self._device, self, command_buffer=cb)
