@@ -11,15 +11,15 @@ the forward did not read get 0. The MPS geometry properties (``primary_offset``,
 ``secondary_offset``, ``kernel_offset_x/y``, the secondary edge mode, strides and channel
 ranges) are *reported* from the state by `GradientKernel.destination_image_descriptor` and by
 every encode; a value set by hand that contradicts the forward raises `UnsupportedError` at
-encode, because mpsnn computes the exact adjoint of what the forward did.
+encode, because mpsnn computes the exact adjoint of what the forward did. The command a
+window-model gradient records (`Backward`, `_backward_command`) lives in
+`mpsnn.core.gradient_command`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
-
-import torch
 
 from mpsnn.core._checks import check_enum, check_int, check_type
 from mpsnn.core.cnn_kernel import DEFAULT_PADDING_METHOD
@@ -34,6 +34,8 @@ from mpsnn.core.geometry import (
     Offset,
     Window,
 )
+from mpsnn.core.gradient_command import Backward, _backward_command
+from mpsnn.core.gradient_command import _covers as _covers
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.kernel import Kernel, SharedProperties, resolve_span
@@ -41,8 +43,6 @@ from mpsnn.core.state import ForwardRecord, GradientState, State, _unique
 from mpsnn.errors import UnsupportedError
 
 __all__ = ["BinaryKernel", "GradientKernel"]
-
-Backward = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 
 def _geometry_property(name: str, kind: str, minimum: int | None = None) -> property:
@@ -536,72 +536,3 @@ class GradientKernel(BinaryKernel):
                 f"{want[3]}x{want[2]}x{want[1]} (width x height x channels) and at least "
                 f"{z0 + images} images, got {w}x{h}x{c} with {n} images"
             )
-
-
-def _backward_command(
-    backward: Backward,
-    grad: Image,
-    src: Image,
-    fw: Window,
-    secondary_is_result: bool,
-    images: tuple[int, int, int],
-    channels: int,
-    dco: int,
-    span: tuple[int, int, int, int],
-) -> Callable[[Image | None], None]:
-    z_src, z_dst, n = images
-    y0, ny, x0, nx = span
-
-    # mixed formats (MPS reads every format as float): compute in the wider one; a UNORM8
-    # image is read as k/255 directly in that dtype
-    a, b = grad._read_dtype, src._read_dtype
-    wide = a if a == b else torch.promote_types(a, b)
-    # whole images need no indexing (a view op per read, at every step, saved)
-    dst_block = (z_dst, n, fw.dst_channel, fw.dst_channels, fw.dst_y, fw.y.count, fw.dst_x,
-                 fw.x.count)  # fmt: skip
-    g_whole = _covers(grad._shape, dst_block)
-    if secondary_is_result:
-        x_whole = _covers(src._shape, dst_block)
-    else:
-        sn, sc = src._shape[:2]
-        x_whole = z_src == 0 and n == sn and fw.src_channel == 0 and fw.src_channels == sc
-
-    region = (
-        slice(z_dst, z_dst + n),
-        slice(fw.dst_channel, fw.dst_channel + fw.dst_channels),
-        slice(fw.dst_y, fw.dst_y + fw.y.count),
-        slice(fw.dst_x, fw.dst_x + fw.x.count),
-    )
-
-    def run(out: Image | None) -> None:
-        g = grad._read(wide)
-        if not g_whole:
-            g = g[region]
-        x = src._read(wide)
-        if not x_whole and secondary_is_result:
-            x = x[region]
-        elif not x_whole:
-            c0, nc = fw.src_channel, fw.src_channels
-            x = x[z_src : z_src + n, c0 : c0 + nc]
-        if g.dtype != x.dtype:
-            g, x = g.to(wide), x.to(wide)
-        dx = backward(g, x)
-        if dx is None or out is None:
-            return
-        if fw.src_channels != channels:  # the forward read a channel slice: the rest gets 0
-            full = dx.new_zeros((n, channels, dx.shape[2], dx.shape[3]))
-            full[:, fw.src_channel : fw.src_channel + fw.src_channels] = dx
-            dx = full
-        if ny != dx.shape[2] or nx != dx.shape[3]:  # a clip rect on the gradient kernel
-            dx = dx[:, :, y0 : y0 + ny, x0 : x0 + nx]
-        # the result must not share storage with an input: a backward that returns one of
-        # them unchanged (now the storage itself, no longer a view of it) gets copied
-        out._write_block(dx, z_src, dco, y0, x0, x if dx is x else grad._data())
-
-    return run
-
-
-def _covers(shape: tuple[int, int, int, int], block: tuple[int, ...]) -> bool:
-    """Whether ``block`` (z, images, c, channels, y, rows, x, cols) is the whole image."""
-    z, n, c, nc, y, ny, x, nx = block
-    return (z, c, y, x) == (0, 0, 0, 0) and (n, nc, ny, nx) == shape

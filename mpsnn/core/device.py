@@ -8,10 +8,11 @@ Nothing is guaranteed to have run before `CommandBuffer.commit`.
 * On CUDA, ``commit`` launches them on the queue's stream, records one CUDA event and returns.
   Completion is observed on the caller's thread: `CommandBuffer.wait_until_completed` waits for
   the event, and `CommandBuffer.status` polls it. Only a buffer with completed handlers needs a
-  thread: its queue starts one worker (lazily) that waits for such buffers in commit order and
-  runs their handlers; the worker ends when its queue is garbage-collected.
+  thread: its queue starts one worker (lazily, `mpsnn.core.completion`) that waits for such
+  buffers in commit order and runs their handlers; the worker ends when its queue is
+  garbage-collected.
 
-A committed CUDA buffer can instead be *captured* (`CommandBuffer.capture`): its work is
+An encoded CUDA buffer can be *captured* instead of committed (`CommandBuffer.capture`): its work is
 recorded once into a CUDA graph and replayed with `CapturedCommandBuffer.replay`, each replay
 reading the current contents of the buffer's input images (refill them in place) and writing
 the same output storage.
@@ -19,9 +20,7 @@ the same output storage.
 
 from __future__ import annotations
 
-import atexit
 import enum
-import queue
 import threading
 import weakref
 from collections.abc import Callable
@@ -29,6 +28,9 @@ from typing import Any
 
 import torch
 
+from mpsnn.core.completion import _WORKERS as _WORKERS
+from mpsnn.core.completion import _CompletionWorker
+from mpsnn.core.completion import _drain_workers as _drain_workers
 from mpsnn.errors import UnsupportedError
 
 __all__ = [
@@ -571,53 +573,3 @@ class CapturedCommandBuffer:
     @property
     def status(self) -> CommandBufferStatus:
         return self._buffer.status
-
-
-class _CompletionWorker:
-    """A daemon thread for one CUDA queue: waits for each submitted buffer's event, in order,
-    and runs its completed handlers. It holds no reference to its queue and stops when the
-    queue is collected (`stop_soon`) or at interpreter exit (after draining)."""
-
-    def __init__(self, label: str | None) -> None:
-        self._queue: queue.SimpleQueue[CommandBuffer | None] = queue.SimpleQueue()
-        name = f"mpsnn-completion-{label}" if label else "mpsnn-completion"
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-        _WORKERS.add(self)
-
-    def submit(self, cb: CommandBuffer) -> None:
-        self._queue.put(cb)
-
-    def stop_soon(self) -> None:
-        self._queue.put(None)
-
-    def stop(self, timeout: float) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout)
-
-    def _loop(self) -> None:
-        while True:
-            cb = self._queue.get()
-            if cb is None:
-                return
-            event = cb._event
-            try:
-                if event is not None:
-                    event.synchronize()
-            except Exception as exc:  # a device fault (illegal address, ...)
-                if cb.error is None:
-                    cb._record_error(exc, "(device)")
-            cb._complete()
-            done = cb._done
-            del cb  # hold no buffer (and so no queue) between submissions
-            if done is not None:
-                done.set()
-
-
-_WORKERS: weakref.WeakSet[_CompletionWorker] = weakref.WeakSet()
-
-
-@atexit.register
-def _drain_workers() -> None:
-    for worker in list(_WORKERS):
-        worker.stop(timeout=60.0)

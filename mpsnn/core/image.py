@@ -16,7 +16,8 @@ that read it last, and any later use raises `StaleResourceError`.
 A UNORM8 image stores uint8 bytes ``k`` that read as ``k/255``: kernels read it as float32 values
 (`Image._read`) and write ``round(clamp(v, 0, 1) * 255)`` into it (`Image._write_block`);
 ``tensor`` and `Image.read_bytes` give the raw bytes (as MPS's ``readBytes``), `Image.numpy` the
-float32 values ``k/255``.
+float32 values ``k/255``. The region checks and conversions of byte I/O live in
+`mpsnn.core.image_bytes`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from mpsnn.core.descriptor import (
 )
 from mpsnn.core.device import CommandBuffer, CommandBufferStatus, Device
 from mpsnn.core.geometry import Region
+from mpsnn.core.image_bytes import _bytes_to_write, _io_index, _to_numpy, _to_unorm8
 from mpsnn.errors import CommandBufferError, StaleResourceError
 
 __all__ = ["Image", "ImageAllocator", "TemporaryImage"]
@@ -273,19 +275,7 @@ class Image:
         """
         self._sync_for_host("write_bytes")
         view = self._io_view("write_bytes", data_layout, image_index, region, feature_channel_info)
-        data = torch.as_tensor(np.asarray(array))
-        if tuple(data.shape) != tuple(view.shape):
-            raise ValueError(
-                f"[{type(self).__name__}] write_bytes needs an array of shape {tuple(view.shape)} "
-                f"for this region and layout, got {tuple(data.shape)}"
-            )
-        if self._fmt is FeatureChannelFormat.UNORM8 and data.dtype != torch.uint8:
-            if not data.is_floating_point():
-                raise TypeError(
-                    f"[{type(self).__name__}] write_bytes into a UNORM8 image needs uint8 (raw "
-                    f"bytes) or floating-point (values in [0, 1]) data, got {data.dtype}"
-                )
-            data = _to_unorm8(data)
+        data = _bytes_to_write(type(self).__name__, array, view.shape, self._fmt)
         view.copy_(data.to(self._device.torch_device))
 
     def _io_view(
@@ -296,36 +286,10 @@ class Image:
         region: Region | None,
         info: ImageReadWriteParams | None,
     ) -> torch.Tensor:
-        name = type(self).__name__
-        if not isinstance(data_layout, DataLayout):
-            raise TypeError(f"[{name}] {who} data_layout must be a DataLayout, got {data_layout!r}")
-        n, c, h, w = self._shape
-        if not 0 <= image_index < n:
-            raise ValueError(f"[{name}] {who} image_index must be in [0, {n}), got {image_index}")
-        if region is None:
-            x0, y0, rw, rh = 0, 0, w, h
-        else:
-            x0, y0 = region.origin.x, region.origin.y
-            rw, rh = region.size.width, region.size.height
-            if region.size.depth != 1 or region.origin.z != 0:
-                raise ValueError(
-                    f"[{name}] {who} region must have origin.z 0 and depth 1 (use image_index), "
-                    f"got z={region.origin.z} depth={region.size.depth}"
-                )
-            if x0 < 0 or y0 < 0 or x0 + rw > w or y0 + rh > h:
-                raise ValueError(
-                    f"[{name}] {who} region must lie inside the {w}x{h} image, "
-                    f"got x={x0} y={y0} width={rw} height={rh}"
-                )
-        c0 = 0 if info is None else info.feature_channel_offset
-        nc = None if info is None else info.number_of_feature_channels_to_read_write
-        nc = c - c0 if nc is None else nc
-        if c0 < 0 or nc < 0 or c0 + nc > c:
-            raise ValueError(
-                f"[{name}] {who} channels [{c0}, {c0 + nc}) must lie in [0, {c}), "
-                f"got feature_channel_offset={c0} count={nc}"
-            )
-        view = self.tensor[image_index, c0 : c0 + nc, y0 : y0 + rh, x0 : x0 + rw]
+        index = _io_index(
+            type(self).__name__, who, self._shape, data_layout, image_index, region, info
+        )
+        view = self.tensor[index]
         if data_layout is DataLayout.HEIGHT_WIDTH_FEATURE_CHANNELS:
             view = view.permute(1, 2, 0)
         return view
@@ -595,19 +559,3 @@ class _TemporaryAllocator:
 
 _PERMANENT = _PermanentAllocator()
 _TEMPORARY = _TemporaryAllocator()
-
-
-def _to_unorm8(t: torch.Tensor) -> torch.Tensor:
-    """UNORM8 bytes of float values: ``round(clamp(v, 0, 1) * 255)`` (half to even), computed in
-    at least float32; a new tensor."""
-    v = t.clamp(0, 1)
-    if v.dtype not in (torch.float32, torch.float64):
-        v = v.float()
-    return v.mul_(255).round_().to(torch.uint8)
-
-
-def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        t = t.float()
-    return t.cpu().numpy().copy()
