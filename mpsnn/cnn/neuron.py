@@ -14,6 +14,7 @@ activation), shaped like the convolution's destination, for `ConvolutionGradient
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,7 @@ from mpsnn.core.geometry import Window
 from mpsnn.core.image import Image
 from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord, GradientState, _unique
-from mpsnn.ops.neuron import activation, activation_backward
+from mpsnn.ops.neuron import activation, activation_backward, relu_backward_of_result
 
 __all__ = ["Neuron", "NeuronGradient", "NeuronRecord"]
 
@@ -242,6 +243,28 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
             out._write_block(dz, 0, 0, 0, 0, grad._data())
 
         return Encoding(run, (out,), (grad, result, state))
+
+
+class ReLUGradientOfResult(NeuronGradient):
+    """The plain ReLU's gradient (``a = +0.0``) from the forward *result* ``y`` instead of its
+    source: ``dx = g`` where ``y``'s sign bit is clear, else 0 (`relu_backward_of_result`; it
+    equals `NeuronGradient` except at ``x = -0.0``, where it gives 0). Internal: the graph uses
+    it for a ReLU that is not fused into the filter before it, so that the ReLU's input need
+    not be kept for the backward (the result is kept anyway, for the next layer's gradient).
+    ``source_image`` is the forward's destination."""
+
+    _secondary_is_result = True
+
+    def __init__(self, device: Device, neuron_descriptor: NeuronDescriptor) -> None:
+        super().__init__(device, neuron_descriptor)
+        p = self._descriptor
+        if p.neuron_type is not NeuronType.RELU or p.a != 0.0 or math.copysign(1.0, p.a) < 0:
+            raise ValueError(
+                f"[ReLUGradientOfResult] the neuron must be a ReLU with a = +0.0, got {p!r}"
+            )
+
+    def _pointwise_backward(self, record: ForwardRecord, states: list[Any]) -> PointwiseBackward:
+        return relu_backward_of_result
 
 
 def _fused(record: ForwardRecord) -> FusedNeuron | None:

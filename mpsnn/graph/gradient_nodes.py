@@ -11,12 +11,18 @@ computes the data gradient only.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import mpsnn.graph.forward_nodes as fwd
 import mpsnn.graph.normalization_nodes as nn_nodes
 from mpsnn.cnn.convolution import ConvolutionGradientOption
+from mpsnn.cnn.neuron import ReLUGradientOfResult
+from mpsnn.cnn.neuron_descriptor import NeuronType
+from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.device import Device
+from mpsnn.core.image import Image
+from mpsnn.core.image_batch import ImageBatch
 from mpsnn.graph.nodes import FilterNode, GradientFilterNode, ImageNode, register_gradient_nodes
 from mpsnn.graph.step import _Step
 
@@ -63,6 +69,28 @@ class UnaryGradientNode(GradientFilterNode):
             step.weight_gradient_ready(self, step.graph._kernels[self._forward._id], states)
 
 
+class _NeuronGradientNode(UnaryGradientNode):
+    """A neuron's gradient. A plain ReLU (``a = +0.0``, no padding policy) reads the forward
+    *result* (`ReLUGradientOfResult`): the ReLU's input is then freed after the forward instead
+    of being kept for the backward (in a residual network: every addition's result). A ReLU
+    fused into the filter before it differentiates through that filter's state either way."""
+
+    def __init__(self, source_gradient: ImageNode, forward: FilterNode) -> None:
+        d = forward.descriptor
+        self._reads_result = (
+            d.neuron_type is NeuronType.RELU
+            and d.a == 0.0
+            and math.copysign(1.0, d.a) > 0
+            and forward.padding_policy is None
+        )
+        super().__init__(source_gradient, forward)
+
+    def _make_kernel(self, device: Device) -> Any:
+        if self._reads_result:
+            return ReLUGradientOfResult(device, self._forward.descriptor)
+        return super()._make_kernel(device)
+
+
 class _ConvolutionGradientNode(UnaryGradientNode):
     """Convolution family: no data gradient when nobody needs it; no weight gradient when the
     layer is frozen."""
@@ -100,24 +128,44 @@ class BatchNormalizationGradientNode(UnaryGradientNode):
 class ArithmeticGradientNode(GradientFilterNode):
     """One input's gradient of an arithmetic node (MPS ``MPSNNArithmeticGradientNode``):
     ``is_secondary_source_filter`` selects the input. Add and subtract read the input they
-    differentiate, multiply and divide the other one."""
+    differentiate, multiply and divide the other one.
+
+    Add and subtract need only the *shape* of their input (``dx = scale * g``, reduced over
+    broadcast axes): their kernel gets a storage-less stand-in of the same shape, and the input
+    image is not kept alive for them. In a residual network that frees every block's last
+    normalization output right after the addition instead of at the block's backward."""
 
     def __init__(self, source_gradient: ImageNode, forward: Any, secondary: bool) -> None:
-        reads_other = forward._kernel_class.__name__ in ("Multiply", "Divide")
-        which = (not secondary) if reads_other else secondary
+        self._reads_other = forward._kernel_class.__name__ in ("Multiply", "Divide")
+        which = (not secondary) if self._reads_other else secondary
         super().__init__(
             [source_gradient, forward.source_images[int(which)]], forward, forward.result_state
         )
         self.is_secondary_source_filter = secondary
+
+    def _content_sources(self) -> list[ImageNode]:
+        return self._sources if self._reads_other else self._sources[:1]
 
     def _make_kernel(self, device: Device) -> Any:
         return self._forward._gradient_kernel(device, self.is_secondary_source_filter)
 
     def _run(self, step: _Step, kernel: Any) -> None:
         g, x = step.image(self._sources[0]), step.image(self._sources[1])
+        if not self._reads_other:
+            x = _shape_only(x)
         step.set_image(
             self.result_image, kernel.encode_batch(step.cb, g, x, step.state(self._state))
         )
+
+
+def _shape_only(batch: ImageBatch | Image) -> ImageBatch | Image:
+    """A permanent image with ``batch``'s shape and format and no storage (none is allocated
+    unless a command reads it, and the add/subtract gradients read only the shape): what those
+    kernels get instead of an input image the graph may have released already."""
+    image = batch.image if isinstance(batch, ImageBatch) else batch
+    n, c, h, w = image._shape
+    stand_in = Image._make(image._device, ImageDescriptor._make(image._fmt, w, h, c, n))
+    return ImageBatch(stand_in) if isinstance(batch, ImageBatch) else stand_in
 
 
 class ConcatenationGradientNode(GradientFilterNode):
@@ -174,7 +222,7 @@ for _fwd, _name, _base, _attrs in (
     (fwd.PoolingAverageNode, "PoolingAverageGradientNode", UnaryGradientNode, {}),
     (fwd.PoolingL2NormNode, "PoolingL2NormGradientNode", UnaryGradientNode, {}),
     (fwd.DilatedPoolingMaxNode, "DilatedPoolingMaxGradientNode", UnaryGradientNode, {}),
-    (fwd.NeuronNode, "NeuronGradientNode", UnaryGradientNode, {}),
+    (fwd.NeuronNode, "NeuronGradientNode", _NeuronGradientNode, {}),
     (fwd.SoftMaxNode, "SoftMaxGradientNode", UnaryGradientNode, {"_reads_result": True}),
     (fwd.LogSoftMaxNode, "LogSoftMaxGradientNode", UnaryGradientNode, {"_reads_result": True}),
     (fwd.DropoutNode, "DropoutGradientNode", UnaryGradientNode, {}),

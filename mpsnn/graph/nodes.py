@@ -11,6 +11,9 @@ Every filter node knows three things the graph needs:
 * ``_make_kernel(device)``: the kernel(s) it encodes with;
 * ``_reads()``: how many reads each input image takes per encode (what the graph sets as the
   read counts of temporary images);
+* ``_content_sources()``: the inputs whose *contents* it reads (default: all). An input read
+  for its shape only (an add's gradient needs the input's size, not its values) does not keep
+  that image's storage alive: the graph frees it after its last content reader;
 * ``_run(step, kernel)``: the encode, reading its inputs from and writing its results to the
   ``step`` (one `encode_batch` of a graph).
 
@@ -181,10 +184,15 @@ class FilterNode:
         if self.padding_policy is not None and isinstance(kernel, Kernel):
             kernel.padding = self.padding_policy
 
+    def _content_sources(self) -> list[ImageNode]:
+        """The inputs whose contents this filter reads (the others: shape only)."""
+        return self._sources
+
     def _reads(self) -> list[tuple[ImageNode, int]]:
-        """``(input image, reads per encode)``: one read per distinct source by default."""
+        """``(input image, reads per encode)``: one read per distinct content source by
+        default."""
         seen: dict[int, ImageNode] = {}
-        for s in self._sources:
+        for s in self._content_sources():
             seen.setdefault(s._id, s)
         return [(s, 1) for s in seen.values()]
 

@@ -171,7 +171,8 @@ def plan_graph(graph: Any) -> None:
     graph._last_reader = {}
     trainable_states = set()
     for n in order:
-        keys = [s._id for s in n.source_images] + [s._id for s in n.source_states]
+        # liveness follows content reads: a shape-only input does not keep its storage
+        keys = [s._id for s in n._content_sources()] + [s._id for s in n.source_states]
         keys = list(dict.fromkeys(key(k) for k in keys))
         graph._reads_by[n._id] = [k for k in keys if k not in keep and k not in graph._source_ids]
         for k in graph._reads_by[n._id]:

@@ -51,6 +51,7 @@ __all__ = [
     "neuron_derivative",
     "neuron_forward",
     "plain_relu",
+    "relu_backward_of_result",
 ]
 
 # Type codes match `mpsnn.cnn.neuron.NeuronType` (MPS MPSCNNNeuronType values).
@@ -234,6 +235,24 @@ def activation_slope(p: NeuronParams, x: torch.Tensor) -> torch.Tensor:
     if plain_relu(p, x):
         return _nonnegative(x)
     return neuron_derivative(p.kind, _upcast(p, x), p.a, p.b, p.c, p.data).to(x.dtype)
+
+
+def relu_backward_of_result(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``g * relu'(x)`` of the plain ReLU from its *result* ``y = (x >= 0) x``: ``g`` where
+    ``y`` has a clear sign bit (``y > 0`` or ``y = +0.0``), 0 where it is set, in ``g``'s
+    dtype.
+
+    Derivation: ``y = x (x >= 0)`` keeps ``x`` where ``x >= 0`` and is ``x * 0 = -0.0`` where
+    ``x < 0`` (IEEE: a negative number times +0.0 is -0.0). So the sign bit of ``y`` is the
+    complement of the mask ``x >= 0`` for every ``x`` except ``x = -0.0``, where the source rule
+    gives 1 and this one 0 (both are subgradients of the ReLU at 0; PyTorch's is 0). Reading the
+    result lets a graph free the ReLU's input right after the forward (the result is kept for
+    the next layer anyway).
+    """
+    keep = torch.signbit(y).logical_not_()
+    if g.device.type == "cpu":  # a float mask: vectorized products (see `plain_relu`)
+        return _times(keep.to(g.dtype), g)
+    return g * keep
 
 
 def activation_backward(p: NeuronParams, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,141 @@
+"""What a training graph keeps alive for the backward: an addition's gradient reads only the
+shape of its inputs, and an unfused plain ReLU's gradient reads the ReLU's result. Both free a
+residual block's normalization output and addition result after the forward; the gradients stay
+equal to PyTorch autograd."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mpsnn as m
+from mpsnn.cnn.neuron import ReLUGradientOfResult
+from mpsnn.ops.neuron import relu_backward_of_result
+from tests.graph._helpers import (
+    DEV,
+    TOL,
+    TorchConv,
+    assert_close,
+    conv_ds,
+    encode,
+    gen,
+    mse_loss,
+    mse_reference,
+    peak_and_total,
+    rand,
+    sgd1,
+    training,
+)
+
+
+def _residual(g: torch.Generator, channels: int = 3):
+    """conv -> batch norm -> + x -> ReLU (a residual block's tail), and its PyTorch twin."""
+    dc = conv_ds(g, 3, 3, channels, channels, sgd1())
+    bn_ds = m.TensorBatchNormalizationDataSource(channels)
+    x = m.ImageNode("x")
+    bn = m.BatchNormalizationNode(m.ConvolutionNode(x, dc).result_image, bn_ds)
+    add = m.AdditionNode(bn.result_image, x)
+    relu = m.NeuronReLUNode(add.result_image)
+    return x, bn, add, relu, dc
+
+
+def test_residual_tail_frees_the_addition_inputs_and_result_and_matches_autograd() -> None:
+    g = gen(61)
+    _, bn, add, relu, dc = _residual(g)
+    graph, _ = training(mse_loss(relu.result_image))
+    last = graph._last_reader
+    # the normalization's result: read by the addition only (its gradient needs the shape)
+    assert last[bn.result_image._id] == add._id
+    # the addition's result: read by the ReLU only (its gradient reads the ReLU's result)
+    assert last[add.result_image._id] == relu._id
+    kinds = {type(k).__name__ for k in graph._kernels.values() if not isinstance(k, tuple)}
+    assert "ReLUGradientOfResult" in kinds
+
+    xt, target = rand(g, 2, 3, 6, 5), rand(g, 2, 3, 6, 5)
+    tconv = TorchConv(dc)
+    out = encode(graph, [xt], [m.LossLabels(DEV, target)])
+    xr = xt.clone().requires_grad_()
+    z = tconv(xr)
+    zn = F.batch_norm(z, None, None, training=True, eps=1e-5)
+    mse_reference(F.relu(zn + xr), target).backward()
+    assert_close(out.tensor, xr.grad, "dL/dx", TOL)
+    after_w = dc.weights().permute(0, 3, 1, 2)  # SGD, lr 1: moved by minus the gradient
+    assert_close(tconv.w.detach() - after_w, tconv.w.grad, "conv weight gradient", TOL)
+    # (the bias gradient is zero in exact arithmetic: batch normalization removes the mean)
+    assert (tconv.b.detach() - dc.bias_terms()).abs().max() < 1e-12
+
+
+def test_residual_tail_planned_peak_is_lower_than_keeping_every_forward_image() -> None:
+    g = gen(62)
+    x = m.ImageNode("x")
+    img = x
+    for _ in range(4):  # four residual tails in a row
+        dc = conv_ds(g, 3, 3, 8, 8, sgd1())
+        bn = m.BatchNormalizationNode(
+            m.ConvolutionNode(img, dc).result_image, m.TensorBatchNormalizationDataSource(8)
+        )
+        img = m.NeuronReLUNode(m.AdditionNode(bn.result_image, img).result_image).result_image
+    graph, _ = training(mse_loss(img))
+    xt, target = rand(g, 4, 8, 32, 32), rand(g, 4, 8, 32, 32)
+    encode(graph, [xt], [m.LossLabels(DEV, target)])
+    peak, _ = peak_and_total(graph)
+    one = 4 * 8 * 32 * 32 * 8 / 2**20  # one float64 image: 0.25 MiB
+    # kept for the backward: each tail's convolution result and ReLU result (2 per tail), not
+    # its normalization result and addition result (4 per tail), plus a few gradients in flight
+    assert peak <= (2 * 4 + 4) * one, graph.debug_description()
+
+
+def test_multiplication_gradient_still_keeps_the_other_input() -> None:
+    g = gen(63)
+    da, db = conv_ds(g, 1, 1, 2, 2, sgd1()), conv_ds(g, 1, 1, 2, 2, sgd1())
+    x = m.ImageNode("x")
+    a, b = m.ConvolutionNode(x, da), m.ConvolutionNode(x, db)
+    prod = m.MultiplicationNode(a.result_image, b.result_image)
+    graph, _ = training(mse_loss(prod.result_image))
+    grads = [n for n in graph._order if type(n).__name__ == "ArithmeticGradientNode"]
+    assert len(grads) == 2
+    for n in grads:  # each reads the other factor's values
+        assert len(n._content_sources()) == 2
+    xt, target = rand(g, 2, 2, 4, 4), rand(g, 2, 2, 4, 4)
+    ta, tb = TorchConv(da), TorchConv(db)  # before the step updates the data sources
+    out = encode(graph, [xt], [m.LossLabels(DEV, target)])
+    xr = xt.clone().requires_grad_()
+    mse_reference(ta(xr) * tb(xr), target).backward()
+    assert_close(out.tensor, xr.grad, "dL/dx", TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_relu_gradient_of_result_equals_the_source_rule_except_at_negative_zero(dtype) -> None:
+    gen_ = torch.Generator().manual_seed(64)
+    x = torch.randn(3, 4, 5, 6, generator=gen_, dtype=torch.float64)
+    x[0, 0, 0, :3] = torch.tensor([0.0, -0.0, -1.0])
+    x = x.to(dtype)
+    gr = torch.randn(x.shape, generator=gen_, dtype=torch.float64).to(dtype)
+    y = x * (x >= 0)  # the forward's bits (negative x -> -0.0)
+    got = relu_backward_of_result(gr, y)
+    want = gr * (x >= 0)  # the source rule (MPS: x >= 0 ? 1 : 0)
+    negzero = (x == 0) & torch.signbit(x)
+    assert torch.equal(got[~negzero], want[~negzero])
+    assert (got[negzero] == 0).all() and negzero.sum() == 1
+    assert got.dtype == dtype
+
+
+def test_relu_gradient_of_result_kernel_through_the_kernel_api() -> None:
+    gen_ = torch.Generator().manual_seed(65)
+    relu = m.NeuronDescriptor(m.NeuronType.RELU)
+    fwd, grad = m.Neuron(DEV, relu), ReLUGradientOfResult(DEV, relu)
+    x = torch.randn(2, 3, 4, 5, generator=gen_, dtype=torch.float64)
+    gt = torch.randn(x.shape, generator=gen_, dtype=torch.float64)
+    cb = DEV.new_command_queue().command_buffer()
+    src = m.Image.from_tensor(x)
+    state = fwd.result_state(src)
+    y = fwd.encode(cb, src, destination_state=state)
+    dx = grad.encode(cb, m.Image.from_tensor(gt), y, state)
+    cb.commit()
+    cb.wait_until_completed()
+    xr = x.clone().requires_grad_()
+    F.relu(xr).backward(gt)
+    assert torch.equal(dx.tensor, xr.grad)  # no zeros in x: the rules agree with autograd's
+    with pytest.raises(ValueError, match=r"\[ReLUGradientOfResult\] the neuron must be a ReLU"):
+        ReLUGradientOfResult(DEV, m.NeuronDescriptor(m.NeuronType.RELU, a=0.1))
