@@ -21,12 +21,13 @@ for non-standard window placement, ``_record_params`` for the typed record their
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 from typing import Any
 
 import torch
 
 from mpsnn.core._checks import check_enum, check_int, check_positive, check_type
-from mpsnn.core.descriptor import ImageDescriptor, _result_format
+from mpsnn.core.descriptor import _FORMAT_TO_DTYPE, ImageDescriptor, _result_format
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import (
@@ -204,8 +205,9 @@ class CNNKernel(SharedProperties, Kernel):
 
         ``records``: the states this encode writes and their records (empty for inference).
         ``memo`` lives as long as the encode configuration (window, edge mode) does: families
-        keep what they derive from the window there (e.g. the extraction plan). Must not
-        change the kernel: everything that depends on the encode goes into the closure."""
+        keep what they derive from the window there (e.g. the extraction plan; the base class
+        keeps the command's layout under ``"command"``). Must not change the kernel:
+        everything that depends on the encode goes into the closure."""
         raise NotImplementedError
 
     def _record_params(self, window: Window, memo: dict[str, Any]) -> Any:
@@ -426,9 +428,9 @@ class CNNKernel(SharedProperties, Kernel):
             desc, props, window, memo = self._plan(src, dst, batch, policy_states, saved)
             for name, value in props.items():  # tentatively: the forward reads them
                 object.__setattr__(self, name, value)
-            unique = _unique(states)
             records: Records = []
-            if unique:
+            if states:  # an inference encode writes no state: no record to make
+                unique = _unique(states)
                 record = ForwardRecord(
                     self,
                     window,
@@ -443,23 +445,35 @@ class CNNKernel(SharedProperties, Kernel):
                 for st in unique:
                     st._check_record(record, who)
                 records = self._state_records(record, unique)
-            run = _forward_command(self._make_forward(window, records, memo), src, window)
+            forward = self._make_forward(window, records, memo)
+            out: Any = dst if dst is not None else desc  # given, or a descriptor to allocate
+            out_dtype = out._dtype if dst is not None else _FORMAT_TO_DTYPE[out._fmt]
+            run = _forward_command(forward, src, window, out_dtype, memo)
         except BaseException:
             self._restore_geometry(saved)
             raise
-        enc = Encoding(run, (dst if dst is not None else desc,), (src,), records, None, batch)
+        enc = Encoding(run, (out,), (src,), records, None, batch)
         return self._apply(cb, enc)[0]  # type: ignore[return-value]
 
     # -- planning (pure: the kernel is restored before returning) -----------------------------
 
     _geometry_attrs: tuple[str, ...] = ("_offset", "_edge_mode", "_clip", "_dco", "_sco", "_smax")
+    # Reads `_geometry_attrs` as one tuple, in C: `_save_geometry` runs at every encode.
+    _read_geometry = staticmethod(attrgetter(*_geometry_attrs))
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "_geometry_attrs" in cls.__dict__:  # a family that saves more (a tuple: 2+ names)
+            cls._read_geometry = staticmethod(attrgetter(*cls._geometry_attrs))
 
     def _save_geometry(self) -> tuple[Any, ...]:
-        return (self._config, *(getattr(self, a) for a in self._geometry_attrs))
+        """``(config, values of _geometry_attrs)``: what `_restore_geometry` puts back, and
+        the kernel's part of the plan-cache key."""
+        return (self._config, self._read_geometry(self))
 
     def _restore_geometry(self, saved: tuple[Any, ...]) -> None:
         object.__setattr__(self, "_config", saved[0])
-        for name, value in zip(self._geometry_attrs, saved[1:], strict=True):
+        for name, value in zip(self._geometry_attrs, saved[1], strict=True):
             object.__setattr__(self, name, value)
 
     def _plan(
@@ -482,7 +496,7 @@ class CNNKernel(SharedProperties, Kernel):
                 dst_shape = desc.shape
                 props = {
                     name: getattr(self, name)
-                    for name, old in zip(self._geometry_attrs, saved[1:], strict=True)
+                    for name, old in zip(self._geometry_attrs, saved[1], strict=True)
                     if getattr(self, name) != old
                 }
             window = self._window(src._shape, dst_shape, self._offset, batch)
@@ -524,22 +538,42 @@ class CNNKernel(SharedProperties, Kernel):
         return Window(ay, ax, z_src, z_dst, images, self._sco, n_read, self._dco, n_write, y0, x0)
 
 
-def _forward_command(forward: Forward, src: Image, w: Window) -> Callable[[Image], None]:
-    z0, n, c0, nc = w.src_image, w.images, w.src_channel, w.src_channels
-    dz, dc, dy, dx = w.dst_image, w.dst_channel, w.dst_y, w.dst_x
-    sn, sc = src._shape[0], src._shape[1]
-    whole = z0 == 0 and n == sn and c0 == 0 and nc == sc  # no slicing needed (common case)
+def _forward_command(
+    forward: Forward, src: Image, w: Window, out_dtype: torch.dtype, memo: dict[str, Any]
+) -> Callable[[Image], None]:
+    """The command of one encode: read the source block, run ``forward``, write its result.
+
+    ``out_dtype``: the dtype of the destination the encode gives or allocates. ``memo`` is the
+    plan's (`_plan`: the same window and source shape): what the window says is read there
+    once per configuration, not at every encode."""
+    where = memo.get("command")
+    if where is None:
+        z0, n, c0, nc = w.src_image, w.images, w.src_channel, w.src_channels
+        whole = z0 == 0 and n == src._shape[0] and c0 == 0 and nc == src._shape[1]
+        index = None if whole else (slice(z0, z0 + n), slice(c0, c0 + nc))  # None: common
+        where = memo["command"] = (index, w.dst_image, w.dst_channel, w.dst_y, w.dst_x)
+    index, dz, dc, dy, dx = where
+    # The formats are known now: decide the compute dtype once (an allocator that returns an
+    # image of another format is still served right, when the command runs).
+    wide = _compute_dtype(out_dtype, src)
 
     def run(dst: Image) -> None:
-        # mixed formats: the math runs in the wider of the source's and the destination's
-        wide = dst._dtype if dst._dtype.itemsize > src._read_dtype.itemsize else None
-        data = src._read(wide)
-        x = data if whole else data[z0 : z0 + n, c0 : c0 + nc]
-        if wide is not None and x.dtype != wide:
-            x = x.to(wide)
+        dtype = wide if dst._dtype is out_dtype else _compute_dtype(dst._dtype, src)
+        data = src._read(dtype)
+        x = data if index is None else data[index]
+        if dtype is not None and x.dtype != dtype:
+            x = x.to(dtype)
         dst._write_block(forward(x), dz, dc, dy, dx, data)
 
     return run
+
+
+def _compute_dtype(out_dtype: torch.dtype, src: Image) -> torch.dtype | None:
+    """Mixed formats: the math runs in the wider of the source's and the destination's dtypes;
+    None when that is the dtype the source reads in."""
+    if out_dtype is src._dtype:  # the common case: a source reads its own dtype or a wider one
+        return None
+    return out_dtype if out_dtype.itemsize > src._read_dtype.itemsize else None
 
 
 def _as_list(states: Any) -> list[Any]:

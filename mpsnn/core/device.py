@@ -129,8 +129,9 @@ _COMPLETED = CommandBufferStatus.COMPLETED
 _ERROR = CommandBufferStatus.ERROR
 
 
-def _raw_stream_getter() -> Callable[[int], int] | None:
-    return getattr(torch._C, "_cuda_getCurrentRawStream", None)
+# The current stream's raw handle by device index (None in a build without it): looked up
+# once, not at every commit.
+_raw_stream: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 class CommandQueue:
@@ -202,8 +203,7 @@ class CommandQueue:
         Comparing raw stream handles is cheap; building `torch.cuda.current_stream()` objects
         costs several microseconds, which matters at one commit per training step.
         """
-        getter = _raw_stream_getter()
-        if getter is not None and getter(self._index) == self._raw:
+        if _raw_stream is not None and _raw_stream(self._index) == self._raw:
             return None
         current = torch.cuda.current_stream(self._device.torch_device)
         if current == self._stream:
@@ -453,8 +453,10 @@ class CommandBuffer:
         return keep
 
     def _run(self) -> None:
-        for res in self._pending_releases:
-            res._free_storage()
+        # The `if`s skip the empty lists most buffers have (this runs at every commit).
+        if self._pending_releases:
+            for res in self._pending_releases:
+                res._free_storage()
         for cmd in self._commands:
             if self.error is None:
                 try:
@@ -464,9 +466,10 @@ class CommandBuffer:
             if cmd.releases:
                 for res in cmd.releases:
                     res._free_storage()
-        for hook in self._hooks:
-            hook()
-        self._hooks = []
+        if self._hooks:
+            for hook in self._hooks:
+                hook()
+            self._hooks = []
         if not self._captured:
             self._commands = []  # drop the closures, and with them the tensors they kept alive
 

@@ -58,18 +58,20 @@ class Encoding:
 def apply_encoding(kernel: Any, cb: CommandBuffer, enc: Encoding) -> list[Image | None]:
     """Apply a validated plan (the only side effects of an encode); returns the outputs."""
     who = type(kernel).__name__
-    outs: list[Image | None] = [
-        o if (o is None or isinstance(o, Image)) else _allocate(kernel, cb, o, enc.batch)
-        for o in enc.outputs
-    ]
     run = enc.run
-    if len(outs) == 1:  # the common case: no argument tuple to unpack when it runs
-        out = outs[0]
+    outputs = enc.outputs
+    if len(outputs) == 1:  # the common case, at every encode: no list or argument tuple
+        out = outputs[0]
+        if out is not None and not isinstance(out, Image):
+            out = _allocate(kernel, cb, out, enc.batch)
+        outs = [out]
         cb.record(who, lambda: run(out))
-    elif outs:
-        cb.record(who, lambda: run(*outs))
     else:
-        cb.record(who, run)
+        outs = [
+            o if (o is None or isinstance(o, Image)) else _allocate(kernel, cb, o, enc.batch)
+            for o in outputs
+        ]
+        cb.record(who, (lambda: run(*outs)) if outs else run)
     for o in outs:
         if o is not None:
             o._root()._writer = cb
@@ -78,19 +80,24 @@ def apply_encoding(kernel: Any, cb: CommandBuffer, enc: Encoding) -> list[Image 
     if enc.properties:
         for name, value in enc.properties.items():
             object.__setattr__(kernel, name, value)
-    seen: set[int] = set()
-    for r in enc.reads:
-        if r is None:
-            continue
-        if isinstance(r, Image):
-            r = r._root()
-        key = id(r)
-        if key not in seen:
-            seen.add(key)
-            r._consume_read(cb, who)
+    reads = enc.reads
+    if len(reads) == 1:  # the common case: one read, nothing to deduplicate
+        if reads[0] is not None:
+            _read_root(reads[0])._consume_read(cb, who)
+    elif reads:
+        seen: set[int] = set()
+        for r in reads:
+            if r is not None and id(root := _read_root(r)) not in seen:
+                seen.add(id(root))
+                root._consume_read(cb, who)
     if enc.after is not None:
         enc.after()
     return outs
+
+
+def _read_root(r: Any) -> Any:
+    """What a read counts against: an image's root (a batch item is a view), or the state."""
+    return r._root() if isinstance(r, Image) else r
 
 
 def _allocate(kernel: Any, cb: CommandBuffer, desc: ImageDescriptor, batch: bool) -> Image:

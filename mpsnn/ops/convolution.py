@@ -26,7 +26,7 @@ zeros between source pixels, then correlate with the weights *as given*.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +66,7 @@ class ConvGeometry(NamedTuple):
     groups: int
     plan: ExtractPlan
     crop: bool  # the operator makes more outputs than the window has
+    conv_args: tuple[Any, ...]  # F.conv2d's arguments after the bias (`_conv2d_args`)
 
 
 def conv_geometry(y: AxisWindow, x: AxisWindow, edge: EdgeMode, groups: int) -> ConvGeometry:
@@ -74,7 +75,21 @@ def conv_geometry(y: AxisWindow, x: AxisWindow, edge: EdgeMode, groups: int) -> 
         _out_len(plan.y.length, plan.y.pad, y) != y.count
         or _out_len(plan.x.length, plan.x.pad, x) != x.count
     )
-    return ConvGeometry(y, x, edge, groups, plan, crop)
+    args = _conv2d_args((y.stride, x.stride), plan.pads, (y.dilation, x.dilation), groups)
+    return ConvGeometry(y, x, edge, groups, plan, crop, args)
+
+
+def _conv2d_args(stride: tuple[int, int], pads: tuple[int, int], dilation: tuple[int, int],
+                 groups: int) -> tuple[Any, ...]:  # fmt: skip
+    """F.conv2d's ``(stride, padding, dilation, groups)``, made once per configuration, in the
+    form it parses fastest: a pair equal on both axes as one int, trailing defaults left out
+    (each tuple it parses costs about 0.1 us, as much as the rest of a tiny forward's Python)."""
+    args: list[Any] = [a if a[0] != a[1] else a[0] for a in (stride, pads, dilation)]
+    args.append(groups)
+    defaults = (1, 0, 1, 1)
+    while args and args[-1] == defaults[len(args) - 1]:
+        args.pop()
+    return tuple(args)
 
 
 def _out_len(length: int, pad: int, a: AxisWindow) -> int:
@@ -85,7 +100,7 @@ def _cpu_half(x: torch.Tensor) -> bool:
     """PyTorch's CPU float16 convolutions take a slow scalar path (several times slower than
     float32): compute those in float32 and round the results to float16 — float16 storage with
     float32 accumulation, the semantics the GPU kernels have too."""
-    return x.dtype == torch.float16 and x.device.type == "cpu"
+    return x.dtype is torch.float16 and x.device.type == "cpu"  # dtypes are singletons
 
 
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -98,15 +113,9 @@ def conv_forward(
     """``(N, I, H, W) -> (N, O, y.count, x.count)``; see the module docstring."""
     if _cpu_half(x):
         return conv_forward(x.float(), weight.float(), _f32(bias), geom).to(x.dtype)
-    out = F.conv2d(
-        apply_extract(x, geom.plan),
-        weight,
-        bias,
-        (geom.y.stride, geom.x.stride),
-        geom.plan.pads,
-        (geom.y.dilation, geom.x.dilation),
-        geom.groups,
-    )
+    plan = geom.plan
+    # The identity test is apply_extract's first, made here: no call for the common case.
+    out = F.conv2d(x if plan.identity else apply_extract(x, plan), weight, bias, *geom.conv_args)
     if geom.crop:
         out = out[:, :, : geom.y.count, : geom.x.count]
     return out

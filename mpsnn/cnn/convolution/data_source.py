@@ -306,7 +306,7 @@ class ConvWeights:
 
     def cast(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Weights and bias in ``dtype`` (run time: see the class docstring)."""
-        if dtype == self.weight.dtype:
+        if dtype is self.weight.dtype:  # the common case, at every forward (dtypes are singletons)
             return self.weight, self.bias
         if self.weight.is_cuda and torch.cuda.is_current_stream_capturing():
             b = self.bias.to(dtype) if self.bias is not None else None

@@ -371,8 +371,11 @@ class Convolution(_ConvolutionBase):
     """
 
     def _make_forward(self, window: Window, records: Records, memo: dict[str, Any]) -> Forward:
-        geom = self._geometry(window, memo)
-        return self._with_precision(lambda x, w, b: conv_forward(x, w, b, geom), records)
+        op = memo.get("op")
+        if op is None:  # depends on the geometry alone: made once per configuration
+            geom = self._geometry(window, memo)
+            op = memo["op"] = lambda x, w, b: conv_forward(x, w, b, geom)
+        return self._with_precision(op, records)
 
 
 class FullyConnected(_ConvolutionBase):
@@ -573,8 +576,9 @@ class ConvolutionTranspose(_ConvolutionBase):
         )
 
     def _make_forward(self, window: Window, records: Records, memo: dict[str, Any]) -> Forward:
-        geom = self._geometry(window, memo)
-        stride = (self._sy, self._sx)
-        return self._with_precision(
-            lambda x, w, b: conv_transpose_forward(x, w, b, geom, stride), records
-        )
+        op = memo.get("op")
+        if op is None:  # depends on the geometry and the (read-only) strides alone
+            geom = self._geometry(window, memo)
+            stride = (self._sy, self._sx)
+            op = memo["op"] = lambda x, w, b: conv_transpose_forward(x, w, b, geom, stride)
+        return self._with_precision(op, records)

@@ -1,0 +1,135 @@
+"""The encode path's per-configuration caches and fast paths give what the general path gives:
+F.conv2d's compact arguments, the compute dtype decided at encode, kernel attributes changed
+without bumping the configuration, and the geometry a failed encode restores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mpsnn as m
+from mpsnn.cnn.neuron_descriptor import FusedNeuron
+from mpsnn.ops.convolution import _conv2d_args
+from tests.helpers import run
+
+F32 = m.FeatureChannelFormat.FLOAT32
+
+
+def _conv(cin: int = 2, cout: int = 3, k: int = 3, **kw) -> m.Convolution:
+    desc = m.ConvolutionDescriptor(k, k, cin, cout, **kw)
+    g = torch.Generator().manual_seed(0)
+    ds = m.TensorConvolutionDataSource(
+        desc, torch.randn(desc.weights_shape, generator=g), torch.randn(cout, generator=g)
+    )
+    return m.Convolution(m.Device("cpu"), ds)
+
+
+def _encode(conv: m.Convolution, x: torch.Tensor) -> torch.Tensor:
+    cb = m.Device("cpu").new_command_queue().command_buffer()
+    out = conv.encode(cb, m.Image.from_tensor(x))
+    run(cb)
+    return out.tensor
+
+
+@pytest.mark.parametrize(
+    ("stride", "pads", "dilation", "groups"),
+    [
+        ((1, 1), (1, 1), (1, 1), 1),
+        ((1, 1), (0, 0), (1, 1), 1),
+        ((2, 1), (0, 2), (1, 1), 1),
+        ((1, 1), (0, 0), (2, 2), 1),
+        ((1, 1), (1, 1), (1, 2), 2),
+        ((2, 2), (0, 0), (1, 1), 2),
+    ],
+)
+def test_compact_conv2d_arguments_match_the_full_ones(stride, pads, dilation, groups) -> None:
+    x = torch.randn(2, 4, 9, 8, dtype=torch.float64)
+    w = torch.randn(6, 4 // groups, 3, 3, dtype=torch.float64)
+    args = _conv2d_args(stride, pads, dilation, groups)
+    assert len(args) <= 4
+    full = F.conv2d(x, w, None, stride, pads, dilation, groups)
+    assert torch.equal(F.conv2d(x, w, None, *args), full)
+
+
+def test_a_neuron_set_directly_is_read_by_the_next_encode() -> None:
+    """A graph sets ``_neuron`` without bumping ``_config``: the cached plan and op must not
+    keep the old forward."""
+    conv = _conv()
+    x = torch.randn(1, 2, 6, 5)
+    plain = _encode(conv, x)
+    assert (plain < 0).any()
+    relu = m.NeuronDescriptor(m.NeuronType.RELU)
+    conv._neuron = FusedNeuron.of("Convolution", relu)
+    assert torch.equal(_encode(conv, x), plain.clamp_min(0))
+    conv._neuron = None
+    assert torch.equal(_encode(conv, x), plain)
+
+
+def _encode_into(conv: m.Convolution, x: torch.Tensor) -> torch.Tensor:
+    cb = m.Device("cpu").new_command_queue().command_buffer()
+    dst = m.Image(m.Device("cpu"), m.ImageDescriptor(F32, 5, 6, 3, 1))
+    conv.encode(cb, m.Image.from_tensor(x), dst)
+    run(cb)
+    return dst.tensor
+
+
+def test_an_offset_set_directly_is_read_by_the_next_encode() -> None:
+    """The padding policy and ConvolutionTranspose set ``_offset`` without bumping
+    ``_config``: an encode after that must use the new offset, as after a public set."""
+    x = torch.randn(1, 2, 6, 5)
+    conv, fresh = _conv(), _conv()
+    first = _encode_into(conv, x)
+    conv._offset = m.Offset(2, 1, 0)
+    fresh.offset = m.Offset(2, 1, 0)
+    shifted = _encode_into(conv, x)
+    assert not torch.equal(shifted, first)
+    assert torch.equal(shifted, _encode_into(fresh, x))
+
+
+class _WiderAllocator:
+    """Returns float32 images whatever the descriptor says (the compute dtype decided at encode
+    from the descriptor must give way to the image's own format when the command runs)."""
+
+    def image(self, command_buffer, descriptor, kernel):
+        d = descriptor.copy()
+        d.channel_format = F32
+        return m.Image(command_buffer.device, d)
+
+
+def test_an_allocator_of_another_format_gets_the_wider_compute_dtype() -> None:
+    conv = _conv()
+    x = torch.randn(1, 2, 6, 5).half()
+    conv.destination_image_allocator = _WiderAllocator()
+    out = _encode(conv, x)
+    assert out.dtype == torch.float32
+    w = conv.weights.permute(0, 3, 1, 2)
+    expect = F.conv2d(x.float(), w, conv.biases, padding=1)
+    torch.testing.assert_close(out, expect, rtol=0, atol=0)
+
+
+def test_mixed_formats_of_a_given_destination_compute_in_the_wider_one() -> None:
+    conv = _conv()
+    x = torch.randn(1, 2, 6, 5).half()
+    cb = m.Device("cpu").new_command_queue().command_buffer()
+    dst = m.Image(m.Device("cpu"), m.ImageDescriptor(F32, 5, 6, 3, 1))
+    conv.encode(cb, m.Image.from_tensor(x), dst)
+    run(cb)
+    w = conv.weights.permute(0, 3, 1, 2)
+    torch.testing.assert_close(
+        dst.tensor, F.conv2d(x.float(), w, conv.biases, padding=1), rtol=0, atol=0
+    )
+
+
+def test_a_failed_transpose_encode_restores_every_saved_attribute() -> None:
+    desc = m.ConvolutionDescriptor(3, 3, 2, 2, stride_in_pixels_x=2, stride_in_pixels_y=2)
+    ds = m.TensorConvolutionDataSource(desc, torch.randn(desc.weights_shape))
+    t = m.ConvolutionTranspose(m.Device("cpu"), ds)
+    assert len(t._save_geometry()[1]) == len(t._geometry_attrs) == 8
+    t.kernel_offset_x, t.kernel_offset_y = 5, -3
+    before = t._save_geometry()
+    cb = m.Device("cpu").new_command_queue().command_buffer()
+    bad = m.Image.from_tensor(torch.randn(1, 3, 4, 4))  # 3 channels: the transpose reads 2
+    with pytest.raises(ValueError, match=r"input_feature_channels=2"):
+        t.encode(cb, bad)
+    assert t._save_geometry() == before and len(cb) == 0
