@@ -382,8 +382,14 @@ def _agree(who: str, what: str, a: int | None, b: int | None) -> int:
 def apply_op(
     op: int, x: torch.Tensor, y: torch.Tensor, scales: tuple[float, float, float]
 ) -> torch.Tensor:
+    """``(ps x) op (ss y) + bias`` (``scales = (ps, ss, bias)``), a new tensor.
+
+    A scale of 1 and a bias of 0 are not applied: ``x * 1`` is ``x`` bit for bit, and ``z + 0``
+    differs from ``z`` only in turning a -0.0 result into +0.0 (skipping it gives -0.0 there, as
+    ``torch.add`` does). A residual addition is then one pass instead of four.
+    """
     ps, ss, bias = scales
-    a, b = x * ps, y * ss
+    a, b = scaled(x, ps), scaled(y, ss)
     if op == ADD:
         z = a + b
     elif op == SUBTRACT:
@@ -392,7 +398,12 @@ def apply_op(
         z = a * b
     else:
         z = a / b
-    return z + bias
+    return z if bias == 0.0 else z + bias
+
+
+def scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
+    """``t * factor``; ``t`` itself when ``factor`` is 1 (the same bits, no pass over ``t``)."""
+    return t if factor == 1.0 else t * factor
 
 
 def _command(record: ArithmeticRecord, p: Image, s: Image, state: Any) -> Callable[[Image], None]:
@@ -411,8 +422,9 @@ def _command(record: ArithmeticRecord, p: Image, s: Image, state: Any) -> Callab
             state._divisor = y.clone() if record.op == DIVIDE else None  # never an input alias
         if clamps:
             z = z.clamp(lo, hi)
-        z = torch.broadcast_to(z, (count, nc, ny, nx)).to(out._read_dtype)
-        out._write_block(z.contiguous(), dz, c0, y0, x0, p._data())
+        if z.shape != (count, nc, ny, nx):  # (a view even when the shape is equal: then the
+            z = torch.broadcast_to(z, (count, nc, ny, nx))  # block could not be adopted)
+        out._write_block(z.to(out._read_dtype).contiguous(), dz, c0, y0, x0, p._data())
 
     return run
 

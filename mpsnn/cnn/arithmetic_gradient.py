@@ -29,6 +29,7 @@ from mpsnn.cnn.arithmetic import (
     Divide,
     Multiply,
     Subtract,
+    scaled,
 )
 from mpsnn.core._checks import check_type
 from mpsnn.core.binary import GradientKernel
@@ -163,9 +164,12 @@ class ArithmeticGradient(GradientKernel):
             elif op == DIVIDE:  # d/dy: -ps x / (ss y^2), y as the forward read it (its state)
                 yv = state._divisor.to(g.dtype)
                 d = -g * (ps * v / (ss * yv * yv))
-            else:
-                d = g * (ss if this else ps) * (-1.0 if (op == SUBTRACT and this) else 1.0)
-            d = torch.broadcast_to(d, (count, nc, ny, nx))
+            else:  # add, subtract: the scale (no pass when it is 1), negated for -y
+                d = scaled(g, ss if this else ps)
+                if op == SUBTRACT and this:
+                    d = -d
+            if d.shape != (count, nc, ny, nx):  # broadcast_to would make a view even when equal
+                d = torch.broadcast_to(d, (count, nc, ny, nx))
             dsrc = read_source_adjoint(d, this_read, c, acc_dtype(d.dtype)).to(out._read_dtype)
             out._write_block(dsrc, z_this, 0, 0, 0, grad._data())
 

@@ -42,6 +42,8 @@ from mpsnn.errors import CommandBufferError, StaleResourceError
 
 __all__ = ["Image", "ImageAllocator", "TemporaryImage"]
 
+_UNORM8 = FeatureChannelFormat.UNORM8
+
 
 class Image:
     """A batch-of-one-or-more images: ``(number_of_images, feature_channels, height, width)``.
@@ -171,7 +173,7 @@ class Image:
     def _read_dtype(self) -> torch.dtype:
         """The dtype kernels read (`_read`) and compute blocks for `_write_block` in: the
         storage's, float32 for UNORM8."""
-        return torch.float32 if self._fmt is FeatureChannelFormat.UNORM8 else self._dtype
+        return torch.float32 if self._fmt is _UNORM8 else self._dtype
 
     @property
     def descriptor(self) -> ImageDescriptor:
@@ -225,7 +227,7 @@ class Image:
         """The contents as kernels read a source, at execution: the storage, or for UNORM8 a new
         tensor ``k/255`` (float32, or ``dtype`` when a kernel computes in a wider one)."""
         data = self._data()
-        if self._fmt is FeatureChannelFormat.UNORM8:
+        if self._fmt is _UNORM8:
             return data.to(dtype or torch.float32).div_(255)
         return data
 
@@ -237,7 +239,7 @@ class Image:
         """
         self._sync_for_host("numpy")
         t = self.tensor
-        if self._fmt is FeatureChannelFormat.UNORM8:
+        if self._fmt is _UNORM8:
             t = t.float().div_(255)
         return _to_numpy(t)
 
@@ -370,19 +372,24 @@ class Image:
         destination never shares memory with an input. A UNORM8 image stores a floating-point
         block as ``round(clamp(v, 0, 1) * 255)``.
         """
-        root = self._root()
+        root = self if self._base is None else self._base  # _root(), without a call: per run
         z += self._index
-        if root._fmt is FeatureChannelFormat.UNORM8 and block.is_floating_point():
+        if root._fmt is _UNORM8 and block.is_floating_point():
             block = _to_unorm8(block)  # a new tensor: adopting it shares nothing
         if (
             root._storage is None
             and not (z or c or y or x)
             and block.shape == root._shape
-            and block.dtype == root._dtype
+            and block.dtype is root._dtype  # dtypes are singletons
             and block._base is None
             and (source is None or block.data_ptr() != source.data_ptr())
         ):
             root._storage = block
+            return
+        if root._storage is None and not (z or c or y or x) and block.shape == root._shape:
+            # The whole image from a block it must not adopt (a view, the source itself, or
+            # another dtype): one copy into new storage, not a zero fill and then a copy.
+            root._storage = block.to(root._dtype, memory_format=torch.contiguous_format, copy=True)
             return
         bn, bc, bh, bw = block.shape
         root._data()[z : z + bn, c : c + bc, y : y + bh, x : x + bw].copy_(block)
@@ -508,6 +515,8 @@ def _check_usable(who: str, name: str, image: Image, command_buffer: Any) -> Non
     image of another command buffer (what a kernel checks of a source, and a graph of the
     images it did not make)."""
     root = image._root()
+    if type(root) is Image:  # permanent: always live, usable on any buffer (most encodes)
+        return
     root._check_live(who)
     if isinstance(root, TemporaryImage) and root._command_buffer is not command_buffer:
         raise ValueError(

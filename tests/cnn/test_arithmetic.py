@@ -235,3 +235,51 @@ def test_batch_states_must_repeat_one_state() -> None:
     ):
         m.AddGradient(dev, True).encode_batch(cb, z, yb, mixed)
     assert len(cb) == 1  # only the valid forward was recorded
+
+
+class _AtenOps(__import__("torch").utils._python_dispatch.TorchDispatchMode):
+    """The aten operators that run inside the mode (name per call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_plain_addition_and_its_gradients_are_one_pass_each() -> None:
+    """Scale 1 and bias 0 cost nothing: the addition is one ``add`` whose result becomes the
+    destination's storage (no zero fill, no copy); each input gradient is one copy of the
+    incoming gradient (the destination never aliases it), subtraction's second one a ``neg``."""
+    dev = m.Device("cpu")
+    gen = torch.Generator().manual_seed(77)
+    a, b, g = (torch.randn(2, 3, 4, 5, generator=gen) for _ in range(3))
+    a[0, 0, 0, 0] = b[0, 0, 0, 0] = -0.0
+    for kernel_class, grad_class, op in (
+        (m.Add, m.AddGradient, torch.add),
+        (m.Subtract, m.SubtractGradient, torch.sub),
+    ):
+        kernel = kernel_class(dev)
+        grads = [grad_class(dev, False), grad_class(dev, True)]
+        cb = dev.new_command_queue().command_buffer()
+        sa, sb, sg = m.Image.from_tensor(a), m.Image.from_tensor(b), m.Image.from_tensor(g)
+        state = kernel.result_state(sa, sb)
+        y = kernel.encode(cb, sa, sb, destination_state=state)
+        dxs = [k.encode(cb, sg, s, state) for k, s in zip(grads, (sa, sb), strict=True)]
+        ops = _AtenOps()
+        with ops:
+            cb.commit()
+        cb.wait_until_completed()
+        assert torch.equal(y.tensor, op(a, b))
+        if kernel_class is m.Add:
+            assert torch.signbit(y.tensor[0, 0, 0, 0])  # -0 + -0 is -0 (as torch.add)
+        assert torch.equal(dxs[0].tensor, g)
+        assert torch.equal(dxs[1].tensor, g if kernel_class is m.Add else -g)
+        assert dxs[0].tensor.data_ptr() != g.data_ptr()
+        passes = ("add", "sub", "mul", "neg", "copy_", "_to_copy", "fill_", "zero_", "zeros")
+        heavy = [n for n in ops.names if n in passes]
+        want = ["add" if kernel_class is m.Add else "sub", "_to_copy"]
+        want += ["_to_copy"] if kernel_class is m.Add else ["neg"]
+        assert heavy == want, ops.names
