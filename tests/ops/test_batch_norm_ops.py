@@ -381,7 +381,14 @@ TRITON_SHAPES = [
 # Work splits: the default plan, then one plane per program split in 13-element spans read by
 # 8-element blocks (rounded up to 16: a ragged last span and a ragged last block), then two
 # planes per program in 16-element blocks.
-SPLITS = [{}, dict(planes=1, span=13, block=8), dict(planes=2, span=None, block=16)]
+# The fourth: tiles of several planes (3 planes per reduction program in tiles of 2 rows, and 4
+# planes per elementwise program: ragged last tiles of rows), each plane in 4-element blocks.
+SPLITS = [
+    {},
+    dict(planes=1, span=13, block=8),
+    dict(planes=2, span=None, block=16),
+    dict(planes=3, span=None, block=4, rows=2),
+]
 # Each neuron case and each split at least once (ReLU with all three).
 TRITON_CASES = [
     ("none", None, SPLITS[0]),
@@ -390,11 +397,16 @@ TRITON_CASES = [
     ("leaky", _neuron(RELU, 0.2), SPLITS[0]),
     ("leaky", _neuron(RELU, 0.2), SPLITS[1]),
     ("leaky", _neuron(RELU, 0.2), SPLITS[2]),
+    ("relu", _neuron(RELU), SPLITS[3]),
+    ("none", None, SPLITS[3]),
 ]
 
 
 def _elementwise_split(split: dict) -> dict:
-    return {k: v for k, v in split.items() if k in ("span", "block")}
+    ew = {k: v for k, v in split.items() if k in ("span", "block")}
+    if "rows" in split:
+        ew["rows"] = 2 * split["rows"]  # 4 planes per elementwise program: ragged last ones
+    return ew
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)

@@ -18,8 +18,14 @@ NONE or RELU (``z >= 0 ? z : a z``, any slope ``a``):
 Per-channel coefficients (``1 / sqrt(var + eps)``, ``gamma s``, ``Σ gy / m``...) are computed
 by each program from the (C,) tensors, with correctly rounded square root and division, and
 the kernels are compiled without multiply-add contraction, so passes 2 and 4 give the portable
-path's bits: every operation is the portable path's, in its order, rounded once. Every program
-works on one channel (a per-program scalar): no element needs an integer division.
+path's bits: every operation is the portable path's, in its order, rounded once.
+
+Tiles: a program loads ``rows x block`` elements at a time. Large planes take one plane per
+tile row (``rows = 1``, planes split into spans); small planes (CIFAR-sized networks: 4x4 to
+32x32) take many planes per tile, so that a tile stays a few thousand elements instead of one
+plane of 16 (at 16 elements per program the passes ran at a quarter of the memory bandwidth).
+Reduction tiles are planes (n) of one channel; elementwise tiles are consecutive (n, c) planes,
+whose channel is computed once per plane: no element needs an integer division.
 
 Bytes moved: forward ``x`` twice and ``y`` once; gradient ``g`` and ``x`` twice, ``dx`` once.
 The elementwise passes take the planes in reverse order: the reductions before them read the
@@ -84,9 +90,10 @@ def _store(ptr, v, mask):
 
 @triton.jit
 def _stats_partial(
-    x_ptr, part_ptr, N, C, L, planes, span, BLOCK: tl.constexpr,
+    x_ptr, part_ptr, N, C, L, planes, span, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # grid (C, chunks, splits): channel c, planes [n0, n1), elements [l0, l1) of each plane
+    # grid (C, chunks, splits): channel c, planes [n0, n1), elements [l0, l1) of each plane;
+    # a tile is ROWS planes (n) by BLOCK elements (several planes at once when they are small)
     c = tl.program_id(0)
     chunk = tl.program_id(1)
     split = tl.program_id(2)
@@ -97,20 +104,22 @@ def _stats_partial(
     l1 = tl.minimum(l0 + span, L)
     shift = tl.load(x_ptr + c.to(tl.int64) * L).to(tl.float32)  # x[0, c, 0]
     offs = tl.arange(0, BLOCK)
+    rs = tl.arange(0, ROWS)
     cnt = 0.0
     mean = 0.0
     m2 = 0.0
-    for n in range(n0, n1):
-        row = x_ptr + (n * C + c).to(tl.int64) * L  # plane (n, c); n * C + c < 2^31
+    for n in range(n0, n1, ROWS):
+        r = n + rs
+        rows = (r * C + c).to(tl.int64) * L  # planes (r, c); r * C + c < 2^31
         for s in range(l0, l1, BLOCK):
             idx = s + offs
-            mask = idx < l1
-            v = tl.load(row + idx, mask=mask, other=0.0).to(tl.float32)
-            d = tl.where(mask, v - shift, 0.0)
-            k = tl.minimum(l1 - s, BLOCK).to(tl.float32)
-            bmean = tl.sum(d, axis=0) / k
+            mask = (r < n1)[:, None] & (idx < l1)[None, :]
+            v = tl.load(x_ptr + rows[:, None] + idx[None, :], mask=mask, other=0.0)
+            d = tl.where(mask, v.to(tl.float32) - shift, 0.0)
+            k = (tl.minimum(n1 - n, ROWS) * tl.minimum(l1 - s, BLOCK)).to(tl.float32)
+            bmean = tl.sum(tl.sum(d, axis=1), axis=0) / k
             e = tl.where(mask, d - bmean, 0.0)
-            bm2 = tl.sum(e * e, axis=0)
+            bm2 = tl.sum(tl.sum(e * e, axis=1), axis=0)
             # Chan: merge the block (k, bmean, bm2) into (cnt, mean, m2)
             tot = cnt + k
             w = k / tot
@@ -150,22 +159,23 @@ def _stats_combine(
 
 @triton.jit
 def _forward(
-    x_ptr, y_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, C, L, span, eps, slope,
-    RELU: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, y_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, NC, C, L, span, eps, slope,
+    RELU: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # grid (N C, splits): plane (n, c), elements [l0, l1) of it
-    plane = tl.num_programs(0) - 1 - tl.program_id(0)  # last planes first (module docstring)
-    c = plane % C
+    # grid (cdiv(N C, ROWS), splits): planes (n, c) [p0, p0 + ROWS), elements [l0, l1) of each
+    p0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * ROWS  # last planes first (docstring)
+    planes = p0 + tl.arange(0, ROWS)
+    c = planes % C  # one division per plane, none per element
     mu, _, a, beta = _coefficients(mean_ptr, var_ptr, gamma_ptr, beta_ptr, c, eps)
     l0 = tl.program_id(1) * span
     l1 = tl.minimum(l0 + span, L)
-    base = plane.to(tl.int64) * L
+    base = planes.to(tl.int64) * L
     offs = tl.arange(0, BLOCK)
     for i in range(l0, l1, BLOCK):
-        idx = base + i + offs
-        mask = i + offs < l1
-        xc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32) - mu
-        z = xc * a + beta
+        idx = base[:, None] + (i + offs)[None, :]
+        mask = (planes < NC)[:, None] & (i + offs < l1)[None, :]
+        xc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32) - mu[:, None]
+        z = xc * a[:, None] + beta[:, None]
         if RELU:
             z = tl.where(z >= 0, z, z * slope)
         _store(y_ptr + idx, z, mask)
@@ -174,9 +184,10 @@ def _forward(
 @triton.jit
 def _gradient_sums_partial(
     g_ptr, x_ptr, part_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, N, C, L, planes, span, eps,
-    slope, RELU: tl.constexpr, BLOCK: tl.constexpr,
+    slope, RELU: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # grid (C, chunks, splits) as in _stats_partial; lanes accumulate, one sum at the end
+    # grid (C, chunks, splits) and tiles as in _stats_partial; lanes accumulate, one sum at
+    # the end
     c = tl.program_id(0)
     chunk = tl.program_id(1)
     split = tl.program_id(2)
@@ -187,13 +198,15 @@ def _gradient_sums_partial(
     l0 = split * span
     l1 = tl.minimum(l0 + span, L)
     offs = tl.arange(0, BLOCK)
-    acc_g = tl.zeros((BLOCK,), tl.float32)
-    acc_gx = tl.zeros((BLOCK,), tl.float32)
-    for n in range(n0, n1):
-        base = (n * C + c).to(tl.int64) * L
+    rs = tl.arange(0, ROWS)
+    acc_g = tl.zeros((ROWS, BLOCK), tl.float32)
+    acc_gx = tl.zeros((ROWS, BLOCK), tl.float32)
+    for n in range(n0, n1, ROWS):
+        r = n + rs
+        rows = (r * C + c).to(tl.int64) * L
         for i in range(l0, l1, BLOCK):
-            idx = base + i + offs
-            mask = i + offs < l1
+            idx = rows[:, None] + (i + offs)[None, :]
+            mask = (r < n1)[:, None] & (i + offs < l1)[None, :]
             xc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32) - mu
             gy = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)  # 0 where masked
             if RELU:
@@ -202,38 +215,39 @@ def _gradient_sums_partial(
             acc_g += gy
             acc_gx += gy * (xc * s)
     p = c * parts + chunk * tl.num_programs(2) + split
-    tl.store(part_ptr + p, tl.sum(acc_g, axis=0))
-    tl.store(part_ptr + C * parts + p, tl.sum(acc_gx, axis=0))
+    tl.store(part_ptr + p, tl.sum(tl.sum(acc_g, axis=1), axis=0))
+    tl.store(part_ptr + C * parts + p, tl.sum(tl.sum(acc_gx, axis=1), axis=0))
 
 
 @triton.jit
 def _backward(
     g_ptr, x_ptr, dx_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, sum_gy_ptr, sum_gyx_ptr,
-    count_ptr, count_stride, C, L, span, eps, slope, RELU: tl.constexpr,
-    BLOCK: tl.constexpr,
+    count_ptr, count_stride, NC, C, L, span, eps, slope, RELU: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # grid (N C, splits) as in _forward
-    plane = tl.num_programs(0) - 1 - tl.program_id(0)  # last planes first (module docstring)
-    c = plane % C
+    # grid and tiles as in _forward
+    p0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * ROWS  # last planes first (docstring)
+    planes = p0 + tl.arange(0, ROWS)
+    c = planes % C
     mu, s, a, beta = _coefficients(mean_ptr, var_ptr, gamma_ptr, beta_ptr, c, eps)
     m = tl.load(count_ptr + c * count_stride)
     mean_gy = tl.math.div_rn(tl.load(sum_gy_ptr + c), m)
     mean_gyx = tl.math.div_rn(tl.load(sum_gyx_ptr + c), m)
     l0 = tl.program_id(1) * span
     l1 = tl.minimum(l0 + span, L)
-    base = plane.to(tl.int64) * L
+    base = planes.to(tl.int64) * L
     offs = tl.arange(0, BLOCK)
     for i in range(l0, l1, BLOCK):
-        idx = base + i + offs
-        mask = i + offs < l1
-        xc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32) - mu
+        idx = base[:, None] + (i + offs)[None, :]
+        mask = (planes < NC)[:, None] & (i + offs < l1)[None, :]
+        xc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32) - mu[:, None]
         gy = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         if RELU:
-            z = xc * a + beta
+            z = xc * a[:, None] + beta[:, None]
             gy = tl.where(z >= 0, gy, gy * slope)
-        t = gy - mean_gy
-        t = t - (xc * s) * mean_gyx
-        dx = t * a
+        t = gy - mean_gy[:, None]
+        t = t - (xc * s[:, None]) * mean_gyx[:, None]
+        dx = t * a[:, None]
         _store(dx_ptr + idx, dx, mask)
 
 
@@ -256,21 +270,28 @@ def _warps(block: int) -> int:
 
 
 class _ReductionPlan(NamedTuple):
-    """Each program: ``planes`` planes of its channel, ``span`` elements of each, by ``block``;
-    grid (C, chunks, splits), ``chunks * splits`` partial results per channel."""
+    """Each program: ``planes`` planes of its channel, ``span`` elements of each, in tiles of
+    ``rows`` planes by ``block`` elements; grid (C, chunks, splits), ``chunks * splits``
+    partial results per channel."""
 
     planes: int
     span: int
+    rows: int
     block: int
     chunks: int
     splits: int
 
 
 def _reduction_plan(
-    x: torch.Tensor, planes: int | None, span: int | None, block: int | None
+    x: torch.Tensor,
+    planes: int | None,
+    span: int | None,
+    block: int | None,
+    rows: int | None = None,
 ) -> _ReductionPlan:
     n, c, h, w = x.shape
     length = h * w
+    budget = _BLOCK_BYTES // x.element_size()  # elements a tile loads per tensor
     if planes is None or span is None:
         want = min(_MAX_PARTS, max(1, triton.cdiv(_programs_wanted(x.device), c)))
         if n >= want:  # whole planes, several per program
@@ -278,24 +299,43 @@ def _reduction_plan(
         else:  # one plane per program, split along the plane
             planes, span = 1, triton.cdiv(length, triton.cdiv(want, n))
     if block is None:
-        block = min(_BLOCK_BYTES // x.element_size(), triton.next_power_of_2(span))
+        block = min(budget, triton.next_power_of_2(span))
+    if rows is None:  # small planes: several in one tile, so that a tile stays large
+        rows = max(1, min(budget // block, triton.next_power_of_2(planes)))
     if span < length:
         span = triton.cdiv(span, block) * block  # splits start on a block boundary
     span = min(span, length)
-    return _ReductionPlan(planes, span, block, triton.cdiv(n, planes), triton.cdiv(length, span))
+    return _ReductionPlan(
+        planes, span, rows, block, triton.cdiv(n, planes), triton.cdiv(length, span)
+    )
 
 
-def _elementwise_plan(x: torch.Tensor, span: int | None, block: int | None) -> tuple[int, int, int]:
-    """(span, block, splits): each program takes ``span`` elements of one plane."""
-    length = x.shape[2] * x.shape[3]
+class _ElementwisePlan(NamedTuple):
+    """Each program: ``rows`` consecutive planes, ``span`` elements of each, by ``block``;
+    grid (cdiv(N C, rows), splits)."""
+
+    rows: int
+    span: int
+    block: int
+    splits: int
+
+
+def _elementwise_plan(
+    x: torch.Tensor, span: int | None, block: int | None, rows: int | None = None
+) -> _ElementwisePlan:
+    n, c, h, w = x.shape
+    length = h * w
+    budget = _EW_BLOCK_BYTES // x.element_size()
     if span is None:
         span = triton.cdiv(length, triton.cdiv(length, _EW_MAX_SPAN))
     if block is None:
-        block = min(_EW_BLOCK_BYTES // x.element_size(), triton.next_power_of_2(span))
+        block = min(budget, triton.next_power_of_2(span))
+    if rows is None:  # small planes (CIFAR-sized networks): many per program
+        rows = max(1, min(budget // block, triton.next_power_of_2(n * c)))
     if span < length:
         span = triton.cdiv(span, block) * block
     span = min(span, length)
-    return span, block, triton.cdiv(length, span)
+    return _ElementwisePlan(rows, span, block, triton.cdiv(length, span))
 
 
 def _per_channel(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -314,18 +354,19 @@ def _relu(neuron: Any) -> tuple[bool, float]:
 
 def bn_statistics_triton(
     x: torch.Tensor, *, planes: int | None = None, span: int | None = None,
-    block: int | None = None,
+    block: int | None = None, rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """`mpsnn.ops.batch_norm.bn_statistics_portable`'s ``(count, mean, m2)`` (float32; equal up
-    to summation order). ``planes``, ``span``, ``block``: the work split (tests force it)."""
+    to summation order). ``planes``, ``span``, ``block``, ``rows``: the work split (tests force
+    it)."""
     x = x.contiguous()
     n, c, h, w = x.shape
-    plan = _reduction_plan(x, planes, span, block)
+    plan = _reduction_plan(x, planes, span, block, rows)
     parts = plan.chunks * plan.splits
     part = torch.empty(3, c, parts, dtype=torch.float32, device=x.device)
     _stats_partial[(c, plan.chunks, plan.splits)](
-        x, part, n, c, h * w, plan.planes, plan.span, BLOCK=plan.block,
-        num_warps=_warps(plan.block),
+        x, part, n, c, h * w, plan.planes, plan.span, ROWS=plan.rows, BLOCK=plan.block,
+        num_warps=_warps(plan.rows * plan.block),
     )  # fmt: skip
     out = torch.empty(2 * c + 1, dtype=torch.float32, device=x.device)
     count, mean, m2 = out[:1], out[1 : c + 1], out[c + 1 :]
@@ -346,17 +387,18 @@ def bn_forward_triton(
     *,
     span: int | None = None,
     block: int | None = None,
+    rows: int | None = None,
 ) -> torch.Tensor:
     """`mpsnn.ops.batch_norm.bn_forward_portable`'s bits (no neuron, NONE or RELU)."""
     x = x.contiguous()
     n, c, h, w = x.shape
     y = torch.empty_like(x)
     relu, slope = _relu(neuron)
-    span, block, splits = _elementwise_plan(x, span, block)
+    plan = _elementwise_plan(x, span, block, rows)
     p = [_per_channel(t, x) for t in (mean, var, gamma, beta)]
-    _forward[(n * c, splits)](
-        x, y, *p, c, h * w, span, float(eps), slope, RELU=relu, BLOCK=block,
-        num_warps=_warps(block), enable_fp_fusion=False,
+    _forward[(triton.cdiv(n * c, plan.rows), plan.splits)](
+        x, y, *p, n * c, c, h * w, plan.span, float(eps), slope, RELU=relu, ROWS=plan.rows,
+        BLOCK=plan.block, num_warps=_warps(plan.rows * plan.block), enable_fp_fusion=False,
     )  # fmt: skip
     return y
 
@@ -374,19 +416,21 @@ def bn_gradient_sums_triton(
     planes: int | None = None,
     span: int | None = None,
     block: int | None = None,
+    rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`mpsnn.ops.batch_norm.bn_gradient_sums_portable`'s ``(Σ gy, Σ gy xhat)`` (float32;
     equal up to summation order)."""
     x, g = x.contiguous(), g.contiguous()
     n, c, h, w = x.shape
     relu, slope = _relu(neuron)
-    plan = _reduction_plan(x, planes, span, block)
+    plan = _reduction_plan(x, planes, span, block, rows)
     parts = plan.chunks * plan.splits
     part = torch.empty(2, c, parts, dtype=torch.float32, device=x.device)
     p = [_per_channel(t, x) for t in (mean, var, gamma, beta)]
     _gradient_sums_partial[(c, plan.chunks, plan.splits)](
         g, x, part, *p, n, c, h * w, plan.planes, plan.span, float(eps), slope, RELU=relu,
-        BLOCK=plan.block, num_warps=_warps(plan.block), enable_fp_fusion=False,
+        ROWS=plan.rows, BLOCK=plan.block, num_warps=_warps(plan.rows * plan.block),
+        enable_fp_fusion=False,
     )  # fmt: skip
     sums = part.sum(dim=2)
     return sums[0], sums[1]
@@ -407,17 +451,19 @@ def bn_backward_triton(
     *,
     span: int | None = None,
     block: int | None = None,
+    rows: int | None = None,
 ) -> torch.Tensor:
     """`mpsnn.ops.batch_norm.bn_backward_portable`'s bits (no neuron, NONE or RELU)."""
     x, g = x.contiguous(), g.contiguous()
     n, c, h, w = x.shape
     dx = torch.empty_like(x)
     relu, slope = _relu(neuron)
-    span, block, splits = _elementwise_plan(x, span, block)
+    plan = _elementwise_plan(x, span, block, rows)
     m = torch.as_tensor(count, dtype=torch.float32, device=x.device).reshape(-1).contiguous()
     p = [_per_channel(t, x) for t in (mean, var, gamma, beta, sum_gy, sum_gy_xhat)]
-    _backward[(n * c, splits)](
-        g, x, dx, *p, m, 0 if m.numel() == 1 else 1, c, h * w, span, float(eps), slope,
-        RELU=relu, BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False,
+    _backward[(triton.cdiv(n * c, plan.rows), plan.splits)](
+        g, x, dx, *p, m, 0 if m.numel() == 1 else 1, n * c, c, h * w, plan.span, float(eps),
+        slope, RELU=relu, ROWS=plan.rows, BLOCK=plan.block,
+        num_warps=_warps(plan.rows * plan.block), enable_fp_fusion=False,
     )  # fmt: skip
     return dx
