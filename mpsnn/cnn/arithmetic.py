@@ -422,9 +422,9 @@ def _command(record: ArithmeticRecord, p: Image, s: Image, state: Any) -> Callab
             state._divisor = y.clone() if record.op == DIVIDE else None  # never an input alias
         if clamps:
             z = z.clamp(lo, hi)
-        if z.shape != (count, nc, ny, nx):  # (a view even when the shape is equal: then the
-            z = torch.broadcast_to(z, (count, nc, ny, nx))  # block could not be adopted)
-        out._write_block(z.to(out._read_dtype).contiguous(), dz, c0, y0, x0, p._data())
+        if z.shape != (count, nc, ny, nx):  # materialize a broadcast (an expanded view); an
+            z = torch.broadcast_to(z, (count, nc, ny, nx)).contiguous()  # equal shape keeps
+        out._write_block(z.to(out._read_dtype), dz, c0, y0, x0, p._data())  # its layout
 
     return run
 

@@ -45,6 +45,18 @@ __all__ = ["Image", "ImageAllocator", "TemporaryImage"]
 _UNORM8 = FeatureChannelFormat.UNORM8
 
 
+def _layout(dtype: torch.dtype, device: torch.device) -> torch.memory_format:
+    """The memory layout of storage an image makes itself (zeros for a partial write, or a
+    copy of a block it cannot adopt): channels-last for float16/bfloat16 on CUDA, the layout
+    the convolutions run in there (`mpsnn.ops.convolution`), so that a layer fed by such an
+    image (e.g. the first layer's float32 convolution rounded into bfloat16 storage) needs no
+    conversion; otherwise the block's own layout (NCHW for new zeros). An image's values and
+    shape do not depend on it."""
+    if device.type == "cuda" and (dtype is torch.bfloat16 or dtype is torch.float16):
+        return torch.channels_last
+    return torch.preserve_format
+
+
 class Image:
     """A batch-of-one-or-more images: ``(number_of_images, feature_channels, height, width)``.
 
@@ -218,9 +230,14 @@ class Image:
         if self._base is not None:
             return self._base._data()[self._index : self._index + self._shape[0]]
         if self._storage is None:
-            self._storage = torch.zeros(
-                self._shape, dtype=self._dtype, device=self._device.torch_device
-            )
+            device = self._device.torch_device
+            layout = _layout(self._dtype, device)
+            if layout is torch.preserve_format:  # new zeros: NCHW
+                self._storage = torch.zeros(self._shape, dtype=self._dtype, device=device)
+            else:
+                self._storage = torch.empty(
+                    self._shape, dtype=self._dtype, device=device, memory_format=layout
+                ).zero_()
         return self._storage
 
     def _read(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -389,7 +406,8 @@ class Image:
         if root._storage is None and not (z or c or y or x) and block.shape == root._shape:
             # The whole image from a block it must not adopt (a view, the source itself, or
             # another dtype): one copy into new storage, not a zero fill and then a copy.
-            root._storage = block.to(root._dtype, memory_format=torch.contiguous_format, copy=True)
+            layout = _layout(root._dtype, block.device)
+            root._storage = block.to(root._dtype, memory_format=layout, copy=True)
             return
         bn, bc, bh, bw = block.shape
         root._data()[z : z + bn, c : c + bc, y : y + bh, x : x + bw].copy_(block)

@@ -106,8 +106,11 @@ def batch_norm_statistics(x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
     """The Triton ``(count, mean, m2)`` of ``x`` when `batch_norm_eligible`, else None."""
     if not batch_norm_eligible(x):
         return None
+    from mpsnn.ops.triton import batch_norm_nhwc as nhwc
     from mpsnn.ops.triton.batch_norm import bn_statistics_triton
 
+    if nhwc.is_nhwc(x):  # channels-last storage (half-precision convolution outputs)
+        return nhwc.nhwc_statistics(x)
     return bn_statistics_triton(x)
 
 
@@ -116,8 +119,11 @@ def batch_norm_forward(x: torch.Tensor, *params: Any, neuron: Any = None) -> tor
     ``mean, var, gamma, beta, eps``."""
     if not batch_norm_eligible(x, neuron):
         return None
+    from mpsnn.ops.triton import batch_norm_nhwc as nhwc
     from mpsnn.ops.triton.batch_norm import bn_forward_triton
 
+    if nhwc.is_nhwc(x):  # channels-last storage (half-precision convolution outputs)
+        return nhwc.nhwc_forward(x, *params, neuron)
     return bn_forward_triton(x, *params, neuron)
 
 
@@ -128,8 +134,11 @@ def batch_norm_gradient_sums(
     ``mean, var, gamma, beta, eps``."""
     if not batch_norm_eligible(x, neuron, g):
         return None
+    from mpsnn.ops.triton import batch_norm_nhwc as nhwc
     from mpsnn.ops.triton.batch_norm import bn_gradient_sums_triton
 
+    if nhwc.is_nhwc(x):  # channels-last storage (half-precision convolution outputs)
+        return nhwc.nhwc_gradient_sums(g, x, *params, neuron)
     return bn_gradient_sums_triton(g, x, *params, neuron)
 
 
@@ -140,8 +149,11 @@ def batch_norm_backward(
     ``mean, var, gamma, beta, eps, sum_gy, sum_gy_xhat, count``."""
     if not batch_norm_eligible(x, neuron, g):
         return None
+    from mpsnn.ops.triton import batch_norm_nhwc as nhwc
     from mpsnn.ops.triton.batch_norm import bn_backward_triton
 
+    if nhwc.is_nhwc(x):  # channels-last storage (half-precision convolution outputs)
+        return nhwc.nhwc_backward(g, x, *params, neuron)
     return bn_backward_triton(g, x, *params, neuron)
 
 

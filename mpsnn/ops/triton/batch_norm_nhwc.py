@@ -1,0 +1,281 @@
+"""Batch normalization over channels-last (NHWC) data, ReLU fused (Triton): the passes of
+`mpsnn.ops.triton.batch_norm` for a tensor of logical shape (N, C, H, W) whose memory is
+``[N H W, C]`` row-major (``torch.channels_last``), the layout cuDNN's half-precision
+convolutions read and write on Hopper GPUs (an NCHW image costs them a layout conversion on
+each side of every convolution).
+
+Tiles are ``block_m`` rows (pixels) by ``block_c`` channels; a row of a tile is ``block_c``
+contiguous elements. Every per-channel quantity is a vector over the tile's channels, so no
+element needs an integer division, and the per-element operations are the NCHW kernels', in
+their order: the normalization and ``dx`` passes give the portable path's bits; the statistics
+and gradient sums equal it up to summation order (partial results per channel, merged as in the
+NCHW path).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from mpsnn.ops.triton.batch_norm import (
+    _BLOCK_BYTES,
+    _EW_BLOCK_BYTES,
+    _MAX_PARTS,
+    _coefficients,
+    _programs_wanted,
+    _relu,
+    _stats_combine,
+    _store,
+    _warps,
+)
+
+__all__ = ["is_nhwc", "nhwc_backward", "nhwc_forward", "nhwc_gradient_sums", "nhwc_statistics"]
+
+
+def is_nhwc(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a channels-last 4-D tensor that is not also NCHW-contiguous."""
+    return (
+        x.dim() == 4
+        and not x.is_contiguous()
+        and x.is_contiguous(memory_format=torch.channels_last)
+    )
+
+
+@triton.jit
+def _stats_partial_nhwc(
+    x_ptr, part_ptr, M, C, rows, BM: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    # grid (channel blocks, chunks): channels [c0, c0 + BC), pixels [m0, m1)
+    cs = tl.program_id(0) * BC + tl.arange(0, BC)
+    chunk = tl.program_id(1)
+    parts = tl.num_programs(1)
+    cmask = cs < C
+    m0 = chunk * rows
+    m1 = tl.minimum(m0 + rows, M)
+    shift = tl.load(x_ptr + cs, mask=cmask, other=0.0).to(tl.float32)  # x[0, c]
+    ms = tl.arange(0, BM)
+    cnt = 0.0
+    mean = tl.zeros((BC,), tl.float32)
+    m2 = tl.zeros((BC,), tl.float32)
+    for m in range(m0, m1, BM):
+        r = m + ms
+        mask = (r < m1)[:, None] & cmask[None, :]
+        idx = r.to(tl.int64)[:, None] * C + cs[None, :]
+        v = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        d = tl.where(mask, v - shift[None, :], 0.0)
+        k = tl.minimum(m1 - m, BM).to(tl.float32)
+        bmean = tl.sum(d, axis=0) / k
+        e = tl.where(mask, d - bmean[None, :], 0.0)
+        bm2 = tl.sum(e * e, axis=0)
+        # Chan: merge the block (k, bmean, bm2) into (cnt, mean, m2), per channel
+        tot = cnt + k
+        w = k / tot
+        delta = bmean - mean
+        mean = mean + delta * w
+        m2 = m2 + bm2 + delta * delta * cnt * w
+        cnt = tot
+    p = cs * parts + chunk
+    plane = C * parts
+    tl.store(part_ptr + p, tl.zeros((BC,), tl.float32) + cnt, mask=cmask)
+    tl.store(part_ptr + plane + p, mean, mask=cmask)
+    tl.store(part_ptr + 2 * plane + p, m2, mask=cmask)
+
+
+@triton.jit
+def _forward_nhwc(
+    x_ptr, y_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, M, C, eps, slope,
+    RELU: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    # grid (pixel blocks, channel blocks); the last pixels first (see the NCHW module)
+    r = (tl.num_programs(0) - 1 - tl.program_id(0)) * BM + tl.arange(0, BM)
+    cs = tl.program_id(1) * BC + tl.arange(0, BC)
+    cmask = cs < C
+    c = tl.where(cmask, cs, 0)  # a valid channel to read coefficients for on masked lanes
+    mu, _, a, beta = _coefficients(mean_ptr, var_ptr, gamma_ptr, beta_ptr, c, eps)
+    mask = (r < M)[:, None] & cmask[None, :]
+    idx = r.to(tl.int64)[:, None] * C + cs[None, :]
+    xc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32) - mu[None, :]
+    z = xc * a[None, :] + beta[None, :]
+    if RELU:
+        z = tl.where(z >= 0, z, z * slope)
+    _store(y_ptr + idx, z, mask)
+
+
+@triton.jit
+def _gradient_sums_partial_nhwc(
+    g_ptr, x_ptr, part_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, M, C, rows, eps, slope,
+    RELU: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    # grid and tiles as in _stats_partial_nhwc; lanes accumulate, one sum at the end
+    cs = tl.program_id(0) * BC + tl.arange(0, BC)
+    chunk = tl.program_id(1)
+    parts = tl.num_programs(1)
+    cmask = cs < C
+    c = tl.where(cmask, cs, 0)
+    mu, s, a, beta = _coefficients(mean_ptr, var_ptr, gamma_ptr, beta_ptr, c, eps)
+    m0 = chunk * rows
+    m1 = tl.minimum(m0 + rows, M)
+    ms = tl.arange(0, BM)
+    acc_g = tl.zeros((BM, BC), tl.float32)
+    acc_gx = tl.zeros((BM, BC), tl.float32)
+    for m in range(m0, m1, BM):
+        r = m + ms
+        mask = (r < m1)[:, None] & cmask[None, :]
+        idx = r.to(tl.int64)[:, None] * C + cs[None, :]
+        xc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32) - mu[None, :]
+        gy = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)  # 0 where masked
+        if RELU:
+            z = xc * a[None, :] + beta[None, :]
+            gy = tl.where(z >= 0, gy, gy * slope)
+        acc_g += gy
+        acc_gx += gy * (xc * s[None, :])
+    p = cs * parts + chunk
+    tl.store(part_ptr + p, tl.sum(acc_g, axis=0), mask=cmask)
+    tl.store(part_ptr + C * parts + p, tl.sum(acc_gx, axis=0), mask=cmask)
+
+
+@triton.jit
+def _backward_nhwc(
+    g_ptr, x_ptr, dx_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, sum_gy_ptr, sum_gyx_ptr,
+    count_ptr, count_stride, M, C, eps, slope, RELU: tl.constexpr, BM: tl.constexpr,
+    BC: tl.constexpr,
+):  # fmt: skip
+    # grid and tiles as in _forward_nhwc
+    r = (tl.num_programs(0) - 1 - tl.program_id(0)) * BM + tl.arange(0, BM)
+    cs = tl.program_id(1) * BC + tl.arange(0, BC)
+    cmask = cs < C
+    c = tl.where(cmask, cs, 0)
+    mu, s, a, beta = _coefficients(mean_ptr, var_ptr, gamma_ptr, beta_ptr, c, eps)
+    cnt = tl.load(count_ptr + c * count_stride)
+    mean_gy = tl.math.div_rn(tl.load(sum_gy_ptr + c), cnt)
+    mean_gyx = tl.math.div_rn(tl.load(sum_gyx_ptr + c), cnt)
+    mask = (r < M)[:, None] & cmask[None, :]
+    idx = r.to(tl.int64)[:, None] * C + cs[None, :]
+    xc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32) - mu[None, :]
+    gy = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    if RELU:
+        z = xc * a[None, :] + beta[None, :]
+        gy = tl.where(z >= 0, gy, gy * slope)
+    t = gy - mean_gy[None, :]
+    t = t - (xc * s[None, :]) * mean_gyx[None, :]
+    dx = t * a[None, :]
+    _store(dx_ptr + idx, dx, mask)
+
+
+# -- plans and entry points ------------------------------------------------------------------
+
+
+class _Tile(NamedTuple):
+    """``bm`` pixels by ``bc`` channels; reductions: ``rows`` pixels per program, ``chunks``
+    programs (partial results) per channel block."""
+
+    bm: int
+    bc: int
+    rows: int
+    chunks: int
+
+
+def _tile(
+    x: torch.Tensor, budget_bytes: int, tile: tuple[int, int] | None, rows: int | None
+) -> _Tile:
+    n, c, h, w = x.shape
+    m = n * h * w
+    if tile is None:
+        bc = min(64, triton.next_power_of_2(c))  # 128-byte rows in bfloat16
+        bm = max(1, min(budget_bytes // x.element_size() // bc, triton.next_power_of_2(m)))
+    else:
+        bm, bc = tile
+    if rows is None:
+        blocks = triton.cdiv(c, bc)
+        want = min(_MAX_PARTS, max(1, triton.cdiv(_programs_wanted(x.device), blocks)))
+        rows = triton.cdiv(m, want)
+    return _Tile(bm, bc, rows, triton.cdiv(m, rows))
+
+
+def _per_channel(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return t.to(device=x.device, dtype=torch.float32).contiguous()
+
+
+def _nhwc(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous(memory_format=torch.channels_last)
+
+
+def nhwc_statistics(
+    x: torch.Tensor, *, tile: tuple[int, int] | None = None, rows: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(count, mean, m2)`` of channels-last ``x`` (see the NCHW `bn_statistics_triton`)."""
+    n, c, h, w = x.shape
+    t = _tile(x, _BLOCK_BYTES, tile, rows)
+    part = torch.empty(3, c, t.chunks, dtype=torch.float32, device=x.device)
+    _stats_partial_nhwc[(triton.cdiv(c, t.bc), t.chunks)](
+        x, part, n * h * w, c, t.rows, BM=t.bm, BC=t.bc, num_warps=_warps(t.bm * t.bc)
+    )
+    out = torch.empty(2 * c + 1, dtype=torch.float32, device=x.device)
+    count, mean, m2 = out[:1], out[1 : c + 1], out[c + 1 :]
+    # the shift of channel c is x[0, c, 0, 0], at element c of channels-last memory: "L" = 1
+    _stats_combine[(c,)](
+        part, x, count, mean, m2, c, 1, t.chunks, BLOCK_P=triton.next_power_of_2(t.chunks)
+    )
+    return count, mean, m2
+
+
+def nhwc_forward(
+    x: torch.Tensor, mean: Any, var: Any, gamma: Any, beta: Any, eps: float,
+    neuron: Any = None, *, tile: tuple[int, int] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The normalization (+ ReLU) of channels-last ``x``; the result is channels-last."""
+    n, c, h, w = x.shape
+    relu, slope = _relu(neuron)
+    y = torch.empty_like(x)  # keeps the channels-last layout
+    t = _tile(x, _EW_BLOCK_BYTES, tile, 1)
+    p = [_per_channel(v, x) for v in (mean, var, gamma, beta)]
+    m = n * h * w
+    _forward_nhwc[(triton.cdiv(m, t.bm), triton.cdiv(c, t.bc))](
+        x, y, *p, m, c, float(eps), slope, RELU=relu, BM=t.bm, BC=t.bc,
+        num_warps=_warps(t.bm * t.bc), enable_fp_fusion=False,
+    )  # fmt: skip
+    return y
+
+
+def nhwc_gradient_sums(
+    g: torch.Tensor, x: torch.Tensor, mean: Any, var: Any, gamma: Any, beta: Any, eps: float,
+    neuron: Any = None, *, tile: tuple[int, int] | None = None, rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(Σ gy, Σ gy xhat)`` of channels-last ``x`` (``g`` is made channels-last)."""
+    n, c, h, w = x.shape
+    relu, slope = _relu(neuron)
+    g = _nhwc(g)
+    t = _tile(x, _BLOCK_BYTES, tile, rows)
+    part = torch.empty(2, c, t.chunks, dtype=torch.float32, device=x.device)
+    p = [_per_channel(v, x) for v in (mean, var, gamma, beta)]
+    _gradient_sums_partial_nhwc[(triton.cdiv(c, t.bc), t.chunks)](
+        g, x, part, *p, n * h * w, c, t.rows, float(eps), slope, RELU=relu, BM=t.bm, BC=t.bc,
+        num_warps=_warps(t.bm * t.bc), enable_fp_fusion=False,
+    )  # fmt: skip
+    sums = part.sum(dim=2)
+    return sums[0], sums[1]
+
+
+def nhwc_backward(
+    g: torch.Tensor, x: torch.Tensor, mean: Any, var: Any, gamma: Any, beta: Any, eps: float,
+    sum_gy: Any, sum_gy_xhat: Any, count: Any, neuron: Any = None, *,
+    tile: tuple[int, int] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``dx`` of channels-last ``x`` (``g`` is made channels-last); the result is
+    channels-last."""
+    n, c, h, w = x.shape
+    relu, slope = _relu(neuron)
+    g = _nhwc(g)
+    dx = torch.empty_like(x)
+    t = _tile(x, _EW_BLOCK_BYTES, tile, 1)
+    cnt = torch.as_tensor(count, dtype=torch.float32, device=x.device).reshape(-1).contiguous()
+    p = [_per_channel(v, x) for v in (mean, var, gamma, beta, sum_gy, sum_gy_xhat)]
+    m = n * h * w
+    _backward_nhwc[(triton.cdiv(m, t.bm), triton.cdiv(c, t.bc))](
+        g, x, dx, *p, cnt, 0 if cnt.numel() == 1 else 1, m, c, float(eps), slope, RELU=relu,
+        BM=t.bm, BC=t.bc, num_warps=_warps(t.bm * t.bc), enable_fp_fusion=False,
+    )  # fmt: skip
+    return dx

@@ -1,0 +1,89 @@
+"""The channels-last (NHWC) Triton batch-normalization passes against the portable path:
+normalization and input gradient bit for bit, statistics and gradient sums up to summation
+order; default and forced tiles (ragged in pixels and in channels); the dispatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpsnn.ops import triton as fast_paths
+from mpsnn.ops.batch_norm import (
+    bn_backward_portable,
+    bn_forward_portable,
+    bn_gradient_sums_portable,
+    bn_statistics_portable,
+    bn_variance,
+)
+from mpsnn.ops.neuron import NONE, RELU, NeuronParams
+from mpsnn.ops.triton import batch_norm_nhwc as nhwc
+from tests.helpers import TRITON_DEVICES, assert_close
+
+CL = torch.channels_last
+SHAPES = [(2, 3, 5, 7), (3, 70, 4, 4), (1, 5, 17, 3)]  # 70 channels: two channel blocks
+# default tiles, then 4 pixels x 2 channels with 5 pixels per reduction program (ragged both ways)
+TILES = [{}, dict(tile=(4, 2), rows=5)]
+NEURONS = [None, NeuronParams(NONE, 0.0, 0.0, 0.0, None), NeuronParams(RELU, 0.0, 0.0, 0.0, None),
+           NeuronParams(RELU, 0.2, 0.0, 0.0, None)]  # fmt: skip
+
+
+def _inputs(shape, dtype, device, seed=21):
+    n, c, h, w = shape
+    gen = torch.Generator().manual_seed(seed)
+    offset = torch.randn(1, c, 1, 1, generator=gen) * 3
+    x = torch.randn(n, c, h, w, generator=gen) * (torch.rand(1, c, 1, 1, generator=gen) + 0.3)
+    x = (x + offset).to(device=device, dtype=dtype).contiguous(memory_format=CL)
+    g = torch.randn(n, c, h, w, generator=gen).to(device=device, dtype=dtype)
+    gamma = (torch.randn(c, generator=gen) + 0.5).to(device)
+    beta = torch.randn(c, generator=gen).to(device)
+    assert nhwc.is_nhwc(x)
+    return x, g.contiguous(memory_format=CL), gamma, beta
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_nhwc_passes_equal_portable(shape, dtype, device) -> None:
+    x, g, gamma, beta = _inputs(shape, dtype, device)
+    count, mean, m2 = bn_statistics_portable(x)
+    var = bn_variance(count, m2)
+    eps = 1e-3
+    for split in TILES:
+        got = nhwc.nhwc_statistics(x, **split)
+        assert torch.equal(got[0], count), split
+        assert_close(got[1], mean, f"mean {split}", tol=1e-6)
+        assert_close(got[2], m2, f"m2 {split}", tol=1e-5)
+        tile = {k: v for k, v in split.items() if k == "tile"}
+        for neuron in NEURONS:
+            what = f"{neuron} {split}"
+            y = nhwc.nhwc_forward(x, mean, var, gamma, beta, eps, neuron, **tile)
+            want_y = bn_forward_portable(x, mean, var, gamma, beta, eps, neuron)
+            assert y.dtype == dtype and torch.equal(y, want_y), f"y {what}"
+            assert nhwc.is_nhwc(y), "the result keeps the channels-last layout"
+            sums = nhwc.nhwc_gradient_sums(g, x, mean, var, gamma, beta, eps, neuron, **split)
+            want = bn_gradient_sums_portable(g, x, mean, var, gamma, beta, eps, neuron)
+            assert_close(sums[0], want[0], f"sum_gy {what}", tol=1e-5)
+            assert_close(sums[1], want[1], f"sum_gy_xhat {what}", tol=1e-5)
+            args = (mean, var, gamma, beta, eps, *want, count, neuron)
+            dx = nhwc.nhwc_backward(g, x, *args, **tile)
+            assert torch.equal(dx, bn_backward_portable(g, x, *args)), f"dx {what}"
+            # an NCHW gradient of a channels-last source is read in the source's layout
+            dx2 = nhwc.nhwc_backward(g.contiguous(), x, *args, **tile)
+            assert torch.equal(dx2, dx)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast paths run on CUDA only")
+def test_dispatch_sends_channels_last_sources_to_the_nhwc_passes() -> None:
+    x, g, gamma, beta = _inputs((2, 4, 3, 3), torch.float32, "cuda")
+    assert not nhwc.is_nhwc(x.contiguous()) and not nhwc.is_nhwc(torch.zeros(2, 4, 1, 1))
+    assert fast_paths.batch_norm_eligible(x)
+    count, mean, m2 = fast_paths.batch_norm_statistics(x)
+    var = bn_variance(count, m2)
+    y = fast_paths.batch_norm_forward(x, mean, var, gamma, beta, 1e-3)
+    assert nhwc.is_nhwc(y)
+    assert torch.equal(y, bn_forward_portable(x.contiguous(), mean, var, gamma, beta, 1e-3))
+    sums = fast_paths.batch_norm_gradient_sums(g, x, mean, var, gamma, beta, 1e-3)
+    dx = fast_paths.batch_norm_backward(g, x, mean, var, gamma, beta, 1e-3, *sums, count)
+    assert nhwc.is_nhwc(dx)
+    want = bn_backward_portable(g, x, mean, var, gamma, beta, 1e-3, *sums, count)
+    assert torch.equal(dx, want)
