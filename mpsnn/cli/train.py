@@ -65,7 +65,8 @@ __all__ = ["train"]
     "--device",
     default="auto",
     show_default=True,
-    help="auto (CUDA when available), cpu, cuda or cuda:N.",
+    help="auto (CUDA when available; with --resume, the device the run was on), cpu, cuda or "
+    "cuda:N.",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(

@@ -343,12 +343,21 @@ class Trainer:
         path = folder / CHECKPOINT
         if not path.is_file():
             raise UserError(f"--resume needs a checkpoint at {path}, got no such file")
+        requested = overrides.get("device")
+        if requested == "auto":  # (the option's default) on resume: the run's own device
+            overrides = {k: v for k, v in overrides.items() if k != "device"}
+            requested = None
         if distributed is not None:
             device = distributed.device
-        else:
-            device = parse_device(overrides.get("device") or "auto")
+        else:  # the checkpoint's device unless another is asked for: read its config first
+            device = parse_device(requested or "cpu")
         try:
             ckpt = load(path, device)
+            if distributed is None and requested is None:
+                own = parse_device(_config_of(ckpt).get("device") or "auto")
+                if own.type != "cpu":
+                    device = own
+                    ckpt = load(path, device)
         except CheckpointError as exc:
             raise UserError(f"{path} is not a usable checkpoint: {exc}") from None
         if not isinstance(ckpt, dict) or ckpt.get("kind") != "mpsnn-train":
@@ -358,6 +367,14 @@ class Trainer:
             if value is not None:
                 saved[key] = value
         return cls(TrainConfig(**saved), ckpt, distributed, parallel)
+
+
+def _config_of(ckpt: Any) -> dict[str, Any]:
+    """The saved training options of a loaded checkpoint ({} for another kind of file, which
+    `Trainer.resume` then refuses with its own message)."""
+    if isinstance(ckpt, dict) and isinstance(ckpt.get("config"), dict):
+        return ckpt["config"]
+    return {}
 
 
 def append_metrics(path: Path, record: dict[str, Any]) -> None:

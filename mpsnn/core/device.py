@@ -148,6 +148,7 @@ class CommandQueue:
         "_device",
         "_index",
         "_raw",
+        "_spare_events",
         "_stream",
         "_worker",
         "label",
@@ -161,6 +162,9 @@ class CommandQueue:
         self._device = device
         self.label = label
         self._worker: _CompletionWorker | None = None
+        # Completion events of this queue's finished buffers, reused by later commits: making
+        # and first recording a CUDA event costs about three times recording a used one.
+        self._spare_events: list[torch.cuda.Event] = []
         if device.type != "cuda":
             if stream is not None:
                 raise ValueError("[CommandQueue] a stream needs a CUDA device, got one for the CPU")
@@ -189,6 +193,13 @@ class CommandQueue:
     def command_buffer(self, label: str | None = None) -> CommandBuffer:
         """A new, empty command buffer of this queue."""
         return CommandBuffer(self, label)
+
+    def _take_event(self) -> torch.cuda.Event:
+        """An event to record a commit's completion with (a spare one when there is one)."""
+        try:
+            return self._spare_events.pop()
+        except IndexError:  # none spare (or another thread took the last one)
+            return torch.cuda.Event()
 
     def _completion_worker(self) -> _CompletionWorker:
         worker = self._worker
@@ -280,6 +291,7 @@ class CommandBuffer:
                     self._record_error(exc, "(device)")
                     done = True
                 if done:
+                    self._recycle_event()
                     self._complete()
         return self._status
 
@@ -376,7 +388,7 @@ class CommandBuffer:
         else:
             with ctx:
                 self._run()
-        self._event = torch.cuda.Event()
+        self._event = q._take_event()
         self._event.record(stream)
         if self._handlers:
             self._done = threading.Event()
@@ -478,6 +490,13 @@ class CommandBuffer:
         self.error = exc
         self.failed_command = name
 
+    def _recycle_event(self) -> None:
+        """The caller's thread saw the completion event fire: hand it back to the queue for a
+        later commit (a completed buffer never reads its event again). Buffers whose handlers
+        a completion thread runs keep theirs."""
+        self._queue._spare_events.append(self._event)
+        self._event = None
+
     def _complete(self) -> None:
         """The device work is done: set the status and run the completed handlers."""
         self._status = _ERROR if self.error is not None else _COMPLETED
@@ -507,6 +526,7 @@ class CommandBuffer:
                 if event is not None:
                     try:
                         event.synchronize()
+                        self._recycle_event()
                     except Exception as exc:  # a device fault (illegal address, ...)
                         if self.error is None:
                             self._record_error(exc, "(device)")
@@ -559,7 +579,7 @@ class CapturedCommandBuffer:
         else:
             with ctx:
                 self._graph.replay()
-        cb._event = torch.cuda.Event()
+        cb._event = q._take_event()
         cb._event.record(q._stream)
         self.replays += 1
         if cb._handlers:

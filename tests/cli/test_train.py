@@ -158,3 +158,17 @@ def test_missing_dataset_names_the_package(monkeypatch: pytest.MonkeyPatch) -> N
     assert code == 2
     assert "apt-get install dataset-fashion-mnist" in out
     assert len(out.strip().splitlines()) == 1
+
+
+def test_resume_keeps_the_runs_device_where_auto_would_pick_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run trained with --device cpu resumes on the CPU on a machine with a GPU (the default
+    --device auto means the checkpoint's device on --resume)."""
+    folder = tmp_path / "run"
+    common = [*SMALL, "--device", "cpu", "--checkpoint-dir", str(folder)]
+    assert _run("train", *common, "--epochs", "1")[0] == 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # "auto" would pick CUDA
+    code, out = _run("train", "--resume", "--epochs", "2", "--checkpoint-dir", str(folder))
+    assert code == 0, out
+    assert "resumed after epoch 1" in out and "images), cpu, float32" in out, out

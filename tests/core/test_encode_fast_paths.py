@@ -133,3 +133,32 @@ def test_a_failed_transpose_encode_restores_every_saved_attribute() -> None:
     with pytest.raises(ValueError, match=r"input_feature_channels=2"):
         t.encode(cb, bad)
     assert t._save_geometry() == before and len(cb) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="completion events exist on CUDA")
+def test_completion_events_are_reused_after_the_caller_saw_them_fire() -> None:
+    dev = m.Device("cuda")
+    q = dev.new_command_queue()
+    x = m.Image.from_tensor(torch.randn(1, 2, 4, 4, device="cuda"))
+    neuron = m.Neuron(dev, m.NeuronDescriptor(m.NeuronType.ABSOLUTE))
+    cb = q.command_buffer()
+    first = neuron.encode(cb, x)
+    cb.commit()
+    event = cb._event
+    cb.wait_until_completed()
+    assert q._spare_events == [event] and cb._event is None
+    assert cb.status is m.CommandBufferStatus.COMPLETED  # no event needed any more
+    cb2 = q.command_buffer()
+    second = neuron.encode(cb2, x)
+    cb2.commit()
+    assert cb2._event is event and q._spare_events == []  # recorded again
+    while cb2.status is not m.CommandBufferStatus.COMPLETED:  # polling also hands it back
+        pass
+    assert q._spare_events == [event]
+    assert torch.equal(first.tensor, second.tensor)
+    with_handler = q.command_buffer()
+    neuron.encode(with_handler, x)
+    with_handler.add_completed_handler(lambda _: None)
+    with_handler.commit()
+    with_handler.wait_until_completed()  # its completion thread keeps its own event
+    assert with_handler._event is event and q._spare_events == []
