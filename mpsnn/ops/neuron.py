@@ -238,21 +238,17 @@ def activation_slope(p: NeuronParams, x: torch.Tensor) -> torch.Tensor:
 
 
 def relu_backward_of_result(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``g * relu'(x)`` of the plain ReLU from its *result* ``y = (x >= 0) x``: ``g`` where
-    ``y`` has a clear sign bit (``y > 0`` or ``y = +0.0``), 0 where it is set, in ``g``'s
-    dtype.
+    """``g * relu'(x)`` of the plain ReLU from its *result* ``y = relu(x)``: ``g`` where
+    ``y > 0``, else 0, in ``g``'s dtype (one pass: PyTorch's ``threshold_backward``).
 
-    Derivation: ``y = x (x >= 0)`` keeps ``x`` where ``x >= 0`` and is ``x * 0 = -0.0`` where
-    ``x < 0`` (IEEE: a negative number times +0.0 is -0.0). So the sign bit of ``y`` is the
-    complement of the mask ``x >= 0`` for every ``x`` except ``x = -0.0``, where the source rule
-    gives 1 and this one 0 (both are subgradients of the ReLU at 0; PyTorch's is 0). Reading the
-    result lets a graph free the ReLU's input right after the forward (the result is kept for
-    the next layer anyway).
+    ``y > 0`` exactly where ``x > 0``, so this is the source rule (``x >= 0``, the MPS header's)
+    everywhere except at ``x = 0``, where it takes the other subgradient of the ReLU, 0 (as
+    PyTorch does). Reading the result lets a graph free the ReLU's input right after the
+    forward (the result is kept for the next layer anyway).
     """
-    keep = torch.signbit(y).logical_not_()
-    if g.device.type == "cpu":  # a float mask: vectorized products (see `plain_relu`)
-        return _times(keep.to(g.dtype), g)
-    return g * keep
+    if y.dtype != g.dtype:
+        y = y.to(g.dtype)  # only compared with 0: the same sign in any floating dtype
+    return torch.ops.aten.threshold_backward(g, y, 0)
 
 
 def activation_backward(p: NeuronParams, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -87,3 +87,18 @@ def test_dispatch_sends_channels_last_sources_to_the_nhwc_passes() -> None:
     assert nhwc.is_nhwc(dx)
     want = bn_backward_portable(g, x, mean, var, gamma, beta, 1e-3, *sums, count)
     assert torch.equal(dx, want)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_nhwc_channel_sums_equal_torch(shape, device) -> None:
+    """A convolution's bias gradient from a channels-last incoming gradient."""
+    _, g, _, _ = _inputs(shape, torch.bfloat16, device)
+    want = g.sum((0, 2, 3), dtype=torch.float32)
+    for split in TILES:
+        got = nhwc.nhwc_channel_sums(g, **split)
+        assert got.dtype == torch.float32 and got.shape == (shape[1],)
+        assert_close(got, want, f"channel sums {split}", tol=1e-5)
+    if device == "cuda":  # the dispatch: channels-last CUDA tensors only
+        assert_close(fast_paths.channel_sums(g), want, "dispatched", tol=1e-5)
+        assert fast_paths.channel_sums(g.contiguous()) is None

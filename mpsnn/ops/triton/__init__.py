@@ -21,6 +21,7 @@ __all__ = [
     "batch_norm_forward",
     "batch_norm_gradient_sums",
     "batch_norm_statistics",
+    "channel_sums",
     "dropout_apply",
     "enabled",
     "max_pool_backward",
@@ -155,6 +156,18 @@ def batch_norm_backward(
     if nhwc.is_nhwc(x):  # channels-last storage (half-precision convolution outputs)
         return nhwc.nhwc_backward(g, x, *params, neuron)
     return bn_backward_triton(g, x, *params, neuron)
+
+
+def channel_sums(g: torch.Tensor) -> torch.Tensor | None:
+    """The Triton float32 ``g.sum((0, 2, 3))`` of a channels-last float16/bfloat16/float32
+    CUDA tensor (a convolution's bias gradient), else None."""
+    if not _runs(g) or g.numel() == 0:
+        return None
+    if g.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return None
+    from mpsnn.ops.triton import batch_norm_nhwc as nhwc
+
+    return nhwc.nhwc_channel_sums(g) if nhwc.is_nhwc(g) else None
 
 
 def optimizer_tables(
