@@ -71,21 +71,20 @@ def test_plain_relu_fast_path_equals_the_general_formulas_bit_for_bit(dtype, dev
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("float_mask", [True, False], ids=["float-mask", "bool-mask"])
-def test_both_relu_forms_equal_the_general_formulas_bit_for_bit(float_mask, dtype, device):
-    """The float-mask form (the CPU's) and the bool-mask form (CUDA's, ``t * (x >= 0)``) each
-    give the general formulas' bits on any device (±0, ±inf, NaN, subnormals, views, a
-    broadcast gradient), as new tensors."""
+def test_relu_form_equals_the_general_formulas_bit_for_bit(dtype, device):
+    """The mask form ``m t`` with ``m = (x >= 0)`` in ``x``'s dtype gives the general formulas'
+    bits on any device (±0, ±inf, NaN, subnormals, views, a broadcast gradient), as new
+    tensors."""
     x = _data(dtype, device, 5)
     g = _data(dtype, device, 6).flip(1)
-    assert_same_bits(N._relu_times(x, x, float_mask), _general_forward(RELU0, x))
-    assert_same_bits(N._relu_times(x, g, float_mask), _general_backward(RELU0, g, x))
+    assert_same_bits(N._relu_times(x, x), _general_forward(RELU0, x))
+    assert_same_bits(N._relu_times(x, g), _general_backward(RELU0, g, x))
     xs, gs = x[:, 1:, ::3], g[:, 1:, ::3]
-    assert_same_bits(N._relu_times(xs, xs, float_mask), _general_forward(RELU0, xs))
-    assert_same_bits(N._relu_times(xs, gs, float_mask), _general_backward(RELU0, gs, xs))
+    assert_same_bits(N._relu_times(xs, xs), _general_forward(RELU0, xs))
+    assert_same_bits(N._relu_times(xs, gs), _general_backward(RELU0, gs, xs))
     gb = g[:1, :1]
-    assert_same_bits(N._relu_times(x, gb, float_mask), _general_backward(RELU0, gb, x))
-    y = N._relu_times(x, x, float_mask)
+    assert_same_bits(N._relu_times(x, gb), _general_backward(RELU0, gb, x))
+    y = N._relu_times(x, x)
     assert y._base is None and y.data_ptr() != x.data_ptr()
 
 
