@@ -60,7 +60,7 @@ def bench_maxpool(
     pool.encode(cb, src, destination_state=state)
     cb.commit()
     cb.wait_until_completed()
-    geom = state.forward.extra
+    geom = state.forward.params.geometry  # the typed record of the forward
 
     def torch_bwd() -> object:
         return _mp_bwd(g, x, [2, 2], [2, 2], [0, 0], [1, 1], False, idx)
