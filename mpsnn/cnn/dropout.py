@@ -41,9 +41,9 @@ from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.ops.dropout import (
     DropoutGeometry,
     dropout_apply,
+    dropout_apply_counted,
     dropout_geometry,
     keep_mask,
-    stream_key_tensor,
 )
 
 __all__ = ["Dropout", "DropoutGradient", "DropoutGradientState", "DropoutRecord"]
@@ -187,15 +187,14 @@ class Dropout(_DropoutParameters, PointwiseKernel):
 
     def _pointwise(self, window: Window, records: Records) -> Pointwise:
         geom, seed, counter = self._geometry_for_mask(), self._seed, self._counter
-        keys = [rec.params.key for _, rec in records[:1]]  # one key per encode
+        # one key per encode: the states' (the gradient reads it), or a scratch one
+        key = records[0][1].params.key if records else torch.zeros_like(counter)
         first = check_int("Dropout", "image_offset", self.image_offset, 0)
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            key = stream_key_tensor(seed, counter)
-            for k in keys:
-                k.copy_(key)
+            y = dropout_apply_counted(x, counter, seed, first, geom, key)
             counter.add_(1)  # on the device: a captured step advances it at every replay
-            return dropout_apply(x, key, first, geom)
+            return y
 
         return forward
 

@@ -29,6 +29,7 @@ from mpsnn.ops.plans import DropoutGeometry
 __all__ = [
     "DropoutGeometry",
     "dropout_apply",
+    "dropout_apply_counted",
     "dropout_apply_portable",
     "dropout_geometry",
     "keep_mask",
@@ -111,6 +112,28 @@ def dropout_apply_portable(
     wide = acc_dtype(t.dtype)
     factor = keep.to(wide) * geom.scale
     return (t.to(wide) * factor).to(t.dtype)
+
+
+def dropout_apply_counted(
+    t: torch.Tensor,
+    counter: torch.Tensor,
+    seed: int,
+    first_image: int,
+    geom: DropoutGeometry,
+    key_out: torch.Tensor,
+) -> torch.Tensor:
+    """A forward dropout of the encode numbered ``counter`` (a one-element int64 tensor on t's
+    device, not advanced here): the key `stream_key_tensor` ``(seed, counter)`` is written to
+    ``key_out`` (for the gradient) and the mask applied. On CUDA the Triton kernel computes the
+    key itself (one launch; the tensor form is about 30 small integer operations, which on a
+    slow host cost more than the dropout of a large batch)."""
+    fast = fast_paths.dropout_apply(
+        t, counter, first_image, geom, seed_part=_seed_part(seed), key_out=key_out
+    )
+    if fast is not None:
+        return fast
+    key_out.copy_(stream_key_tensor(seed, counter))
+    return dropout_apply_portable(t, key_out, first_image, geom)
 
 
 def dropout_apply(

@@ -160,3 +160,28 @@ def test_dropout_errors() -> None:
         match=r"\[DropoutGradient\] keep_probability must equal the forward dropout's \(0.5\), got 0.4",
     ):
         m.DropoutGradient(dev, 0.4, seed=1).encode(cb, y, x, st)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("strides", [(1, 1, 1), (0, 1, 1)], ids=str)
+def test_triton_dropout_computes_the_key_from_the_counter(strides, device) -> None:
+    """The forward's one-launch form: the key comes from the encode counter inside the kernel
+    (and is stored for the gradient), equal to the tensor form's key and mask."""
+    from mpsnn.ops.dropout import _seed_part, stream_key_tensor
+    from mpsnn.ops.triton import dropout as triton_dropout
+
+    gen = torch.Generator().manual_seed(104)
+    t = torch.randn(3, 5, 7, 9, generator=gen).to(device)
+    geom = dropout_geometry(0.7, strides)
+    seed = 2**40 + 17
+    for count in (0, 5, 2**32 + 3):  # the counter is taken mod 2^32, as the tensor form does
+        counter = torch.tensor([count], device=device)
+        key_out = torch.zeros(1, dtype=torch.int64, device=device)
+        got = triton_dropout.dropout_apply_triton(
+            t, counter, 2, geom, seed_part=_seed_part(seed), key_out=key_out
+        )
+        want_key = stream_key_tensor(seed, counter)
+        assert torch.equal(key_out, want_key) and counter.item() == count  # not advanced
+        assert torch.equal(got, dropout_apply_portable(t, want_key, 2, geom))
+    with pytest.raises(ValueError, match=r"\[dropout_apply_triton\] key_out must be given"):
+        triton_dropout.dropout_apply_triton(t, counter, 0, geom, seed_part=1)

@@ -78,15 +78,22 @@ def pool_tiles(geom: Any) -> bool:
 
 
 def dropout_apply(
-    t: torch.Tensor, key: torch.Tensor, first_image: int, geom: Any
+    t: torch.Tensor,
+    key: torch.Tensor,
+    first_image: int,
+    geom: Any,
+    *,
+    seed_part: int | None = None,
+    key_out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The Triton dropout for CUDA tensors in float16, bfloat16 or float32, else None (float64
-    runs on the portable path)."""
+    runs on the portable path); ``seed_part``/``key_out``: ``key`` is the encode counter (see
+    `mpsnn.ops.triton.dropout.dropout_apply_triton`)."""
     if not (_runs(t) and t.dtype in (torch.float16, torch.bfloat16, torch.float32)):
         return None
     from mpsnn.ops.triton.dropout import dropout_apply_triton
 
-    return dropout_apply_triton(t, key, first_image, geom)
+    return dropout_apply_triton(t, key, first_image, geom, seed_part=seed_part, key_out=key_out)
 
 
 def batch_norm_eligible(x: torch.Tensor, neuron: Any = None, *more: torch.Tensor) -> bool:

@@ -46,20 +46,43 @@ def _apply(t_ptr, out_ptr, offs, m, e, image_key, threshold, scale):
     tl.store(out_ptr + offs, out, mask=m)
 
 
+_COUNTER_SALT = tl.constexpr(0x632BE5AB)
+
+
 @triton.jit
-def _dropout_flat(t_ptr, out_ptr, key_ptr, first_image, CHW, threshold, scale, BLOCK: tl.constexpr):
+def _key(key_ptr, seed_part, key_out_ptr, FROM_COUNTER: tl.constexpr):
+    """The encode's key: read (``key_ptr``), or computed from the kernel's encode counter
+    (``key_ptr`` then points at it) as `mpsnn.ops.dropout.stream_key_tensor` does, and stored
+    by the first program in ``key_out_ptr`` for the gradient."""
+    if FROM_COUNTER:
+        counter = tl.load(key_ptr).to(tl.uint32)  # mod 2^32, as the int64 form's mask
+        seed = seed_part.to(tl.uint32, bitcast=True)
+        key = _mix(_mix(counter + tl.full((), _COUNTER_SALT, tl.uint32)) ^ seed)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(key_out_ptr, key.to(tl.int64))
+    else:
+        key = tl.load(key_ptr).to(tl.uint32)
+    return key
+
+
+@triton.jit
+def _dropout_flat(
+    t_ptr, out_ptr, key_ptr, first_image, CHW, threshold, scale, seed_part, key_out_ptr,
+    FROM_COUNTER: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     # a contiguous span of one image per program: the mask index is the offset in the image
     n = tl.program_id(0)
     e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    key = tl.load(key_ptr).to(tl.uint32)
+    key = _key(key_ptr, seed_part, key_out_ptr, FROM_COUNTER)
     image_key = _mix(key ^ _mix((n + first_image + 1).to(tl.uint32)))
     _apply(t_ptr, out_ptr, n.to(tl.int64) * CHW + e, e < CHW, e, image_key, threshold, scale)
 
 
 @triton.jit
 def _dropout_planes(
-    t_ptr, out_ptr, key_ptr, first_image, C, H, W, threshold, scale,
-    SC: tl.constexpr, SY: tl.constexpr, SX: tl.constexpr, BLOCK: tl.constexpr,
+    t_ptr, out_ptr, key_ptr, first_image, C, H, W, threshold, scale, seed_part, key_out_ptr,
+    FROM_COUNTER: tl.constexpr, SC: tl.constexpr, SY: tl.constexpr, SX: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     # one (image, channel) plane per program row; per-program scalars for the image key
     plane = tl.program_id(0)
@@ -76,16 +99,30 @@ def _dropout_planes(
     hm = H if SY == 1 else 1
     wm = W if SX == 1 else 1
     e = (c * SC) * hm * wm + spatial
-    key = tl.load(key_ptr).to(tl.uint32)
+    key = _key(key_ptr, seed_part, key_out_ptr, FROM_COUNTER)
     image_key = _mix(key ^ _mix((n + first_image + 1).to(tl.uint32)))
     _apply(t_ptr, out_ptr, plane.to(tl.int64) * hw + s, s < hw, e, image_key, threshold, scale)
 
 
 def dropout_apply_triton(
-    t: torch.Tensor, key: torch.Tensor, first_image: int, geom: DropoutGeometry
+    t: torch.Tensor,
+    key: torch.Tensor,
+    first_image: int,
+    geom: DropoutGeometry,
+    *,
+    seed_part: int | None = None,
+    key_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same result as `mpsnn.ops.dropout.dropout_apply_portable` (float16/bfloat16/float32);
-    ``key`` is a one-element int64 tensor on t's device."""
+    ``key`` is a one-element int64 tensor on t's device. With ``seed_part`` (and ``key_out``),
+    ``key`` is the kernel's encode counter instead: the key is computed from it in the kernel
+    (one launch instead of the ~30 small integer operations of the tensor form) and written to
+    ``key_out``."""
+    from_counter = seed_part is not None
+    if from_counter and key_out is None:
+        raise ValueError("[dropout_apply_triton] key_out must be given with seed_part, got None")
+    seed32 = 0 if seed_part is None else seed_part - (1 << 32) * (seed_part >= (1 << 31))
+    out_key = key_out if key_out is not None else key
     t = t.contiguous()
     out = torch.empty_like(t)
     n, c, h, w = t.shape
@@ -97,12 +134,13 @@ def dropout_apply_triton(
         chw = c * h * w
         block = min(4096, triton.next_power_of_2(chw))
         _dropout_flat[(n, triton.cdiv(chw, block))](
-            t, out, key, first_image, chw, thr32, scale, BLOCK=block
-        )
+            t, out, key, first_image, chw, thr32, scale, seed32, out_key,
+            FROM_COUNTER=from_counter, BLOCK=block,
+        )  # fmt: skip
         return out
     block = min(4096, triton.next_power_of_2(h * w))
     _dropout_planes[(n * c, triton.cdiv(h * w, block))](
-        t, out, key, first_image, c, h, w, thr32, scale,
-        SC=sc, SY=sy, SX=sx, BLOCK=block,
+        t, out, key, first_image, c, h, w, thr32, scale, seed32, out_key,
+        FROM_COUNTER=from_counter, SC=sc, SY=sy, SX=sx, BLOCK=block,
     )  # fmt: skip
     return out
