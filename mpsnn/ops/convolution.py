@@ -265,7 +265,7 @@ def _regroup(weight: torch.Tensor, groups: int) -> torch.Tensor:
     """OIHW transpose weights -> the ``(I, O/G, kH, kW)`` rotated layout of conv_transpose2d."""
     o, ig, kh, kw = weight.shape
     w = (
-        weight.view(groups, o // groups, ig, kh, kw)
+        weight.reshape(groups, o // groups, ig, kh, kw)
         .transpose(1, 2)
         .reshape(groups * ig, o // groups, kh, kw)
     )
@@ -277,7 +277,7 @@ def _ungroup(w: torch.Tensor, groups: int) -> torch.Tensor:
     i, og, kh, kw = w.shape
     w = w.flip(-1, -2)
     return (
-        w.view(groups, i // groups, og, kh, kw)
+        w.reshape(groups, i // groups, og, kh, kw)
         .transpose(1, 2)
         .reshape(groups * og, i // groups, kh, kw)
     )

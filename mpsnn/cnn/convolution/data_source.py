@@ -310,14 +310,23 @@ class ConvWeights:
             return self.weight, self.bias
         if self.weight.is_cuda and torch.cuda.is_current_stream_capturing():
             b = self.bias.to(dtype) if self.bias is not None else None
-            return self.weight.to(dtype), b
+            return self._low(dtype), b
         version = self._version()
         got = self._casts.get(dtype)
         if got is None or got[0] != version:
             b = self.bias.to(dtype) if self.bias is not None else None
-            got = (version, self.weight.to(dtype), b)
+            got = (version, self._low(dtype), b)
             self._casts[dtype] = got
         return got[1], got[2]
+
+    def _low(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weights in ``dtype``: channels-last for float16/bfloat16 on CUDA, the layout the
+        convolutions run in there (`mpsnn.ops.convolution`), so that cuDNN does not convert
+        them at every forward and backward; one cast either way."""
+        w = self.weight
+        if w.is_cuda and w.dim() == 4 and dtype in (torch.float16, torch.bfloat16):
+            return w.to(dtype, memory_format=torch.channels_last)
+        return w.to(dtype)
 
     def matrix(self, w: torch.Tensor) -> torch.Tensor:
         """`fc_matrix` of ``w`` (the masters, or a cast of them from `cast`), kept while ``w``
