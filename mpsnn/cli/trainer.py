@@ -302,6 +302,7 @@ class Trainer:
             {
                 "kind": "mpsnn-train",
                 "config": dataclasses.asdict(self.config),
+                "device": str(self.device.torch_device),  # resolved ("auto" -> "cuda:0")
                 "epoch": self.epoch,
                 "history": self.history,
                 "data_sources": self.model.data_sources,
@@ -354,7 +355,7 @@ class Trainer:
         try:
             ckpt = load(path, device)
             if distributed is None and requested is None:
-                own = parse_device(_config_of(ckpt).get("device") or "auto")
+                own = _own_device(ckpt)
                 if own.type != "cpu":
                     device = own
                     ckpt = load(path, device)
@@ -366,7 +367,22 @@ class Trainer:
         for key, value in overrides.items():
             if value is not None:
                 saved[key] = value
+        if distributed is None:
+            saved["device"] = str(device.torch_device)  # resolved: "auto" may mean another now
         return cls(TrainConfig(**saved), ckpt, distributed, parallel)
+
+
+def _own_device(ckpt: Any) -> Any:
+    """The device a checkpointed run trained on (the resolved one its checkpoint records, else
+    its ``--device``), or, where that device is not here (a CUDA run resumed on a machine
+    without that GPU), what ``auto`` picks."""
+    name = ckpt.get("device") if isinstance(ckpt, dict) else None
+    name = name or _config_of(ckpt).get("device") or "auto"
+    if name.startswith("cuda"):
+        index = int(name.partition(":")[2] or 0)
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            name = "auto"
+    return parse_device(name)
 
 
 def _config_of(ckpt: Any) -> dict[str, Any]:

@@ -248,7 +248,8 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
 class ReLUGradientOfResult(NeuronGradient):
     """The plain ReLU's gradient (``a = +0.0``) from the forward *result* ``y`` instead of its
     source: ``dx = g`` where ``y > 0``, else 0 (`relu_backward_of_result`; it equals
-    `NeuronGradient` except at ``x = 0``, where it gives 0, PyTorch's choice, and MPS's rule 1).
+    `NeuronGradient` except at ``x = 0``, where it gives 0, PyTorch's choice, and MPS's rule 1;
+    and at a NaN ``x``, where ``g`` passes on).
     Internal: the graph uses
     it for a ReLU that is not fused into the filter before it, so that the ReLU's input need
     not be kept for the backward (the result is kept anyway, for the next layer's gradient).

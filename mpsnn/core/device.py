@@ -494,8 +494,9 @@ class CommandBuffer:
         """The caller's thread saw the completion event fire: hand it back to the queue for a
         later commit (a completed buffer never reads its event again). Buffers whose handlers
         a completion thread runs keep theirs."""
-        self._queue._spare_events.append(self._event)
-        self._event = None
+        event, self._event = self._event, None
+        if event is not None:  # another thread that saw it fire may have handed it back
+            self._queue._spare_events.append(event)
 
     def _complete(self) -> None:
         """The device work is done: set the status and run the completed handlers."""

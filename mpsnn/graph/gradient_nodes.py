@@ -14,8 +14,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 import mpsnn.graph.forward_nodes as fwd
 import mpsnn.graph.normalization_nodes as nn_nodes
+from mpsnn.cnn.arithmetic import Add, Subtract
 from mpsnn.cnn.convolution import ConvolutionGradientOption
 from mpsnn.cnn.neuron import ReLUGradientOfResult
 from mpsnn.cnn.neuron_descriptor import NeuronType
@@ -48,6 +51,10 @@ class UnaryGradientNode(GradientFilterNode):
         """Whether the layer's weights are trained (the forward node's ``trainable``)."""
         return self._forward.trainable and isinstance(self._forward, fwd._TrainableNode)
 
+    def _read_node(self, kernel: Any) -> ImageNode:
+        """The forward image the gradient kernel reads (its second source by default)."""
+        return self._sources[1]
+
     def _make_kernel(self, device: Device) -> Any:
         return self._forward._gradient_kernel(device)
 
@@ -56,7 +63,7 @@ class UnaryGradientNode(GradientFilterNode):
             step.alias(self.result_image, self._sources[0])  # batch normalization: passed on
             return
         g = step.image(self._sources[0])
-        x = step.image(self._sources[1])
+        x = step.image(self._read_node(kernel))
         states = step.state(self._state)
         trusted = getattr(kernel, "_graph_encode_batch", None)
         if trusted is not None:  # mpsnn's kernels: the graph made (and checked) the arguments
@@ -70,14 +77,18 @@ class UnaryGradientNode(GradientFilterNode):
 
 
 class _NeuronGradientNode(UnaryGradientNode):
-    """A neuron's gradient. A plain ReLU (``a = +0.0``, no padding policy) reads the forward
-    *result* (`ReLUGradientOfResult`): the ReLU's input is then freed after the forward instead
-    of being kept for the backward (in a residual network: every addition's result). A ReLU
-    fused into the filter before it differentiates through that filter's state either way."""
+    """A neuron's gradient. A plain ReLU (``a = +0.0``, no padding policy) whose input is made
+    by a node of the graph, with the input and the result both in the graph's format, reads
+    the forward *result* (`ReLUGradientOfResult`): the ReLU's input is then freed after the
+    forward instead of being kept for the backward (in a residual network: every addition's
+    result). With a narrower result (a node ``format`` of its own) a tiny positive input could
+    round to a zero result and lose its gradient: the source is read then. A ReLU fused into
+    the filter before it differentiates through that filter's state either way. Its sources
+    are MPS's (incoming gradient, forward source) in both cases."""
 
     def __init__(self, source_gradient: ImageNode, forward: FilterNode) -> None:
         d = forward.descriptor
-        self._reads_result = (
+        self._plain_relu = (
             d.neuron_type is NeuronType.RELU
             and d.a == 0.0
             and math.copysign(1.0, d.a) > 0
@@ -85,10 +96,30 @@ class _NeuronGradientNode(UnaryGradientNode):
         )
         super().__init__(source_gradient, forward)
 
+    def _uses_result(self) -> bool:
+        """Whether the gradient reads the ReLU's result (decided when a graph is planned)."""
+        src, result = self._forward.source_images[0], self._forward.result_image
+        return (
+            self._plain_relu
+            and src.producer is not None
+            and src.format is None
+            and result.format is None
+        )
+
+    def _content_sources(self) -> list[ImageNode]:
+        if self._uses_result():
+            return [self._sources[0], self._forward.result_image]
+        return self._sources
+
     def _make_kernel(self, device: Device) -> Any:
-        if self._reads_result:
+        if self._uses_result():
             return ReLUGradientOfResult(device, self._forward.descriptor)
         return super()._make_kernel(device)
+
+    def _read_node(self, kernel: Any) -> ImageNode:
+        if isinstance(kernel, ReLUGradientOfResult):
+            return self._forward.result_image
+        return self._sources[1]
 
 
 class _ConvolutionGradientNode(UnaryGradientNode):
@@ -136,7 +167,7 @@ class ArithmeticGradientNode(GradientFilterNode):
     normalization output right after the addition instead of at the block's backward."""
 
     def __init__(self, source_gradient: ImageNode, forward: Any, secondary: bool) -> None:
-        self._reads_other = forward._kernel_class.__name__ in ("Multiply", "Divide")
+        self._reads_other = not issubclass(forward._kernel_class, Add | Subtract)
         which = (not secondary) if self._reads_other else secondary
         super().__init__(
             [source_gradient, forward.source_images[int(which)]], forward, forward.result_state
@@ -158,13 +189,23 @@ class ArithmeticGradientNode(GradientFilterNode):
         )
 
 
+class _ShapeOnly(Image):
+    """A stand-in with an image's shape and format and no storage: what the add/subtract
+    gradients get instead of an input image the graph may have released already. They read
+    only its shape; a command that read its contents would be a planning bug, and raises."""
+
+    def _data(self) -> torch.Tensor:
+        raise RuntimeError(
+            f"[Graph] internal error: the contents of a shape-only stand-in ({self._describe()}) "
+            "were read; please report this"
+        )
+
+
 def _shape_only(batch: ImageBatch | Image) -> ImageBatch | Image:
-    """A permanent image with ``batch``'s shape and format and no storage (none is allocated
-    unless a command reads it, and the add/subtract gradients read only the shape): what those
-    kernels get instead of an input image the graph may have released already."""
+    """`_ShapeOnly` of ``batch`` (an `ImageBatch` for a batch)."""
     image = batch.image if isinstance(batch, ImageBatch) else batch
     n, c, h, w = image._shape
-    stand_in = Image._make(image._device, ImageDescriptor._make(image._fmt, w, h, c, n))
+    stand_in = _ShapeOnly._make(image._device, ImageDescriptor._make(image._fmt, w, h, c, n))
     return ImageBatch(stand_in) if isinstance(batch, ImageBatch) else stand_in
 
 

@@ -197,8 +197,9 @@ def conv_backward(
 
 
 def fc_matrix(weight: torch.Tensor) -> torch.Tensor:
-    """The ``(O, C kH kW)`` matrix of OIHW ``weight``, a view (a caller may keep it: in-place
-    changes of the weights show through it)."""
+    """The ``(O, C kH kW)`` matrix of OIHW ``weight``: a view of a contiguous ``weight`` (a
+    caller may keep it: in-place changes of the weights show through it), a copy of a
+    channels-last one (a low-precision cast on CUDA, which is a new tensor at every change)."""
     return weight.reshape(weight.shape[0], -1)
 
 
@@ -374,5 +375,7 @@ def conv_transpose_backward(
         geom.groups,
         [need_data, need_weights, False],
     )
-    dw = _ungroup(dwr, geom.groups) if need_weights else None
+    # contiguous OIHW, as `conv_backward` returns it (a channels-last source makes cuDNN's
+    # weight gradient channels-last; optimizers and gradient states read dense OIHW)
+    dw = _ungroup(dwr, geom.groups).contiguous() if need_weights else None
     return (dx if need_data else None), dw, db

@@ -238,10 +238,11 @@ def relu_backward_of_result(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``g * relu'(x)`` of the plain ReLU from its *result* ``y = relu(x)``: ``g`` where
     ``y > 0``, else 0, in ``g``'s dtype (one pass: PyTorch's ``threshold_backward``).
 
-    ``y > 0`` exactly where ``x > 0``, so this is the source rule (``x >= 0``, the MPS header's)
-    everywhere except at ``x = 0``, where it takes the other subgradient of the ReLU, 0 (as
-    PyTorch does). Reading the result lets a graph free the ReLU's input right after the
-    forward (the result is kept for the next layer anyway).
+    ``y > 0`` exactly where ``x > 0`` (with ``y`` in a format at least as wide as ``x``'s), so
+    this is the source rule (``x >= 0``, the MPS header's) everywhere except at ``x = 0``, where
+    it takes the other subgradient of the ReLU, 0 (as PyTorch does), and at a NaN ``x`` (a NaN
+    ``y``), where ``g`` passes instead of 0. Reading the result lets a graph free the ReLU's
+    input right after the forward (the result is kept for the next layer anyway).
     """
     if y.dtype != g.dtype:
         y = y.to(g.dtype)  # only compared with 0: the same sign in any floating dtype

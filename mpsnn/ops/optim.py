@@ -242,7 +242,8 @@ def _plan(rule: UpdateRule, lists: tuple[Sequence[torch.Tensor], ...], hyper: to
     key = (
         fast_paths.enabled(), _stream(hyper.device), *map(len, lists), hyper.device,
         *map(_data_ptr, others), *map(_dtype, others), *map(_shape, others),
-        *map(_contiguous, others), *map(_dtype, grads), *map(_data_ptr, grads),
+        *map(_contiguous, others), *map(_dtype, grads), *map(_contiguous, grads),
+        *map(_data_ptr, grads),
     )  # fmt: skip
     h = hash(key)  # hashed once: a long tuple does not cache its hash
     entry = _PLANS.get(h)

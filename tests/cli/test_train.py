@@ -172,3 +172,25 @@ def test_resume_keeps_the_runs_device_where_auto_would_pick_another(
     code, out = _run("train", "--resume", "--epochs", "2", "--checkpoint-dir", str(folder))
     assert code == 0, out
     assert "resumed after epoch 1" in out and "images), cpu, float32" in out, out
+
+
+def test_resume_uses_the_device_an_auto_run_resolved_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run with the default --device auto records the device it ran on (here the CPU) and
+    resumes there, even where auto would now pick CUDA; a checkpoint of a GPU run resumed where
+    that GPU is missing falls back to what auto picks (here the CPU)."""
+    folder = tmp_path / "run"
+    assert _run("train", *SMALL, "--epochs", "1", "--checkpoint-dir", str(folder))[0] == 0
+    ckpt = m.load(folder / "checkpoint.mpsnn")
+    assert ckpt["config"]["device"] == "auto" and ckpt["device"] == "cpu"
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: True)  # "auto" would pick CUDA
+        code, out = _run("train", "--resume", "--epochs", "2", "--checkpoint-dir", str(folder))
+    assert code == 0 and "resumed after epoch 1" in out and "images), cpu, float32" in out, out
+    ckpt = m.load(folder / "checkpoint.mpsnn")
+    ckpt["device"], ckpt["config"]["device"] = "cuda:0", "cuda"  # as a GPU run would record
+    m.save(ckpt, folder / "checkpoint.mpsnn")
+    if not torch.cuda.is_available():
+        code, out = _run("train", "--resume", "--epochs", "3", "--checkpoint-dir", str(folder))
+        assert code == 0 and "resumed after epoch 2" in out, out

@@ -140,3 +140,24 @@ def test_relu_gradient_of_result_kernel_through_the_kernel_api() -> None:
     assert torch.equal(dx.tensor, xr.grad)  # no zeros in x: the rules agree with autograd's
     with pytest.raises(ValueError, match=r"\[ReLUGradientOfResult\] the neuron must be a ReLU"):
         ReLUGradientOfResult(DEV, m.NeuronDescriptor(m.NeuronType.RELU, a=0.1))
+
+
+def test_a_relu_with_a_narrower_result_reads_its_source() -> None:
+    """A float16 ReLU result after a float64 addition: a tiny positive sum would round to a
+    zero result and lose its gradient, so the gradient reads the sum (the kernel's rule)."""
+    g = gen(66)
+    _, _, add, relu, _ = _residual(g)
+    relu.result_image.format = m.FeatureChannelFormat.FLOAT16
+    graph, _ = training(mse_loss(m.NeuronLinearNode(relu.result_image, 1.0, 0.0).result_image))
+    kinds = [type(k).__name__ for k in graph._kernels.values() if not isinstance(k, tuple)]
+    assert "ReLUGradientOfResult" not in kinds and "NeuronGradient" in kinds
+    assert graph._last_reader[add.result_image._id] != relu._id  # kept for the gradient
+
+
+def test_a_shape_only_stand_in_refuses_to_be_read() -> None:
+    from mpsnn.graph.gradient_nodes import _shape_only
+
+    stand_in = _shape_only(m.ImageBatch.from_tensor(torch.zeros(2, 3, 4, 5)))
+    assert stand_in.image._shape == (2, 3, 4, 5) and stand_in.image._storage is None
+    with pytest.raises(RuntimeError, match=r"\[Graph\] internal error: the contents of a shape"):
+        stand_in.image._data()

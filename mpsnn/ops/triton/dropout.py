@@ -2,8 +2,9 @@
 
 The same integer hash as `mpsnn.ops.dropout`, in native uint32 arithmetic (the portable path
 emulates it with int64 tensors), so the bits equal the portable path's. Bytes moved: the input
-once and the output once; nothing is stored for the gradient, which regenerates the mask. The
-key is read from device memory (a one-element int64 tensor), so captured work follows it.
+once and the output once; the gradient regenerates the mask from the key (the forward stores the
+8-byte key, no mask). The key is read from device memory (a one-element int64 tensor), or
+computed there from the kernel's encode counter, so captured work follows it.
 
 Two kernels: without mask broadcasting (the common case) each program takes a contiguous span
 of one image, where the mask index is the element's offset in the image (no integer division,
