@@ -162,3 +162,18 @@ def test_completion_events_are_reused_after_the_caller_saw_them_fire() -> None:
     with_handler.commit()
     with_handler.wait_until_completed()  # its completion thread keeps its own event
     assert with_handler._event is event and q._spare_events == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the layout policy is CUDA's")
+def test_half_precision_weight_casts_take_the_layout_their_kernel_reads() -> None:
+    """Convolutions get channels-last bfloat16 casts (cuDNN's layout); a fully connected layer
+    keeps OIHW-contiguous ones (it reads them as a matrix view)."""
+    dev = m.Device("cuda")
+    desc = m.ConvolutionDescriptor(3, 3, 4, 6)
+    ds = m.TensorConvolutionDataSource(desc, torch.randn(desc.weights_shape), torch.randn(6))
+    conv, fc = m.Convolution(dev, ds), m.FullyConnected(dev, ds)
+    w_conv, _ = conv._weights.cast(torch.bfloat16)
+    w_fc, _ = fc._weights.cast(torch.bfloat16)
+    assert w_conv.is_contiguous(memory_format=torch.channels_last) and not w_conv.is_contiguous()
+    assert w_fc.is_contiguous()
+    assert torch.equal(w_conv, w_fc)  # the same values

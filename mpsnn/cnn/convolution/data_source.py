@@ -267,11 +267,14 @@ class ConvWeights:
     them at every replay. A copy is therefore never stale.
     """
 
-    __slots__ = ("_casts", "_matrix", "bias", "weight")
+    __slots__ = ("_casts", "_matrix", "bias", "channels_last_casts", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight
         self.bias = bias
+        # low-precision CUDA casts in the convolutions' layout (`_low`); a fully connected
+        # layer, which reads its weights as an (O, C kH kW) matrix, turns it off
+        self.channels_last_casts = True
         self._casts: dict[torch.dtype, tuple[int, torch.Tensor, torch.Tensor | None]] = {}
         self._matrix: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -324,7 +327,8 @@ class ConvWeights:
         convolutions run in there (`mpsnn.ops.convolution`), so that cuDNN does not convert
         them at every forward and backward; one cast either way."""
         w = self.weight
-        if w.is_cuda and w.dim() == 4 and dtype in (torch.float16, torch.bfloat16):
+        nhwc = self.channels_last_casts and w.is_cuda and w.dim() == 4
+        if nhwc and dtype in (torch.float16, torch.bfloat16):
             return w.to(dtype, memory_format=torch.channels_last)
         return w.to(dtype)
 

@@ -394,6 +394,8 @@ class FullyConnected(_ConvolutionBase):
 
     def __init__(self, device: Device, weights: ConvolutionDataSource) -> None:
         super().__init__(device, weights)
+        # its matrix view (`ConvWeights.matrix`) needs OIHW-contiguous low-precision casts
+        self._weights.channels_last_casts = False
         d = self._descriptor
         if (
             d.stride_in_pixels_x,
