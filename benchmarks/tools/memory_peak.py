@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from mpsnn.cli.bench import _batch, _labels, _torch_optimizer
+from benchmarks.tools.twin import torch_twin_step
+from mpsnn.cli.bench import _batch, _labels
 from mpsnn.cli.common import DTYPES, build_model, make_optimizer, parse_device
 
 
@@ -99,19 +99,7 @@ def main() -> None:
     y = torch.randint(0, 10, (a.batch,), device=dev.torch_device)
     _mpsnn(a, dev, x, y, shape)  # its graph is freed before PyTorch's step runs
     torch.cuda.empty_cache()
-    twin = build_model(a.model, dev, None, seed=0, input_shape=shape).torch_module()
-    twin = twin.to(dev.torch_device, memory_format=torch.channels_last)
-    xs = x.contiguous(memory_format=torch.channels_last)
-    opt = _torch_optimizer("sgd", twin.parameters(), True)
-    low = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(a.dtype)
-
-    def torch_step() -> None:
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=low or torch.bfloat16, enabled=low is not None):
-            loss = F.cross_entropy(twin(xs).float(), y)
-        loss.backward()
-        opt.step()
-
+    torch_step = torch_twin_step(a.model, dev, x, y, a.dtype)
     for _ in range(3):
         torch_step()
     analyse("PyTorch eager step", torch_step, a.top)

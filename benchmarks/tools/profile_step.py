@@ -14,9 +14,9 @@ import pstats
 import time
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.tools.twin import torch_twin_step
 from mpsnn.cli.bench import _batch, _labels
 from mpsnn.cli.common import DTYPES, build_model, make_optimizer, parse_device
 
@@ -92,21 +92,7 @@ def main() -> None:
     for _ in range(3):
         compiled(images, labels)
     _kernels(lambda: compiled(images, labels), 5, args.top, "mpsnn replayed")
-    net = build_model(args.model, dev, None, seed=0).torch_module().cuda()
-    low = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(args.dtype)
-    xs = x
-    if low is not None:
-        net = net.to(memory_format=torch.channels_last)
-        xs = x.contiguous(memory_format=torch.channels_last)
-    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-
-    def torch_step() -> None:
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=low or torch.bfloat16, enabled=low is not None):
-            loss = F.cross_entropy(net(xs).float(), y)
-        loss.backward()
-        opt.step()
-
+    torch_step = torch_twin_step(args.model, dev, x, y, args.dtype, args.optimizer)
     for _ in range(3):
         torch_step()
     _kernels(torch_step, 5, args.top, "pytorch eager")

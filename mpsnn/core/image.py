@@ -38,23 +38,12 @@ from mpsnn.core.descriptor import (
 from mpsnn.core.device import CommandBuffer, CommandBufferStatus, Device
 from mpsnn.core.geometry import Region
 from mpsnn.core.image_bytes import _bytes_to_write, _io_index, _to_numpy, _to_unorm8
+from mpsnn.core.layout import storage_layout
 from mpsnn.errors import CommandBufferError, StaleResourceError
 
 __all__ = ["Image", "ImageAllocator", "TemporaryImage"]
 
 _UNORM8 = FeatureChannelFormat.UNORM8
-
-
-def _layout(dtype: torch.dtype, device: torch.device) -> torch.memory_format:
-    """The memory layout of storage an image makes itself (zeros for a partial write, or a
-    copy of a block it cannot adopt): channels-last for float16/bfloat16 on CUDA, the layout
-    the convolutions run in there (`mpsnn.ops.convolution`), so that a layer fed by such an
-    image (e.g. the first layer's float32 convolution rounded into bfloat16 storage) needs no
-    conversion; otherwise the block's own layout (NCHW for new zeros). An image's values and
-    shape do not depend on it."""
-    if device.type == "cuda" and (dtype is torch.bfloat16 or dtype is torch.float16):
-        return torch.channels_last
-    return torch.preserve_format
 
 
 class Image:
@@ -231,7 +220,7 @@ class Image:
             return self._base._data()[self._index : self._index + self._shape[0]]
         if self._storage is None:
             device = self._device.torch_device
-            layout = _layout(self._dtype, device)
+            layout = storage_layout(self._dtype, device)
             if layout is torch.preserve_format:  # new zeros: NCHW
                 self._storage = torch.zeros(self._shape, dtype=self._dtype, device=device)
             else:
@@ -406,7 +395,7 @@ class Image:
         if root._storage is None and not (z or c or y or x) and block.shape == root._shape:
             # The whole image from a block it must not adopt (a view, the source itself, or
             # another dtype): one copy into new storage, not a zero fill and then a copy.
-            layout = _layout(root._dtype, block.device)
+            layout = storage_layout(root._dtype, block.device)  # (mpsnn.core.layout)
             root._storage = block.to(root._dtype, memory_format=layout, copy=True)
             return
         bn, bc, bh, bw = block.shape

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from mpsnn.core.geometry import AxisWindow, EdgeMode
+from mpsnn.core.layout import channels_last_preferred
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops._dtypes import acc_dtype
 from mpsnn.ops.window import (
@@ -105,14 +106,9 @@ def _cpu_half(x: torch.Tensor) -> bool:
 
 
 def _channels_last(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in the layout the convolution runs in: channels-last for float16/bfloat16 on CUDA
-    (cuDNN's half-precision kernels on recent GPUs are NHWC-only: an NCHW operand costs a
-    layout conversion on each side of every convolution, forward and backward), else as is.
-    The result then stays channels-last through the element-wise kernels and batch
-    normalization (`mpsnn.ops.triton.batch_norm_nhwc`) to the next convolution; values and
-    shapes are the same in either layout (a tensor's layout is only how its memory is
-    ordered)."""
-    if t.is_cuda and (t.dtype is torch.bfloat16 or t.dtype is torch.float16):
+    """``t`` in the layout the convolution runs in (`mpsnn.core.layout`: channels-last for
+    float16/bfloat16 on CUDA, else as is); values and shape are the same either way."""
+    if channels_last_preferred(t.dtype, t.device):
         return t.contiguous(memory_format=torch.channels_last)
     return t
 

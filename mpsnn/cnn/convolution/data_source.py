@@ -16,6 +16,7 @@ import torch
 from mpsnn.cnn.convolution.descriptor import ConvolutionDescriptor
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.kernel import TrainingStyle
+from mpsnn.core.layout import storage_layout
 from mpsnn.core.state import State
 from mpsnn.ops._dtypes import widen
 from mpsnn.ops.convolution import fc_matrix
@@ -323,13 +324,12 @@ class ConvWeights:
         return got[1], got[2]
 
     def _low(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weights in ``dtype``: channels-last for float16/bfloat16 on CUDA, the layout the
-        convolutions run in there (`mpsnn.ops.convolution`), so that cuDNN does not convert
-        them at every forward and backward; one cast either way."""
+        """The weights in ``dtype``, in the layout the convolutions run in (`mpsnn.core.layout`)
+        so that cuDNN does not convert them at every forward and backward; one cast either
+        way."""
         w = self.weight
-        nhwc = self.channels_last_casts and w.is_cuda and w.dim() == 4
-        if nhwc and dtype in (torch.float16, torch.bfloat16):
-            return w.to(dtype, memory_format=torch.channels_last)
+        if self.channels_last_casts and w.dim() == 4:
+            return w.to(dtype, memory_format=storage_layout(dtype, w.device))
         return w.to(dtype)
 
     def matrix(self, w: torch.Tensor) -> torch.Tensor:

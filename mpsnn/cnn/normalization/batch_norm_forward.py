@@ -34,6 +34,7 @@ from mpsnn.core.state import AccumulatorState, StateBatch
 from mpsnn.ops.batch_norm import bn_forward, bn_merge, bn_statistics, bn_variance
 
 __all__ = [
+    "AffineChannels",
     "BatchNormalization",
     "BatchNormalizationRecord",
     "BatchNormalizationState",
@@ -85,6 +86,47 @@ class MasterPair:
             self.load(a, b)
 
         kernel._apply(cb, Encoding(run, (), (state,)))
+
+
+class AffineChannels:
+    """What a normalization kernel with per-channel gamma/beta shows (MPS: ``dataSource``,
+    ``numberOfFeatureChannels``, ``gamma``, ``beta`` and the two gamma/beta reloads), over the
+    attributes it sets: ``_data_source``, ``_channels`` and ``_affine`` (a `MasterPair`)."""
+
+    _data_source: Any
+    _channels: int
+    _affine: MasterPair
+
+    @property
+    def data_source(self) -> Any:
+        return self._data_source
+
+    @property
+    def number_of_feature_channels(self) -> int:
+        return self._channels
+
+    @property
+    def gamma(self) -> torch.Tensor:
+        """The master gamma (C,), updated in place by reloads."""
+        return self._affine.first
+
+    @property
+    def beta(self) -> torch.Tensor:
+        return self._affine.second
+
+    def reload_gamma_and_beta_from_data_source(self) -> None:
+        """Copy the data source's gamma and beta into the kernel, in place, now."""
+        self._affine.load_from_data_source(
+            type(self).__name__, self._data_source, ("gamma", "beta"), self._channels
+        )
+
+    def reload_gamma_and_beta(
+        self, command_buffer: CommandBuffer, gamma_and_beta_state: NormalizationGammaAndBetaState
+    ) -> None:
+        """Copy ``gamma_and_beta_state`` into the kernel as recorded work."""
+        self._affine.encode_load(self, command_buffer, gamma_and_beta_state,
+                                 NormalizationGammaAndBetaState, "gamma_and_beta_state",
+                                 self._channels)  # fmt: skip
 
 
 def read_normalization_vectors(
@@ -286,7 +328,7 @@ class BatchNormalizationStatistics(CNNKernel):
         )
 
 
-class BatchNormalization(PointwiseKernel):
+class BatchNormalization(AffineChannels, PointwiseKernel):
     """``y = f(gamma (x - mean)/sqrt(var + eps) + beta)`` per channel (MPS
     ``MPSCNNBatchNormalization``).
 
@@ -324,25 +366,8 @@ class BatchNormalization(PointwiseKernel):
         self._running = MasterPair(mu, var.to(mu.dtype), device)
 
     @property
-    def data_source(self) -> BatchNormalizationDataSource:
-        return self._data_source
-
-    @property
-    def number_of_feature_channels(self) -> int:
-        return self._channels
-
-    @property
     def fused_neuron_descriptor(self) -> Any:
         return self._fused_descriptor
-
-    @property
-    def gamma(self) -> torch.Tensor:
-        """The master gamma (C,), updated in place by reloads."""
-        return self._affine.first
-
-    @property
-    def beta(self) -> torch.Tensor:
-        return self._affine.second
 
     @property
     def mean(self) -> torch.Tensor:
@@ -355,25 +380,11 @@ class BatchNormalization(PointwiseKernel):
 
     # -- reloads ------------------------------------------------------------------------------
 
-    def reload_gamma_and_beta_from_data_source(self) -> None:
-        """Copy the data source's gamma and beta into the kernel, in place, now."""
-        self._affine.load_from_data_source(
-            "BatchNormalization", self._data_source, ("gamma", "beta"), self._channels
-        )
-
     def reload_mean_and_variance_from_data_source(self) -> None:
         """Copy the data source's running mean and variance into the kernel, now."""
         self._running.load_from_data_source(
             "BatchNormalization", self._data_source, ("mean", "variance"), self._channels
         )
-
-    def reload_gamma_and_beta(
-        self, command_buffer: CommandBuffer, gamma_and_beta_state: NormalizationGammaAndBetaState
-    ) -> None:
-        """Copy ``gamma_and_beta_state`` into the kernel as recorded work."""
-        self._affine.encode_load(self, command_buffer, gamma_and_beta_state,
-                                 NormalizationGammaAndBetaState, "gamma_and_beta_state",
-                                 self._channels)  # fmt: skip
 
     def reload_mean_and_variance(
         self,

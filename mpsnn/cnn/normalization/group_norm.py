@@ -23,13 +23,16 @@ from typing import Any
 import torch
 
 from mpsnn.cnn._pointwise import Pointwise, PointwiseGradient, PointwiseKernel, PointwiseRecord
-from mpsnn.cnn.normalization.batch_norm_forward import MasterPair, read_normalization_vectors
+from mpsnn.cnn.normalization.batch_norm_forward import (
+    AffineChannels,
+    MasterPair,
+    read_normalization_vectors,
+)
 from mpsnn.cnn.normalization.data_sources import (
     GroupNormalizationDataSource,
     InstanceNormalizationDataSource,
     NormalizationDataSource,
 )
-from mpsnn.cnn.normalization.states import NormalizationGammaAndBetaState
 from mpsnn.core.cnn_kernel import Records
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.encode import Encoding
@@ -131,7 +134,7 @@ class GroupNormalizationGradientState(_NormalizationGradientState):
         return self._kernel
 
 
-class _GroupNormalizationBase(PointwiseKernel):
+class _GroupNormalizationBase(AffineChannels, PointwiseKernel):
     """Shared forward: data source, master gamma/beta, reloads, the record."""
 
     _data_source_kind: type = NormalizationDataSource
@@ -154,36 +157,6 @@ class _GroupNormalizationBase(PointwiseKernel):
 
     def _groups_of(self, data_source: Any) -> int:
         return self._channels
-
-    @property
-    def data_source(self) -> Any:
-        return self._data_source
-
-    @property
-    def number_of_feature_channels(self) -> int:
-        return self._channels
-
-    @property
-    def gamma(self) -> torch.Tensor:
-        return self._affine.first
-
-    @property
-    def beta(self) -> torch.Tensor:
-        return self._affine.second
-
-    def reload_gamma_and_beta_from_data_source(self) -> None:
-        """Copy the data source's gamma and beta into the kernel, in place, now."""
-        self._affine.load_from_data_source(
-            type(self).__name__, self._data_source, ("gamma", "beta"), self._channels
-        )
-
-    def reload_gamma_and_beta(
-        self, command_buffer: CommandBuffer, gamma_and_beta_state: NormalizationGammaAndBetaState
-    ) -> None:
-        """Copy ``gamma_and_beta_state`` into the kernel as recorded work."""
-        self._affine.encode_load(self, command_buffer, gamma_and_beta_state,
-                                 NormalizationGammaAndBetaState, "gamma_and_beta_state",
-                                 self._channels)  # fmt: skip
 
     def _new_state(self, cb: CommandBuffer | None) -> Any:
         return self._gradient_state_class(self._device, self, command_buffer=cb)

@@ -89,6 +89,16 @@ def _store(ptr, v, mask):
 
 
 @triton.jit
+def _chan_merge(cnt, mean, m2, k, bmean, bm2):
+    """Chan's update: the triple (count, mean, m2) merged with a block's (k, bmean, bm2)
+    (scalars, or vectors of channels)."""
+    tot = cnt + k
+    w = k / tot
+    delta = bmean - mean
+    return tot, mean + delta * w, m2 + bm2 + delta * delta * cnt * w
+
+
+@triton.jit
 def _stats_partial(
     x_ptr, part_ptr, N, C, L, planes, span, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -120,13 +130,7 @@ def _stats_partial(
             bmean = tl.sum(tl.sum(d, axis=1), axis=0) / k
             e = tl.where(mask, d - bmean, 0.0)
             bm2 = tl.sum(tl.sum(e * e, axis=1), axis=0)
-            # Chan: merge the block (k, bmean, bm2) into (cnt, mean, m2)
-            tot = cnt + k
-            w = k / tot
-            delta = bmean - mean
-            mean = mean + delta * w
-            m2 = m2 + bm2 + delta * delta * cnt * w
-            cnt = tot
+            cnt, mean, m2 = _chan_merge(cnt, mean, m2, k, bmean, bm2)
     p = c * parts + chunk * tl.num_programs(2) + split
     plane = C * parts
     tl.store(part_ptr + p, cnt)

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from mpsnn.ops.triton.batch_norm import (
     _MAX_PARTS,
+    _chan_merge,
     _coefficients,
     _programs_wanted,
     _relu,
@@ -75,13 +76,7 @@ def _stats_partial_nhwc(
         bmean = tl.sum(d, axis=0) / k
         e = tl.where(mask, d - bmean[None, :], 0.0)
         bm2 = tl.sum(e * e, axis=0)
-        # Chan: merge the block (k, bmean, bm2) into (cnt, mean, m2), per channel
-        tot = cnt + k
-        w = k / tot
-        delta = bmean - mean
-        mean = mean + delta * w
-        m2 = m2 + bm2 + delta * delta * cnt * w
-        cnt = tot
+        cnt, mean, m2 = _chan_merge(cnt, mean, m2, k, bmean, bm2)  # per channel
     p = cs * parts + chunk
     plane = C * parts
     tl.store(part_ptr + p, tl.zeros((BC,), tl.float32) + cnt, mask=cmask)

@@ -1,0 +1,32 @@
+"""The one place that decides the memory layout of half-precision storage on CUDA.
+
+An image's values and shape are NCHW; how its storage is ordered is an implementation choice.
+On CUDA, float16/bfloat16 convolutions run on channels-last (NHWC) operands: cuDNN's
+half-precision kernels on recent GPUs are NHWC-only, and an NCHW operand costs a layout
+conversion on each side of every convolution, forward and backward. So the convolutions'
+operands and weight casts (`mpsnn.ops.convolution`, `mpsnn.cnn.convolution`) and the storage an
+image makes itself (`mpsnn.core.image`) all follow `storage_layout`; element-wise kernels keep
+their inputs' layout and batch normalization has channels-last passes, so a network's
+activations stay channels-last from one convolution to the next.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["channels_last_preferred", "storage_layout"]
+
+
+def channels_last_preferred(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether 4-D ``dtype`` tensors on ``device`` are kept channels-last (float16/bfloat16 on
+    CUDA)."""
+    return device.type == "cuda" and (dtype is torch.bfloat16 or dtype is torch.float16)
+
+
+def storage_layout(dtype: torch.dtype, device: torch.device) -> torch.memory_format:
+    """The memory format for new 4-D storage of ``dtype`` on ``device``: channels-last where
+    `channels_last_preferred`, else ``preserve_format`` (a copy keeps its source's layout; new
+    zeros are NCHW)."""
+    if channels_last_preferred(dtype, device):
+        return torch.channels_last
+    return torch.preserve_format
