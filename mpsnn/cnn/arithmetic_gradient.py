@@ -41,6 +41,7 @@ from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import _unique
 from mpsnn.ops._dtypes import acc_dtype
 from mpsnn.ops.arithmetic import (
+    ADD,
     DIVIDE,
     MULTIPLY,
     SUBTRACT,
@@ -174,6 +175,35 @@ class ArithmeticGradient(GradientKernel):
             out._write_block(dsrc, z_this, 0, 0, 0, grad._data())
 
         return Encoding(run, (out,), (grad, other, state), (), {"_last": record}, batch)
+
+    def _passes_gradient_on(self, grad: Image, states: list[Any]) -> bool:
+        """Whether this gradient is ``grad`` itself, value for value and in its format: an
+        addition's gradient (or a subtraction's primary one) at scale 1, with no clamp, whose
+        forward read and wrote whole images of one shape (no offset, clip, channel range or
+        broadcast). A graph then lets the gradient node hold ``grad``'s image instead of a
+        copy (the kernel itself never aliases its source). Checks nothing else: the graph
+        calls it with the state its own forward node wrote."""
+        unique = _unique(states)
+        if len(unique) != 1 or unique[0]._forward is None:
+            return False
+        record: ArithmeticRecord = unique[0]._forward
+        this = 1 if self._secondary_filter else 0
+        if record.op not in (ADD, SUBTRACT) or (record.op == SUBTRACT and this):
+            return False
+        if record.scales[this] != 1.0 or record.clamp != (-FLT_MAX, FLT_MAX):
+            return False
+        n, c, h, w = shape = record.shapes[this]
+        read = record.reads[this]
+        return (
+            shape == record.shapes[2] == grad._shape
+            and record.images == (0, 0, 0, n)
+            and record.out == (0, c, 0, h, 0, w)
+            and read.plan.identity
+            and read.channel == 0
+            and read.channels == c
+            and not any(read.broadcast)
+            and _result_format(grad._fmt) is grad._fmt
+        )
 
 
 def _check(who: str, name: str, image: Image, want: tuple[int, ...], what: str) -> None:

@@ -134,6 +134,8 @@ class _ConvolutionGradientNode(UnaryGradientNode):
         if getattr(self, "_data_unneeded", False):
             option = ConvolutionGradientOption.GRADIENT_WITH_WEIGHTS_AND_BIAS
         k.gradient_option = option
+        if getattr(self._forward.data_source, "_own_updates", False):
+            k._bias_sums = False  # nothing reads a bias-less layer's bias sums: not computed
         return k
 
 
@@ -182,10 +184,28 @@ class ArithmeticGradientNode(GradientFilterNode):
 
     def _run(self, step: _Step, kernel: Any) -> None:
         g, x = step.image(self._sources[0]), step.image(self._sources[1])
+        states = step.state(self._state)
         if not self._reads_other:
+            if self._passes_on(step, kernel, g, states):
+                step.share(self.result_image, self._sources[0])
+                return
             x = _shape_only(x)
-        step.set_image(
-            self.result_image, kernel.encode_batch(step.cb, g, x, step.state(self._state))
+        step.set_image(self.result_image, kernel.encode_batch(step.cb, g, x, states))
+
+    def _passes_on(self, step: _Step, kernel: Any, g: ImageBatch, states: Any) -> bool:
+        """Whether this node holds its incoming gradient's image instead of a copy: the
+        kernel's gradient is that image (`ArithmeticGradient._passes_gradient_on`), the
+        graph would store it in the same format, and the result is the graph's own
+        intermediate (not a result, an export, or an image of a user's allocator)."""
+        graph, result = step.graph, self.result_image
+        passes = getattr(kernel, "_passes_gradient_on", None)
+        return (
+            passes is not None
+            and result._id not in graph._permanent
+            and result.image_allocator is None
+            and graph._alloc_nodes.get(result._id) is result
+            and (result.format or graph.format) is g.image._fmt
+            and passes(g.image, states)
         )
 
 

@@ -80,6 +80,7 @@ class _Step:
         self.updates: list[tuple[Any, Any, Any]] = []  # (gradient node, kernel, state batch)
         self.gamma_beta_reloads: list[tuple[Any, Any]] = []
         self.remaining = dict(graph._readers)  # node id -> consumers still to run
+        self.shared: dict[int, int] = {}  # id(root image) -> keys holding it, when > 1
         self.bytes = 0
         self.peak = 0
         hooks = getattr(graph, "data_parallel", None)  # None: one process, no hook calls
@@ -139,6 +140,15 @@ class _Step:
         """``node`` holds the same image as ``same_as`` (fusion, pass-through)."""
         self.images[node._id] = self.image(same_as)
 
+    def share(self, node: _Node, same_as: _Node) -> None:
+        """``node`` holds the image of ``same_as``, decided at encode time (a gradient that
+        equals its incoming gradient): each key is released after its own last reader, and
+        the storage after the last of both."""
+        value = self.image(same_as)
+        self.images[node._id] = value
+        root = value.image._root() if isinstance(value, ImageBatch) else value._root()
+        self.shared[id(root)] = self.shared.get(id(root), 1) + 1
+
     def done(self, node: _Node) -> None:
         """``node`` ran: release the images and states it was the last reader of."""
         remaining = self.remaining
@@ -152,6 +162,10 @@ class _Step:
         value = self.images.get(key)
         if value is not None:
             root = value.image._root() if isinstance(value, ImageBatch) else value._root()
+            holders = self.shared.get(id(root), 1)
+            if holders > 1:  # another key still holds this storage
+                self.shared[id(root)] = holders - 1
+                return
             if isinstance(root, TemporaryImage) and root._released_by is None:
                 root._read_count = 0  # freed after the last command that reads it
                 root._release("read_count = 0")

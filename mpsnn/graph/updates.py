@@ -25,7 +25,6 @@ __all__ = ["encode_updates"]
 
 
 def encode_updates(graph: Any, step: Any) -> None:
-    from mpsnn.cnn.convolution import TensorConvolutionDataSource
     from mpsnn.cnn.convolution.kernels import reload_weights_and_biases
     from mpsnn.graph.normalization_nodes import BatchNormalizationNode
 
@@ -48,7 +47,7 @@ def encode_updates(graph: Any, step: Any) -> None:
                 bn.reload_mean_and_variance(cb, mv)
             continue
         if hasattr(fkernel, "reload_weights_and_biases"):  # the convolution family
-            if isinstance(ds, TensorConvolutionDataSource) and ds.optimizer is not None:
+            if _grouped(ds):
                 lists = ds._update_lists(state, None)
                 groups.setdefault(id(ds.optimizer), (ds.optimizer, []))[1].append(lists)
                 reloads.append((fkernel, ds))
@@ -72,6 +71,17 @@ def encode_updates(graph: Any, step: Any) -> None:
         for st in StateBatch(states).unique():
             if isinstance(st, State) and st.is_temporary and st._released_by is None:
                 st.read_count = 0
+
+
+def _grouped(ds: Any) -> bool:
+    """Whether the graph runs ``ds``'s optimizer itself, with the other layers sharing it:
+    mpsnn's `TensorConvolutionDataSource` with an optimizer and its own updates (a subclass
+    that overrides ``update`` / ``update_on_cpu`` gets them called)."""
+    from mpsnn.cnn.convolution import TensorConvolutionDataSource
+
+    return (
+        isinstance(ds, TensorConvolutionDataSource) and ds.optimizer is not None and ds._own_updates
+    )
 
 
 def _update_groups(cb: Any, groups: dict[int, tuple[Any, list[Any]]]) -> None:
@@ -111,7 +121,6 @@ def _gamma_beta(step: Any, ds: Any, kernel: Any, state: Any, groups: dict) -> No
 def _cpu_updates(layers: list[tuple[Any, Any, Any]]) -> Any:
     """The completed handler of the CPU-style layers: update, then reload the kernels."""
 
-    from mpsnn.cnn.convolution import TensorConvolutionDataSource
     from mpsnn.cnn.normalization.data_sources import _TensorGammaBeta
 
     def handler(_cb: Any) -> None:
@@ -123,7 +132,7 @@ def _cpu_updates(layers: list[tuple[Any, Any, Any]]) -> Any:
             ds = fnode.data_source
             last = (kernel if isinstance(kernel, tuple) else (kernel,))[-1]
             if hasattr(ds, "update_on_cpu"):
-                if isinstance(ds, TensorConvolutionDataSource) and ds.optimizer is not None:
+                if _grouped(ds):
                     lists = ds._update_lists(state, None)
                     groups.setdefault(id(ds.optimizer), (ds.optimizer, []))[1].append(lists)
                     reloads.append(last.reload_weights_and_biases_from_data_source)

@@ -149,16 +149,18 @@ def conv_backward(
     geom: ConvGeometry,
     need_data: bool = True,
     need_weights: bool = True,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    need_bias: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of `conv_forward` for the incoming gradient ``grad`` (N, O, ny, nx).
 
     Returns:
         ``(dx, dW, db)``: dx shaped like ``x`` (or None), dW like ``weight`` (in the storage
-        dtype, accumulated in float32 by the backend; or None), db ``(O,)`` in at least float32.
+        dtype, accumulated in float32 by the backend; or None), db ``(O,)`` in at least float32
+        (None when ``need_bias`` is False: a layer without biases).
     """
     if _cpu_half(x) or _cpu_half(grad):
         dx, dw, db = conv_backward(grad.float(), x.float(), weight.float(), geom, need_data,
-                                   need_weights)  # fmt: skip
+                                   need_weights, need_bias)  # fmt: skip
         return (None if dx is None else dx.to(x.dtype),
                 None if dw is None else dw.to(weight.dtype), db)  # fmt: skip
     plan = geom.plan
@@ -183,7 +185,8 @@ def conv_backward(
         [need_data, need_weights, False],
     )
     dx = apply_extract_adjoint(dt, plan) if need_data else None
-    db = _channel_sums(g, acc_dtype(grad.dtype))  # g: grad, zero-padded where it was cropped
+    # g: grad, zero-padded where it was cropped
+    db = _channel_sums(g, acc_dtype(grad.dtype)) if need_bias else None
     if need_weights and not dw.is_contiguous():  # cuDNN's channels-last weight gradient:
         dw = dw.contiguous()  # gradient states and optimizers hold the weights' own layout
     return dx, (dw if need_weights else None), db

@@ -161,3 +161,142 @@ def test_a_shape_only_stand_in_refuses_to_be_read() -> None:
     assert stand_in.image._shape == (2, 3, 4, 5) and stand_in.image._storage is None
     with pytest.raises(RuntimeError, match=r"\[Graph\] internal error: the contents of a shape"):
         stand_in.image._data()
+
+
+def _spy_shares(monkeypatch) -> list[tuple[object, object, object]]:
+    """Record every `_Step.share` call: (step, node, the image it now holds)."""
+    from mpsnn.graph.step import _Step
+
+    calls: list[tuple[object, object, object]] = []
+    real = _Step.share
+
+    def share(self, node, same_as) -> None:
+        real(self, node, same_as)
+        calls.append((self, node, self.images[node._id]))
+
+    monkeypatch.setattr(_Step, "share", share)
+    return calls
+
+
+def _count_add_gradient_encodes(monkeypatch) -> list[int]:
+    from mpsnn.cnn.arithmetic_gradient import ArithmeticGradient
+
+    count = [0]
+    real = ArithmeticGradient._plan_gradient
+
+    def plan(self, *args, **kwargs):
+        count[0] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ArithmeticGradient, "_plan_gradient", plan)
+    return count
+
+
+def test_addition_gradients_hold_the_incoming_gradient_and_free_it_after_both(
+    monkeypatch,
+) -> None:
+    """Both gradients of a residual addition are its incoming gradient: the graph's nodes hold
+    that image (no copy is encoded), the values equal autograd's, and the storage is freed
+    once, after the last reader of any of the three keys."""
+    shares = _spy_shares(monkeypatch)
+    encodes = _count_add_gradient_encodes(monkeypatch)
+    g = gen(67)
+    _, _, _, relu, dc = _residual(g)
+    graph, _ = training(mse_loss(relu.result_image))
+    xt, target = rand(g, 2, 3, 6, 5), rand(g, 2, 3, 6, 5)
+    tconv = TorchConv(dc)
+    out = encode(graph, [xt], [m.LossLabels(DEV, target)])
+    assert encodes[0] == 0
+    assert len(shares) == 2
+    (step, _, a), (_, _, b) = shares
+    assert a is b  # one image, held by the relu gradient's key and both addition gradients'
+    assert step.shared[id(a.image._root())] == 1  # every holder released it...
+    assert a.image._root()._released_by is not None  # ... and the storage went with the last
+    xr = xt.clone().requires_grad_()
+    zn = F.batch_norm(tconv(xr), None, None, training=True, eps=1e-5)
+    mse_reference(F.relu(zn + xr), target).backward()
+    assert_close(out.tensor, xr.grad, "dL/dx", TOL)
+    after_w = dc.weights().permute(0, 3, 1, 2)
+    assert_close(tconv.w.detach() - after_w, tconv.w.grad, "conv weight gradient", TOL)
+
+
+@pytest.mark.parametrize("case", ["scale", "subtract", "broadcast", "exported", "format"])
+def test_addition_gradients_that_are_not_the_incoming_gradient_are_computed(
+    monkeypatch, case
+) -> None:
+    """A scale, a subtraction's negated secondary, a broadcast input, an exported gradient
+    and a gradient stored in another format are each encoded (and equal autograd)."""
+    shares = _spy_shares(monkeypatch)
+    encodes = _count_add_gradient_encodes(monkeypatch)
+    g = gen(68)
+    dc = conv_ds(g, 3, 3, 3, 3, sgd1())
+    x, bias_x = m.ImageNode("x"), m.ImageNode("b")
+    conv = m.ConvolutionNode(x, dc)
+    right = bias_x if case == "broadcast" else x
+    node_class = m.SubtractionNode if case == "subtract" else m.AdditionNode
+    arith = node_class(conv.result_image, right)
+    if case == "scale":
+        arith.primary_scale = 2.0
+    if case == "broadcast":  # a per-channel (N, C, 1, 1) right input
+        arith.secondary_stride_in_pixels_x = arith.secondary_stride_in_pixels_y = 0
+    loss = mse_loss(arith.result_image)
+    terminals = loss.training_graph(None, None)
+    grads = {n.result_image: n for n in _walk_gradients(terminals)}
+    arith_grads = [n for n in grads.values() if type(n).__name__ == "ArithmeticGradientNode"]
+    assert arith_grads
+    if case == "exported":
+        for n in arith_grads:
+            n.result_image.export_from_graph = True
+    if case == "format":
+        for n in arith_grads:
+            n.result_image.format = m.FeatureChannelFormat.FLOAT32
+    results = [t.result_image for t in terminals]
+    graph = m.Graph.from_results(DEV, results, [True] * len(results))
+    graph.format = m.FeatureChannelFormat.FLOAT64
+    xt, target = rand(g, 2, 3, 6, 5), rand(g, 2, 3, 6, 5)
+    bt = rand(g, 2, 3, 1, 1)
+    tconv = TorchConv(dc)
+    sources = [xt] + ([bt] if case == "broadcast" else [])
+    assert len(graph.source_image_handles) == len(sources)
+    cb = DEV.new_command_queue().command_buffer()
+    outs = graph.encode_batch(
+        cb, [m.ImageBatch.from_tensor(t) for t in sources], [m.LossLabels(DEV, target)]
+    )
+    cb.commit()
+    cb.wait_until_completed()
+    assert outs is not None
+    assert encodes[0] >= 1
+    passed = {id(node) for _, node, _ in shares} & {id(n.result_image) for n in arith_grads}
+    # the other input's gradient of a scaled addition, a subtraction's primary and the
+    # non-broadcast input's still pass their gradient on
+    assert len(passed) == {"scale": 1, "subtract": 1, "broadcast": 1}.get(case, 0)
+    xr, br = xt.clone().requires_grad_(), bt.clone().requires_grad_()
+    z = tconv(xr)
+    if case == "scale":
+        y = 2.0 * z + xr
+    elif case == "subtract":
+        y = z - xr
+    elif case == "broadcast":
+        y = z + br
+    else:
+        y = z + xr
+    mse_reference(y, target).backward()
+    want = xr.grad if outs.tensor.shape == xt.shape else br.grad
+    tol = 1e-6 if case == "format" else TOL  # "format": the gradients stored in float32
+    assert_close(outs.tensor, want, "the first result's gradient", tol)
+    after_w = dc.weights().permute(0, 3, 1, 2)
+    assert_close(tconv.w.detach() - after_w, tconv.w.grad, "conv weight gradient", tol)
+
+
+def _walk_gradients(terminals):
+    seen, todo, out = set(), list(terminals), []
+    while todo:
+        n = todo.pop()
+        if n._id in seen:
+            continue
+        seen.add(n._id)
+        out.append(n)
+        for img in n.source_images:
+            if img.producer is not None:
+                todo.append(img.producer)
+    return out

@@ -255,6 +255,17 @@ class TensorConvolutionDataSource(ConvolutionDataSource):
     def __repr__(self) -> str:
         return f"TensorConvolutionDataSource({self._descriptor!r}, label={self._label!r})"
 
+    @property
+    def _own_updates(self) -> bool:
+        """Whether ``update`` and ``update_on_cpu`` are this class's (not a subclass's): then a
+        graph may run the optimizer itself (several layers in one launch) and skip the bias
+        sums of a layer without biases, which these updates never read."""
+        cls = type(self)
+        return (
+            cls.update is TensorConvolutionDataSource.update
+            and cls.update_on_cpu is TensorConvolutionDataSource.update_on_cpu
+        )
+
 
 class ConvWeights:
     """A kernel's master weights: OIHW ``weight`` and ``(O,)`` ``bias`` on its device, float32

@@ -45,6 +45,7 @@ from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import Window
 from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord
+from mpsnn.ops._dtypes import acc_dtype
 from mpsnn.ops.convolution import (
     conv_backward,
     conv_transpose_backward,
@@ -82,6 +83,9 @@ class ConvolutionGradient(GradientKernel):
         self._data_source = weights
         self._descriptor = desc
         self._option = ConvolutionGradientOption.ALL
+        # False: a layer without biases skips their sums (set by a training graph whose update
+        # never reads them; the state's gradient_for_biases then raises instead of answering)
+        self._bias_sums = True
 
     @property
     def gradient_option(self) -> ConvolutionGradientOption:
@@ -161,31 +165,44 @@ class ConvolutionGradient(GradientKernel):
     def _wants_data_gradient(self) -> bool:
         return bool(self._option & ConvolutionGradientOption.GRADIENT_WITH_DATA)
 
-    def _grads(self, record: ForwardRecord) -> Callable[..., Grads]:
+    def _grads(self, record: ForwardRecord, need_bias: bool = True) -> Callable[..., Grads]:
+        """``(g, x, w, need_data, need_weights) -> (dx, dw, db)``; ``db`` may be None when
+        ``need_bias`` is False (families that always sum it ignore the flag)."""
         geom = record.params.geometry  # the forward's windows and edge mode
-        return lambda g, x, w, nd, nw: conv_backward(g, x, w, geom, nd, nw)
+        return lambda g, x, w, nd, nw: conv_backward(g, x, w, geom, nd, nw, need_bias)
 
     def _make_backward(
         self, cb: CommandBuffer, record: ForwardRecord, window: Window, states: list[Any]
     ) -> Backward:
         ws = record.params.weights
-        grads = self._grads(record)
+        need_b = self._bias_sums or ws.bias is not None
+        grads = self._grads(record, need_b)
         need_data = bool(self._option & ConvolutionGradientOption.GRADIENT_WITH_DATA)
         need_w = bool(self._option & ConvolutionGradientOption.GRADIENT_WITH_WEIGHTS_AND_BIAS)
         groups = _group_by_state(states)
+        if need_w and not need_b:
+            for state, _ in groups:
+                state._bias_sums_skipped = True
+
+        def sums(dw: torch.Tensor, db: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            # skipped bias sums: zeros keep the state's layout (data-parallel buckets, the
+            # optimizer's lists); the public gradient_for_biases refuses to be read
+            return dw, db if db is not None else dw.new_zeros(
+                dw.shape[0], dtype=acc_dtype(dw.dtype)
+            )
 
         def backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
             w, _ = ws.cast(x.dtype)
             if len(groups) == 1:
                 dx, dw, db = grads(g, x, w, need_data, need_w)
                 if need_w:
-                    groups[0][0]._accumulate(cb, (dw, db))
+                    groups[0][0]._accumulate(cb, sums(dw, db))
                 return dx
             dx = grads(g, x, w, True, False)[0] if need_data else None
             if need_w:  # distinct states per image: each sums its own images
                 for state, idx in groups:
                     _, dw, db = grads(g[idx], x[idx], w, False, True)
-                    state._accumulate(cb, (dw, db))
+                    state._accumulate(cb, sums(dw, db))
             return dx
 
         return backward
@@ -212,7 +229,7 @@ class FullyConnectedGradient(ConvolutionGradient):
     ``db[o] = sum_batch E(o)``.
     """
 
-    def _grads(self, record: ForwardRecord) -> Callable[..., Grads]:
+    def _grads(self, record: ForwardRecord, need_bias: bool = True) -> Callable[..., Grads]:
         ws = record.params.weights
         return lambda g, x, w, nd, nw: fc_backward(g, x, w, nd, nw, ws.matrix(w))
 
@@ -225,7 +242,7 @@ class ConvolutionTransposeGradient(ConvolutionGradient):
 
     _state_class = ConvolutionTransposeGradientState
 
-    def _grads(self, record: ForwardRecord) -> Callable[..., Grads]:
+    def _grads(self, record: ForwardRecord, need_bias: bool = True) -> Callable[..., Grads]:
         geom = record.params.geometry  # the forward's windows and edge mode
         stride = record.params.stride
         return lambda g, x, w, nd, nw: conv_transpose_backward(g, x, w, geom, stride, nd, nw)

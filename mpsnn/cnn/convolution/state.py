@@ -46,6 +46,7 @@ class ConvolutionGradientState(AccumulatorState):
         o, kh, kw, ig = desc.weights_shape
         self._oihw = (o, ig, kh, kw)
         self._preactivation: torch.Tensor | None = None  # fused neuron input (run time)
+        self._bias_sums_skipped = False  # a graph's layer without biases: no bias sums
 
     @property
     def convolution(self) -> Any:
@@ -61,13 +62,30 @@ class ConvolutionGradientState(AccumulatorState):
 
     @property
     def gradient_for_biases(self) -> torch.Tensor:
-        """dL/db, ``(O,)`` (zeros before any gradient ran, which later gradients add into)."""
+        """dL/db, ``(O,)`` (zeros before any gradient ran, which later gradients add into).
+
+        Raises:
+            ValueError: the layer has no biases and the training graph that made this state
+                skipped their sums (its update never reads them).
+        """
         self._check_live(None)
+        if self._bias_sums_skipped:
+            raise ValueError(
+                "[ConvolutionGradientState] gradient_for_biases must have been computed, got "
+                "a state of a layer without biases whose training graph skipped the bias sums"
+            )
         return self._sum(1)
 
     def _zeros(self) -> list[torch.Tensor]:
+        # float64 for float64 master weights (verification runs), so that a sum read before
+        # the gradient ran is the tensor the gradient adds into (not replaced when widened)
+        weights = getattr(getattr(self._convolution, "_weights", None), "weight", None)
+        dtype = torch.float64 if getattr(weights, "dtype", None) == torch.float64 else None
         dev = self._device.torch_device
-        return [torch.zeros(self._oihw, device=dev), torch.zeros(self._oihw[0], device=dev)]
+        return [
+            torch.zeros(self._oihw, device=dev, dtype=dtype),
+            torch.zeros(self._oihw[0], device=dev, dtype=dtype),
+        ]
 
     @property
     def gradient_for_weights_layout(self) -> str:
