@@ -15,6 +15,7 @@ activation), shaped like the convolution's destination, for `ConvolutionGradient
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -233,9 +234,11 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
             w.x.count,
         ) == grad._shape  # no view to make of the gradient (at every step)
 
+        backward = self._fused_backward(fused, state, result, region, whole)
+
         def run(out: Image) -> None:
             g = grad._read()
-            dz = fused.backward(g if whole else g[region], state._preactivation)
+            dz = backward(g if whole else g[region])
             if dz.shape != out._shape:  # outside what the forward wrote: no gradient
                 full = dz.new_zeros(out._shape)
                 full[region] = dz
@@ -243,6 +246,13 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
             out._write_block(dz, 0, 0, 0, 0, grad._data())
 
         return Encoding(run, (out,), (grad, result, state))
+
+    def _fused_backward(
+        self, fused: FusedNeuron, state: Any, result: Image, region: tuple, whole: bool
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``g -> g f'(z)`` of a fused neuron, from the pre-activation ``z`` the forward kept
+        in its state (``result`` is the forward's destination)."""
+        return lambda g: fused.backward(g, state._preactivation)
 
 
 class ReLUGradientOfResult(NeuronGradient):
@@ -267,6 +277,19 @@ class ReLUGradientOfResult(NeuronGradient):
 
     def _pointwise_backward(self, record: ForwardRecord, states: list[Any]) -> PointwiseBackward:
         return relu_backward_of_result
+
+    def _fused_backward(
+        self, fused: FusedNeuron, state: Any, result: Image, region: tuple, whole: bool
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A ReLU fused into a convolution: from the convolution's *result* (the region the
+        forward wrote), so the forward need not keep its pre-activation (a graph turns that
+        off: `_keep_preactivation`)."""
+
+        def backward(g: torch.Tensor) -> torch.Tensor:
+            y = result._read()
+            return relu_backward_of_result(g, y if whole else y[region])
+
+        return backward
 
 
 def _fused(record: ForwardRecord) -> FusedNeuron | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mpsnn.cnn.neuron import ReLUGradientOfResult
 from mpsnn.cnn.neuron_descriptor import FusedNeuron, NeuronType
 from mpsnn.core.kernel import TrainingStyle
 from mpsnn.graph.nodes import FilterNode, GradientFilterNode, ImageNode, StateNode
@@ -217,13 +218,16 @@ def plan_graph(graph: Any) -> None:
             last.destination_image_allocator = _NodeAllocator(
                 graph, graph._alloc_nodes[n.result_image._id]
             )
-    # the neuron gradient after a fused batch normalization passes its gradient on
+    # the neuron gradient after a fused batch normalization passes its gradient on; after a
+    # fused convolution, one that reads the result lets the convolution drop its pre-activation
     for n in order:
         fwd = getattr(n, "inference_node", None)
         if fwd is not None and fwd._id in graph._fused_into:
             target = graph._fused_into[fwd._id]
             if isinstance(target, _bn_node()):
                 graph._kernels[n._id] = _PassGradient()
+            elif isinstance(graph._kernels[n._id], ReLUGradientOfResult):
+                graph._kernels[target._id]._keep_preactivation = False
     # a result that is not needed: the first layer's data gradient is skipped
     if not graph._needed[0]:
         producer = graph._results[0].producer

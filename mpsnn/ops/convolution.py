@@ -154,9 +154,10 @@ def conv_backward(
     """Gradients of `conv_forward` for the incoming gradient ``grad`` (N, O, ny, nx).
 
     Returns:
-        ``(dx, dW, db)``: dx shaped like ``x`` (or None), dW like ``weight`` (in the storage
-        dtype, accumulated in float32 by the backend; or None), db ``(O,)`` in at least float32
-        (None when ``need_bias`` is False: a layer without biases).
+        ``(dx, dW, db)``: dx shaped like ``x`` (or None), dW like ``weight``, contiguous OIHW
+        (in the storage dtype, accumulated in float32 by the backend; in at least float32 when
+        the backend returned it channels-last; or None), db ``(O,)`` in at least float32 (None
+        when ``need_bias`` is False: a layer without biases).
     """
     if _cpu_half(x) or _cpu_half(grad):
         dx, dw, db = conv_backward(grad.float(), x.float(), weight.float(), geom, need_data,
@@ -187,8 +188,10 @@ def conv_backward(
     dx = apply_extract_adjoint(dt, plan) if need_data else None
     # g: grad, zero-padded where it was cropped
     db = _channel_sums(g, acc_dtype(grad.dtype)) if need_bias else None
-    if need_weights and not dw.is_contiguous():  # cuDNN's channels-last weight gradient:
-        dw = dw.contiguous()  # gradient states and optimizers hold the weights' own layout
+    if need_weights and not dw.is_contiguous():
+        # cuDNN's channels-last weight gradient: gradient states and optimizers hold the
+        # weights' own layout, and sum in float32 (float64 stays): one pass does both
+        dw = dw.to(acc_dtype(dw.dtype), memory_format=torch.contiguous_format)
     return dx, (dw if need_weights else None), db
 
 
@@ -354,7 +357,7 @@ def conv_transpose_backward(
     db = grad.sum((0, 2, 3), dtype=acc_dtype(grad.dtype))
     if geom.edge is EdgeMode.CLAMP:
         dxe, dw, _ = conv_backward(
-            grad, insert_zeros(x, sy, sx), weight, geom, need_data, need_weights
+            grad, insert_zeros(x, sy, sx), weight, geom, need_data, need_weights, False
         )
         dx = dxe[:, :, ::sy, ::sx] if dxe is not None else None
         return dx, dw, db

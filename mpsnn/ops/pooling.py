@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from mpsnn.core.geometry import AxisWindow, EdgeMode
+from mpsnn.core.layout import channels_last_preferred
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops._dtypes import device_constant, widen
 from mpsnn.ops.plans import PoolGeometry
@@ -224,12 +225,36 @@ def average_pool_forward(x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
 
 
 def average_pool_backward(g: torch.Tensor, x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
-    """``dx_t = sum_{o: t in T(o)} g_o / N(o)`` over image pixels (the sum's exact adjoint)."""
+    """``dx_t = sum_{o: t in T(o)} g_o / N(o)`` over image pixels (the sum's exact adjoint).
+
+    Windows that tile the image (stride = kernel, no dilation: a global average pooling, or
+    2×2 / 2 pooling) give each pixel one window's ``g_o / N(o)`` or nothing: that value is
+    rounded to ``g``'s dtype once and spread (`_spread`), which is what the float32 sum would
+    give, without its two float32 images of the source's size."""
     gd = _divide(widen(g), geom)
     # The sum's backward needs only the prepared source's size, which the plan knows.
     shape = (x.shape[0], x.shape[1], geom.plan.y.length, geom.plan.x.length)
+    k, s, d = _kernel(geom)
+    if k == s and d == (1, 1):
+        return apply_extract_adjoint(_spread(gd.to(g.dtype), k, shape), geom.plan)
     t = torch.empty(shape, dtype=gd.dtype, device=gd.device)
     return apply_extract_adjoint(_sum_pool_backward(gd, t, geom).to(g.dtype), geom.plan)
+
+
+def _spread(v: torch.Tensor, k: tuple[int, int], shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """``(N, C, H, W)`` with ``v[n, c, i, j]`` on window ``(i, j)``'s ``ky × kx`` pixels and
+    zeros on the rows and columns no window covers (one copy, in the preferred storage)."""
+    n, c, oy, ox = v.shape
+    ky, kx = k
+    if channels_last_preferred(v.dtype, v.device):  # the storage the next kernels want
+        t = v.permute(0, 2, 3, 1)[:, :, None, :, None, :].expand(n, oy, ky, ox, kx, c)
+        out = t.reshape(n, oy * ky, ox * kx, c).permute(0, 3, 1, 2)
+    else:
+        t = v[:, :, :, None, :, None].expand(n, c, oy, ky, ox, kx)
+        out = t.reshape(n, c, oy * ky, ox * kx)
+    if oy * ky < shape[2] or ox * kx < shape[3]:
+        out = F.pad(out, (0, shape[3] - ox * kx, 0, shape[2] - oy * ky))
+    return out
 
 
 # -- L2 norm --------------------------------------------------------------------------------

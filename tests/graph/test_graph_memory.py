@@ -300,3 +300,39 @@ def _walk_gradients(terminals):
             if img.producer is not None:
                 todo.append(img.producer)
     return out
+
+
+def test_a_relu_fused_into_a_convolution_differentiates_from_the_result(monkeypatch) -> None:
+    """The gradient of a ReLU fused into a convolution reads the convolution's result: its
+    state keeps no pre-activation, and at a pre-activation of exactly 0 the gradient is 0
+    (PyTorch's subgradient), equal to autograd's."""
+    from mpsnn.cnn.convolution.state import ConvolutionGradientState
+
+    g = gen(69)
+    dc = conv_ds(g, 3, 3, 2, 3, sgd1())
+    w = dc.weights().clone()
+    w[1] = 0.0  # channel 1: z = bias = 0 everywhere, a ReLU at its kink
+    b = dc.bias_terms().clone()
+    b[1] = 0.0
+    dc = m.TensorConvolutionDataSource(dc.descriptor(), w, b, optimizer=sgd1())
+    conv = m.ConvolutionNode(m.ImageNode("x"), dc)
+    relu = m.NeuronReLUNode(conv.result_image)
+    graph, _ = training(mse_loss(relu.result_image))
+    assert graph._fused and graph._kernels[conv._id]._keep_preactivation is False
+    kept = []
+    real = ConvolutionGradientState._free_storage
+
+    def spy(self) -> None:
+        kept.append(self._preactivation)
+        real(self)
+
+    monkeypatch.setattr(ConvolutionGradientState, "_free_storage", spy)
+    xt, target = rand(g, 2, 2, 5, 4), rand(g, 2, 3, 5, 4)
+    tconv = TorchConv(dc)
+    out = encode(graph, [xt], [m.LossLabels(DEV, target)])
+    assert kept and all(k is None for k in kept)
+    xr = xt.clone().requires_grad_()
+    mse_reference(F.relu(tconv(xr)), target).backward()
+    assert_close(out.tensor, xr.grad, "dL/dx", TOL)
+    tconv.check_step("fused ReLU")
+    assert tconv.b.grad[1] == 0  # the kink: no gradient through channel 1

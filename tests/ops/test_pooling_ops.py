@@ -173,3 +173,31 @@ def test_tile_paths_need_cpu_float32_or_float64_data(monkeypatch) -> None:
         assert torch.equal(bits(max_pool_forward(x, geom)), bits(want))
         want = max_pool_backward_portable(g, x, geom)
         assert torch.equal(bits(max_pool_backward(g, x, geom)), bits(want))
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str
+)
+@pytest.mark.parametrize("shape", TILES, ids=str)
+def test_tiled_average_gradient_equals_the_float32_sum_bit_for_bit(shape, dtype) -> None:
+    """Disjoint windows (stride = kernel): the average's gradient spreads ``g / N`` rounded
+    once, which is the general path's value (its float32 sum has one term per pixel). The one
+    difference in bits: a -0.0 gradient is copied as -0.0 where the sum made +0.0."""
+    for valid in (None, (1, shape[2] - 1)):  # every tap counts, or a divisor per window
+        geom = pool_geometry(
+            AxisWindow(shape[6], shape[8], shape[4], shape[4], 1, shape[2]),
+            AxisWindow(shape[7], shape[9], shape[5], shape[5], 1, shape[3]),
+            EdgeMode.ZERO,
+            valid_y=valid,
+        )
+        g = _gradient(shape, torch.float64, 31).to(dtype)
+        x = torch.zeros(shape[:4], dtype=dtype)
+        got = P.average_pool_backward(g, x, geom)
+        gd = P._divide(g.double() if dtype == torch.float64 else g.float(), geom)
+        t = torch.empty((shape[0], shape[1], geom.plan.y.length, geom.plan.x.length),
+                        dtype=gd.dtype)  # fmt: skip
+        want = P.apply_extract_adjoint(P._sum_pool_backward(gd, t, geom).to(dtype), geom.plan)
+        assert got.dtype == dtype and got.shape == x.shape
+        nonzero = want != 0
+        assert torch.equal(bits(got[nonzero]), bits(want[nonzero]))
+        assert (got[~nonzero] == 0).all() and (g.numel() == 0 or (g == 0).any())

@@ -110,6 +110,9 @@ class _ConvolutionBase(CNNKernel):
 
     _gradient_state_class = ConvolutionGradientState
     _reused_across_batch = True
+    # a training encode keeps the fused neuron's input for `NeuronGradient`; a graph whose
+    # neuron gradient reads the result instead (`ReLUGradientOfResult`) turns this off
+    _keep_preactivation = True
 
     def __init__(self, device: Device, weights: ConvolutionDataSource) -> None:
         who = type(self).__name__
@@ -308,7 +311,7 @@ class _ConvolutionBase(CNNKernel):
         ws = self._weights
         half = self._precision is ConvolutionAccumulatorPrecisionOption.HALF
         neuron = self._neuron
-        keep = [state for state, _ in records] if neuron is not None else []
+        keep = [s for s, _ in records] if neuron is not None and self._keep_preactivation else []
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             if half and x.dtype != torch.float16:
