@@ -181,7 +181,9 @@ def test_resume_uses_the_device_an_auto_run_resolved_to(
     resumes there, even where auto would now pick CUDA; a checkpoint of a GPU run resumed where
     that GPU is missing falls back to what auto picks (here the CPU)."""
     folder = tmp_path / "run"
-    assert _run("train", *SMALL, "--epochs", "1", "--checkpoint-dir", str(folder))[0] == 0
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: False)  # "auto" picks the CPU
+        assert _run("train", *SMALL, "--epochs", "1", "--checkpoint-dir", str(folder))[0] == 0
     ckpt = m.load(folder / "checkpoint.mpsnn")
     assert ckpt["config"]["device"] == "auto" and ckpt["device"] == "cpu"
     with monkeypatch.context() as patch:
@@ -191,6 +193,7 @@ def test_resume_uses_the_device_an_auto_run_resolved_to(
     ckpt = m.load(folder / "checkpoint.mpsnn")
     ckpt["device"], ckpt["config"]["device"] = "cuda:0", "cuda"  # as a GPU run would record
     m.save(ckpt, folder / "checkpoint.mpsnn")
-    if not torch.cuda.is_available():
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: False)  # that GPU is missing here
         code, out = _run("train", "--resume", "--epochs", "3", "--checkpoint-dir", str(folder))
-        assert code == 0 and "resumed after epoch 2" in out, out
+    assert code == 0 and "resumed after epoch 2" in out and "images), cpu, float32" in out, out
