@@ -97,14 +97,23 @@ class _NeuronGradientNode(UnaryGradientNode):
         super().__init__(source_gradient, forward)
 
     def _uses_result(self) -> bool:
-        """Whether the gradient reads the ReLU's result (decided when a graph is planned)."""
+        """Whether the gradient reads the ReLU's result (decided when a graph is planned).
+
+        After a convolution, which may run fused with the ReLU and then computes the
+        pre-activation in its *source's* dtype, that source must be in the graph's format too
+        (a wider graph input would round a tiny positive pre-activation to a zero result)."""
         src, result = self._forward.source_images[0], self._forward.result_image
-        return (
+        if not (
             self._plain_relu
             and src.producer is not None
             and src.format is None
             and result.format is None
-        )
+        ):
+            return False
+        if isinstance(src.producer, fwd.ConvolutionNode):
+            before = src.producer.source_images[0]
+            return before.producer is not None and before.format is None
+        return True
 
     def _content_sources(self) -> list[ImageNode]:
         if self._uses_result():
@@ -196,11 +205,14 @@ class ArithmeticGradientNode(GradientFilterNode):
         """Whether this node holds its incoming gradient's image instead of a copy: the
         kernel's gradient is that image (`ArithmeticGradient._passes_gradient_on`), the
         graph would store it in the same format, and the result is the graph's own
-        intermediate (not a result, an export, or an image of a user's allocator)."""
+        intermediate (not a result, an export, or an image of a user's allocator), and the
+        incoming gradient is not a source of the graph."""
         graph, result = step.graph, self.result_image
         passes = getattr(kernel, "_passes_gradient_on", None)
         return (
             passes is not None
+            # a user's source: its planned read count counts this node's one read
+            and self._sources[0]._id not in graph._source_ids
             and result._id not in graph._permanent
             and result.image_allocator is None
             and graph._alloc_nodes.get(result._id) is result

@@ -5,7 +5,9 @@ Fusion: a neuron node whose source is made by a convolution-family or batch-norm
 node, with no other reader and not exported, runs inside that node's kernel (the convolution's
 fused neuron, applied after the bias; batch normalization's, after gamma and beta). Its
 gradient follows: after a convolution, `NeuronGradient` differentiates the fused neuron from
-the convolution's state; after batch normalization, the batch-normalization gradient kernels
+the pre-activation the convolution keeps in its state (a plain ReLU computed in the graph's
+format reads the convolution's result instead, `ReLUGradientOfResult`, and nothing is kept);
+after batch normalization, the batch-normalization gradient kernels
 apply the neuron's gradient first and the neuron's gradient node passes its input on.
 
 Aliases: a fused neuron's result, an inference dropout's result (the identity) and a gradient

@@ -309,13 +309,15 @@ def test_a_relu_fused_into_a_convolution_differentiates_from_the_result(monkeypa
     from mpsnn.cnn.convolution.state import ConvolutionGradientState
 
     g = gen(69)
+    d0 = conv_ds(g, 1, 1, 2, 2, sgd1())  # the fused convolution reads an intermediate
     dc = conv_ds(g, 3, 3, 2, 3, sgd1())
     w = dc.weights().clone()
     w[1] = 0.0  # channel 1: z = bias = 0 everywhere, a ReLU at its kink
     b = dc.bias_terms().clone()
     b[1] = 0.0
     dc = m.TensorConvolutionDataSource(dc.descriptor(), w, b, optimizer=sgd1())
-    conv = m.ConvolutionNode(m.ImageNode("x"), dc)
+    conv0 = m.ConvolutionNode(m.ImageNode("x"), d0)
+    conv = m.ConvolutionNode(conv0.result_image, dc)
     relu = m.NeuronReLUNode(conv.result_image)
     graph, _ = training(mse_loss(relu.result_image))
     assert graph._fused and graph._kernels[conv._id]._keep_preactivation is False
@@ -328,11 +330,58 @@ def test_a_relu_fused_into_a_convolution_differentiates_from_the_result(monkeypa
 
     monkeypatch.setattr(ConvolutionGradientState, "_free_storage", spy)
     xt, target = rand(g, 2, 2, 5, 4), rand(g, 2, 3, 5, 4)
-    tconv = TorchConv(dc)
+    t0, tconv = TorchConv(d0), TorchConv(dc)
     out = encode(graph, [xt], [m.LossLabels(DEV, target)])
     assert kept and all(k is None for k in kept)
     xr = xt.clone().requires_grad_()
-    mse_reference(F.relu(tconv(xr)), target).backward()
+    mse_reference(F.relu(tconv(t0(xr))), target).backward()
     assert_close(out.tensor, xr.grad, "dL/dx", TOL)
     tconv.check_step("fused ReLU")
     assert tconv.b.grad[1] == 0  # the kink: no gradient through channel 1
+
+
+def test_a_fused_relu_on_a_wider_graph_input_keeps_its_pre_activation() -> None:
+    """A convolution of a float32 graph input computes its pre-activation in float32; in a
+    float16 graph a tiny positive one rounds to a zero result. Its fused ReLU's gradient then
+    reads the kept pre-activation (MPS's rule), so that pixel's gradient is not lost."""
+    desc = m.ConvolutionDescriptor(1, 1, 2, 3)
+    w = torch.zeros(desc.weights_shape, dtype=torch.float32)
+    ds = m.TensorConvolutionDataSource(desc, w, torch.full((3,), 1e-9), optimizer=sgd1())
+    conv = m.ConvolutionNode(m.ImageNode("x"), ds)
+    relu = m.NeuronReLUNode(conv.result_image)
+    graph, _ = training(mse_loss(relu.result_image), fmt=m.FeatureChannelFormat.FLOAT16)
+    assert graph._kernels[conv._id]._keep_preactivation is True
+    xt = rand(gen(70), 2, 2, 3, 3).float()
+    encode(graph, [xt], [m.LossLabels(DEV, torch.ones(2, 3, 3, 3))])
+    # dL/db = sum(y - 1) over 2 x 3 x 3 pixels per channel = -18: SGD (lr 1) moves b by +18
+    assert torch.allclose(ds.bias_terms(), torch.full((3,), 18.0), atol=1e-2)
+
+
+def test_an_addition_gradient_that_is_a_graph_source_is_not_shared() -> None:
+    """An incoming gradient given as a source of the graph is counted once per reading node
+    (``read_count_for_source_image``); the addition's gradients read it, copy it, and a
+    temporary source image with exactly that read count serves the whole encode."""
+    g = gen(73)
+    x, gin = m.ImageNode("x"), m.ImageNode("g")
+    bn = m.BatchNormalizationNode(x, m.TensorBatchNormalizationDataSource(3))
+    add = m.AdditionNode(bn.result_image, x)
+    ga, gx = add.gradient_filters([gin])
+    bng = bn.gradient_filter(ga.result_image)
+    graph = m.Graph.from_results(DEV, [bng.result_image, gx.result_image], [True, True])
+    graph.format = m.FeatureChannelFormat.FLOAT64
+    cb = DEV.new_command_queue().command_buffer()
+    gt = rand(g, 2, 3, 4, 5)
+    gs = m.TemporaryImage(cb, m.ImageDescriptor(m.FeatureChannelFormat.FLOAT64, 5, 4, 3, 2))
+    for i in range(2):
+        gs.write_bytes(gt[i].numpy(), m.DataLayout.FEATURE_CHANNELS_HEIGHT_WIDTH, i)
+    idx = graph.source_image_handles.index("g")
+    gs.read_count = graph.read_count_for_source_image(idx)
+    srcs = [None, None]
+    srcs[graph.source_image_handles.index("x")] = m.ImageBatch.from_tensor(rand(g, 2, 3, 4, 5))
+    srcs[idx] = m.ImageBatch(gs)
+    out = graph.encode_batch(cb, srcs)
+    (gx_value,) = graph.intermediate_images
+    cb.commit()
+    cb.wait_until_completed()
+    assert out is not None and out.tensor.shape == (2, 3, 4, 5)
+    assert torch.equal(gx_value.tensor, gt)  # the secondary gradient: the incoming one

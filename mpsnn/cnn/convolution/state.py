@@ -17,7 +17,8 @@ class ConvolutionGradientState(AccumulatorState):
     """Weight and bias gradients of one batch (MPS ``MPSCNNConvolutionGradientState``).
 
     Written by: the forward `Convolution` / `FullyConnected` encode (its `ConvolutionRecord`,
-    and the fused neuron's input when it has one) and the gradient kernel
+    and the fused neuron's input when it has one and a `NeuronGradient` needs it) and the
+    gradient kernel
     (``gradient_for_weights`` and ``gradient_for_biases``, **summed** over every image and
     every gradient encode that ran with this state; never averaged). Read by: weight updates
     (data source ``update`` / ``update_on_cpu``, optimizers, reloads), `NeuronGradient` (a
@@ -25,7 +26,10 @@ class ConvolutionGradientState(AccumulatorState):
     ``MPSImageSizeEncodingState``).
 
     Sums are float32 (float64 when the images are float64, for verification), accumulated as
-    the work runs (see `AccumulatorState`); `reset` clears them.
+    the work runs (see `AccumulatorState`); `reset` clears them. A sum read before any
+    gradient ran is the tensor later gradients add into, except where float64 images meet
+    float32 master weights: there the first float64 gradient replaces it (read it after the
+    work ran).
     """
 
     def __init__(
