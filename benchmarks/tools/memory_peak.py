@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.tools.twin import torch_twin_step
-from mpsnn.cli.bench import _batch, _labels
-from mpsnn.cli.common import DTYPES, build_model, make_optimizer, parse_device
+from benchmarks.tools.twin import mpsnn_graph_step, torch_twin_step
+from mpsnn.cli.common import parse_device
 
 
 def _site(frames: list[dict[str, Any]]) -> str:
@@ -68,22 +67,16 @@ def analyse(name: str, step: Callable[[], None], top: int) -> None:
         print(f"  {size / 2**20:8.1f} MiB {count[where]:4d}x {where}")
 
 
-def _mpsnn(a: argparse.Namespace, dev: Any, x: torch.Tensor, y: torch.Tensor, shape: tuple) -> None:
-    net = build_model(a.model, dev, make_optimizer("sgd", dev, None), seed=0, input_shape=shape)
-    graph = net.training_graph(a.batch, storage=DTYPES[a.dtype])
-    queue = dev.new_command_queue()
-    images, labels = [_batch(x)], [_labels(dev, y)]
+def _mpsnn(a: argparse.Namespace, dev: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+    run = mpsnn_graph_step(a.model, dev, x, y, a.dtype)
 
     def mpsnn_step() -> None:
-        cb = queue.command_buffer()
-        graph.encode_batch(cb, images, labels)
-        cb.commit()
-        cb.wait_until_completed()
+        run.step().wait_until_completed()
 
     for _ in range(3):
         mpsnn_step()
     analyse("mpsnn eager graph step", mpsnn_step, a.top)
-    print(graph.debug_description().splitlines()[-1])
+    print(run.graph.debug_description().splitlines()[-1])
 
 
 def main() -> None:
@@ -97,7 +90,7 @@ def main() -> None:
     shape = (3, 32, 32) if a.model == "resnet18" else (1, 28, 28)
     x = torch.randn(a.batch, *shape, device=dev.torch_device)
     y = torch.randint(0, 10, (a.batch,), device=dev.torch_device)
-    _mpsnn(a, dev, x, y, shape)  # its graph is freed before PyTorch's step runs
+    _mpsnn(a, dev, x, y)  # its graph is freed before PyTorch's step runs
     torch.cuda.empty_cache()
     torch_step = torch_twin_step(a.model, dev, x, y, a.dtype)
     for _ in range(3):

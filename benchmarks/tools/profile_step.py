@@ -16,9 +16,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.tools.twin import torch_twin_step
-from mpsnn.cli.bench import _batch, _labels
-from mpsnn.cli.common import DTYPES, build_model, make_optimizer, parse_device
+from benchmarks.tools.twin import mpsnn_graph_step, torch_twin_step
+from mpsnn.cli.common import model_class, parse_device
 
 
 def _kernels(fn, steps: int, top: int, title: str) -> None:
@@ -47,18 +46,11 @@ def main() -> None:
     dev = parse_device(args.device)
     cuda = dev.torch_device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    model = build_model(args.model, dev, make_optimizer(args.optimizer, dev, None), seed=0)
-    shape = model.input_shape
+    shape = model_class(args.model).input_shape
     x = torch.randn(args.batch, *shape, device=dev.torch_device)
     y = torch.randint(0, 10, (args.batch,), device=dev.torch_device)
-    graph = model.training_graph(args.batch, storage=DTYPES[args.dtype])
-    queue = dev.new_command_queue()
-    images, labels = [_batch(x)], [_labels(dev, y)]
-
-    def eager() -> None:
-        cb = queue.command_buffer()
-        graph.encode_batch(cb, images, labels)
-        cb.commit()
+    run = mpsnn_graph_step(args.model, dev, x, y, args.dtype, args.optimizer)
+    queue, eager = run.queue, run.step
 
     for _ in range(3):
         eager()
@@ -70,7 +62,7 @@ def main() -> None:
         cb = queue.command_buffer()
         t0 = time.perf_counter()
         enc.enable()
-        graph.encode_batch(cb, images, labels)
+        run.encode(cb)
         enc.disable()
         t1 = time.perf_counter()
         com.enable()
@@ -88,10 +80,10 @@ def main() -> None:
         print("\n".join(s.getvalue().splitlines()[6:24]))
     if not cuda:
         return
-    compiled = graph.compile(queue)
+    compiled = run.graph.compile(queue)
     for _ in range(3):
-        compiled(images, labels)
-    _kernels(lambda: compiled(images, labels), 5, args.top, "mpsnn replayed")
+        compiled(run.images, run.labels)
+    _kernels(lambda: compiled(run.images, run.labels), 5, args.top, "mpsnn replayed")
     torch_step = torch_twin_step(args.model, dev, x, y, args.dtype, args.optimizer)
     for _ in range(3):
         torch_step()

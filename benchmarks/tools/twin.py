@@ -1,17 +1,55 @@
-"""The PyTorch twin's training step the tools compare against: the model's `torch_module`, on
-CUDA, channels-last with autocast for float16/bfloat16 (PyTorch's fast mixed-precision path),
-cross-entropy, and the optimizer `mpsnn bench` uses."""
+"""The two training steps the tools compare: mpsnn's eager graph step (`mpsnn_graph_step`) and
+the PyTorch twin's (`torch_twin_step`: the model's `torch_module`, on CUDA, channels-last with
+autocast for float16/bfloat16, PyTorch's fast mixed-precision path), cross-entropy, and the
+optimizer `mpsnn bench` uses."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from mpsnn.cli.bench import _torch_optimizer
-from mpsnn.cli.common import build_model
+from mpsnn.cli.bench import _batch, _labels, _torch_optimizer
+from mpsnn.cli.common import DTYPES, build_model, make_optimizer
+
+
+@dataclass
+class GraphStep:
+    """An mpsnn training graph on fixed inputs (``images``, ``labels``): ``encode(cb)``
+    encodes one step on ``cb``; ``step()`` encodes one on a new command buffer of ``queue``,
+    commits it and returns it."""
+
+    graph: Any
+    queue: Any
+    images: list[Any]
+    labels: list[Any]
+    encode: Callable[[Any], None]
+    step: Callable[[], Any]
+
+
+def mpsnn_graph_step(
+    model: str, dev: Any, x: torch.Tensor, y: torch.Tensor, dtype: str, optimizer: str = "sgd"
+) -> GraphStep:
+    """``model``'s training graph (seed 0, ``dtype`` storage) stepping eagerly on ``(x, y)``."""
+    net = build_model(model, dev, make_optimizer(optimizer, dev, None), seed=0,
+                      input_shape=tuple(x.shape[1:]))  # fmt: skip
+    graph = net.training_graph(x.shape[0], storage=DTYPES[dtype])
+    queue = dev.new_command_queue()
+    images, labels = [_batch(x)], [_labels(dev, y)]
+
+    def encode(cb: Any) -> None:
+        graph.encode_batch(cb, images, labels)
+
+    def step() -> Any:
+        cb = queue.command_buffer()
+        encode(cb)
+        cb.commit()
+        return cb
+
+    return GraphStep(graph, queue, images, labels, encode, step)
 
 
 def torch_twin_step(

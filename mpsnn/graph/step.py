@@ -146,7 +146,7 @@ class _Step:
         the storage after the last of both."""
         value = self.image(same_as)
         self.images[node._id] = value
-        root = value.image._root() if isinstance(value, ImageBatch) else value._root()
+        root = _root(value)
         self.shared[id(root)] = self.shared.get(id(root), 1) + 1
 
     def done(self, node: _Node) -> None:
@@ -161,7 +161,7 @@ class _Step:
     def _release(self, key: int) -> None:
         value = self.images.get(key)
         if value is not None:
-            root = value.image._root() if isinstance(value, ImageBatch) else value._root()
+            root = _root(value)
             holders = self.shared.get(id(root), 1)
             if holders > 1:  # another key still holds this storage
                 self.shared[id(root)] = holders - 1
@@ -178,6 +178,11 @@ class _Step:
                 if temporary and st._released_by is None:
                     st._read_count = 0
                     st._release("read_count = 0")
+
+
+def _root(value: ImageBatch | Image) -> Image:
+    """The image that owns the storage of a step value (a batch or an image, maybe a view)."""
+    return value.image._root() if isinstance(value, ImageBatch) else value._root()
 
 
 def nbytes(image: Image) -> int:
