@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from mpsnn.cnn.neuron_descriptor import FusedNeuron
 from mpsnn.core._checks import check_int
 from mpsnn.core.binary import BinaryKernel
 from mpsnn.core.descriptor import ImageDescriptor, _result_format
@@ -33,6 +34,7 @@ from mpsnn.ops.arithmetic import (
     MULTIPLY,
     SUBTRACT,
     ReadGeometry,
+    add_activation,
     pack_bits,
     read_geometry,
     read_source,
@@ -131,6 +133,10 @@ class Arithmetic(BinaryKernel):
         self._bias = 0.0
         self._minimum_value, self._maximum_value = -FLT_MAX, FLT_MAX
         self._cstride = [1, 1]
+        # A neuron applied after the clamp: not an MPS property. A graph fuses the ReLU after
+        # an arithmetic node into it (`mpsnn.graph.plan`); the gradient kernels ignore it (the
+        # graph differentiates the ReLU from its result before the arithmetic gradients run).
+        self._neuron: FusedNeuron | None = None
 
     @property
     def primary_stride_in_feature_channels(self) -> int:
@@ -365,7 +371,7 @@ class Arithmetic(BinaryKernel):
             (p._shape, s._shape, dshape), (pz, sz, dz, count),
             (self._dco, channels, y0, ny, x0, nx), batch,
         )  # fmt: skip
-        run = _command(record, p, s, states[0] if states else None)
+        run = _command(record, p, s, states[0] if states else None, self._neuron)
         out = dst_write if dst_write is not None else desc
         enc = Encoding(run, (out,), (p, s), [(st, record) for st in states], None, batch)
         return self._apply(cb, enc)[0]  # type: ignore[return-value]
@@ -406,22 +412,35 @@ def scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
     return t if factor == 1.0 else t * factor
 
 
-def _command(record: ArithmeticRecord, p: Image, s: Image, state: Any) -> Callable[[Image], None]:
+def _command(
+    record: ArithmeticRecord, p: Image, s: Image, state: Any, neuron: FusedNeuron | None = None
+) -> Callable[[Image], None]:
     pz, sz, dz, count = record.images
     c0, nc, y0, ny, x0, nx = record.out
     lo, hi = record.clamp
     clamps = lo > -FLT_MAX or hi < FLT_MAX
+    # a plain sum with the neuron after it: one pass where it can (`add_activation`)
+    add_then = (
+        neuron is not None and record.op == ADD and record.scales == (1.0, 1.0, 0.0) and not clamps
+    )
 
     def run(out: Image) -> None:
         x = read_source(p._read()[pz : pz + count], record.reads[0])
         y = read_source(s._read()[sz : sz + count], record.reads[1])
-        z = apply_op(record.op, x, y, record.scales)
-        if state is not None:
-            state._mask = pack_bits((z > lo) & (z < hi)) if clamps else None
-            state._mask_shape = tuple(z.shape)
-            state._divisor = y.clone() if record.op == DIVIDE else None  # never an input alias
-        if clamps:
-            z = z.clamp(lo, hi)
+        if add_then and x.shape == y.shape:
+            z = add_activation(x, y, neuron.params)  # type: ignore[union-attr]
+            if state is not None:  # no clamp, no divisor: only the shape to record
+                state._mask, state._mask_shape, state._divisor = None, tuple(z.shape), None
+        else:
+            z = apply_op(record.op, x, y, record.scales)
+            if state is not None:
+                state._mask = pack_bits((z > lo) & (z < hi)) if clamps else None
+                state._mask_shape = tuple(z.shape)
+                state._divisor = y.clone() if record.op == DIVIDE else None  # no input alias
+            if clamps:
+                z = z.clamp(lo, hi)
+            if neuron is not None:
+                z = neuron.forward(z)
         if z.shape != (count, nc, ny, nx):  # materialize a broadcast (an expanded view); an
             z = torch.broadcast_to(z, (count, nc, ny, nx)).contiguous()  # equal shape keeps
         out._write_block(z.to(out._read_dtype), dz, c0, y0, x0, p._data())  # its layout

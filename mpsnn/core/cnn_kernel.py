@@ -431,17 +431,8 @@ class CNNKernel(SharedProperties, Kernel):
             records: Records = []
             if states:  # an inference encode writes no state: no record to make
                 unique = _unique(states)
-                record = ForwardRecord(
-                    self,
-                    window,
-                    self._edge_mode,
-                    self._offset,
-                    self._clip,
-                    src._shape,
-                    desc.shape if dst is None else dst._shape,  # type: ignore[union-attr]
-                    self._record_params(window, memo),
-                    batch,
-                )
+                dst_shape = desc.shape if dst is None else dst._shape  # type: ignore[union-attr]
+                record = self._forward_record(window, memo, src, dst_shape, batch)
                 for st in unique:
                     st._check_record(record, who)
                 records = self._state_records(record, unique)
@@ -454,6 +445,32 @@ class CNNKernel(SharedProperties, Kernel):
             raise
         enc = Encoding(run, (out,), (src,), records, None, batch)
         return self._apply(cb, enc)[0]  # type: ignore[return-value]
+
+    def _forward_record(
+        self, window: Window, memo: dict[str, Any], src: Image, dst_shape: Any, batch: bool
+    ) -> ForwardRecord:
+        return ForwardRecord(
+            self, window, self._edge_mode, self._offset, self._clip, src._shape, dst_shape,
+            self._record_params(window, memo), batch,
+        )  # fmt: skip
+
+    def _record_only(self, src: Image, states: list[Any]) -> None:
+        """Write into ``states`` the record a batch encode of ``src`` would, and encode no
+        command: a graph that ran this kernel's math inside the kernel before it (a ReLU fused
+        into an addition) gives the gradient the state it expects. Validated and planned like
+        an encode; the kernel is left as it was."""
+        who = type(self).__name__
+        saved = self._save_geometry()
+        try:
+            desc, _, window, memo = self._plan(src, None, True, None, saved)
+            record = self._forward_record(window, memo, src, desc.shape, True)  # type: ignore[union-attr]
+            unique = _unique(states)
+            for st in unique:
+                st._check_record(record, who)
+        finally:
+            self._restore_geometry(saved)
+        for st, rec in self._state_records(record, unique):
+            st._forward = rec
 
     # -- planning (pure: the kernel is restored before returning) -----------------------------
 

@@ -49,6 +49,13 @@ class Graph:
         format: storage of intermediate images (FLOAT32 default; FLOAT16, BFLOAT16, FLOAT64);
             a node's own ``format`` wins.
         destination_image_allocator: how the result image is allocated (None: permanent).
+        recompute_normalization_results: True (default) frees a training-mode batch
+            normalization's result after its last forward reader and computes it again,
+            from the normalization's input and batch statistics, just before the first
+            gradient that reads it (a convolution's weight gradient reads its source). The
+            recomputed image equals the freed one bit for bit; the backward then holds one
+            such image at a time instead of all of them (ResNet-18: every BN + ReLU result).
+            It costs one elementwise pass per such result. False keeps them.
         data_parallel: None (one process: no hook is called), or an object whose
             ``begin_step(step)`` returns the step's collectives (`StepCollectives`, in
             ``mpsnn.graph.step``), e.g. `mpsnn.DataParallel`: each process encodes its shard
@@ -101,6 +108,7 @@ class Graph:
         self.destination_image_allocator: Any = None
         self.label: str | None = None
         self.data_parallel: Any = None
+        self.recompute_normalization_results = True
         plan_graph(self)  # sets _order, _sources, _state_sources, _kernels, _training, ...
         self._last_plan_report: dict[str, Any] | None = None
         self._intermediates: list[Any] = []
@@ -174,6 +182,11 @@ class Graph:
         """``format`` of the graph and of every result image node (plain attributes a user
         may set) is a `FeatureChannelFormat`: checked before anything is encoded, since the
         allocator trusts them."""
+        if type(self.recompute_normalization_results) is not bool:
+            raise TypeError(
+                f"[{who}] recompute_normalization_results must be a bool, got "
+                f"{self.recompute_normalization_results!r}"
+            )
         if not isinstance(self.format, FeatureChannelFormat):
             raise TypeError(
                 f"[{who}] format must be a FeatureChannelFormat, got {type(self.format).__name__}"
@@ -281,7 +294,10 @@ class Graph:
         self._current = step
         mark = command_buffer._mark()
         try:
+            recompute = step.recompute
             for node in self._order:
+                if recompute and node._id in recompute:
+                    step.recompute_before(node)
                 node._run(step, self._kernels[node._id])
                 step.done(node)
             if step.collectives is not None:
@@ -300,7 +316,8 @@ class Graph:
         # the total is computed when asked for (debug_description), not at every step
         self._last_plan_report = {
             "peak_bytes": step.peak,
-            "images": [v for k, v in step.images.items() if k not in self._source_ids],
+            "images": [v for k, v in step.images.items() if k not in self._source_ids]
+            + step.recomputed,
         }
         if not self._needed[0]:
             return None
@@ -389,6 +406,11 @@ class Graph:
             ]
             if last:
                 extra.append("frees " + ", ".join(last))
+            if self.recompute_normalization_results:
+                for r in self._recompute.get(node._id, ()):
+                    extra.insert(0, f"recomputes {names.get(r.key, '?')} first")
+                for r in self._recompute_after.get(node._id, ()):
+                    extra.append(f"frees {names.get(r.key, '?')} until recomputed")
             label = f" {node.label!r}" if node.label else ""
             lines.append(
                 f"  {i:3d} {type(node).__name__}{label} [{kname}] ({reads}) -> t{i}"

@@ -58,7 +58,13 @@ class NeuronNode(UnaryNode):
             return super()._run(step, kernel)
         # fused into the filter before it: its result (and state) are this node's
         step.alias(self.result_image, target.result_image)
-        if target.result_state is not None and target.result_state._id in step.states:
+        if kernel.neuron is not None:  # after arithmetic: the neuron's own record, no command
+            if step.training(self):
+                x = step.image(self._sources[0])
+                states = step.states_for(self, kernel.neuron, x)
+                kernel.neuron._record_only(x.image, list(states))
+                step.set_state(self.result_state, states)
+        elif target.result_state is not None and target.result_state._id in step.states:
             step.set_state(self.result_state, step.state(target.result_state))
         return None
 

@@ -8,7 +8,12 @@ gradient follows: after a convolution, `NeuronGradient` differentiates the fused
 the pre-activation the convolution keeps in its state (a plain ReLU computed in the graph's
 format reads the convolution's result instead, `ReLUGradientOfResult`, and nothing is kept);
 after batch normalization, the batch-normalization gradient kernels
-apply the neuron's gradient first and the neuron's gradient node passes its input on.
+apply the neuron's gradient first and the neuron's gradient node passes its input on. A ReLU
+after an arithmetic node fuses into it only when its gradient reads its own result (nothing
+keeps the arithmetic's result); its node then writes its own forward record (no command) for
+that gradient. In an inference graph any neuron after arithmetic fuses.
+
+Recomputation: see `_plan_recompute`.
 
 Aliases: a fused neuron's result, an inference dropout's result (the identity) and a gradient
 passed on hold the image of another node; they share its read-count key, and a kept alias
@@ -69,15 +74,26 @@ def _order(results: list[ImageNode]) -> tuple[list[FilterNode], list[ImageNode],
 
 def _fusible(node: FilterNode, readers: dict[int, list[FilterNode]], keep: set[int]) -> Any:
     """The node a neuron node fuses into, or None."""
-    from mpsnn.graph.forward_nodes import ConvolutionNode, NeuronNode
+    from mpsnn.graph.forward_nodes import ConvolutionNode, NeuronNode, _ArithmeticNode
+    from mpsnn.graph.gradient_nodes import _NeuronGradientNode
     from mpsnn.graph.normalization_nodes import BatchNormalizationNode
 
     if not isinstance(node, NeuronNode) or node.descriptor.neuron_type is NeuronType.PRELU:
         return None
     src = node.source_images[0]
     prev = src.producer
-    if not isinstance(prev, ConvolutionNode | BatchNormalizationNode):
+    if not isinstance(prev, ConvolutionNode | BatchNormalizationNode | _ArithmeticNode):
         return None
+    if isinstance(prev, _ArithmeticNode):
+        # nothing keeps the arithmetic's result: only a ReLU whose gradient reads its own
+        # result (a plain ReLU in the graph's format) can fuse into it
+        for g in readers.get(node.result_image._id, []) + readers.get(src._id, []):
+            if (
+                isinstance(g, GradientFilterNode)
+                and g.inference_node is node
+                and not (isinstance(g, _NeuronGradientNode) and g._uses_result())
+            ):
+                return None
     if isinstance(prev, ConvolutionNode):
         desc = prev.data_source.descriptor()
         if getattr(desc, "fused_neuron_descriptor", None) is not None:
@@ -161,10 +177,14 @@ def plan_graph(graph: Any) -> None:
 
     # the image node a filter allocates its result for: the kept node that shows that image
     # (a fused neuron's or an inference dropout's result, which must be permanent and take the
-    # result's allocator and format), else its own result
+    # result's allocator and format), or the one with an allocator of its own, else its own
+    # result
     shown: dict[int, ImageNode] = {}
     for img in [*graph._results, *graph._exported]:
         shown.setdefault(key(img._id), img)
+    for n in order:  # a fused neuron's result with an allocator of its own: that allocator
+        if n.result_image.image_allocator is not None:
+            shown.setdefault(key(n.result_image._id), n.result_image)
     graph._alloc_nodes = {
         n.result_image._id: shown.get(key(n.result_image._id), n.result_image) for n in order
     }
@@ -199,10 +219,13 @@ def plan_graph(graph: Any) -> None:
     graph._kernels = {}
     for n in order:
         if n._id in graph._fused_into:
-            graph._kernels[n._id] = _Fused(graph._fused_into[n._id])
+            target = graph._fused_into[n._id]
+            # after arithmetic, the neuron's kernel writes its record for the gradient
+            own = n._make_kernel(graph._device) if not isinstance(target, _record_kinds()) else None
+            graph._kernels[n._id] = _Fused(target, own)
             continue
         fwd = getattr(n, "inference_node", None)
-        if isinstance(n, ConvolutionNode | _bn_node()) and n._id in fused:
+        if n._id in fused:  # a convolution, batch normalization or arithmetic node
             neuron = _neuron_of(order, graph._fused_into, n)
             kernel = _make_fused(n, neuron, graph._device)
         elif isinstance(fwd, _bn_node()) and fwd._id in fused:  # its gradient fuses it too
@@ -250,6 +273,83 @@ def plan_graph(graph: Any) -> None:
         and getattr(n, "trainable", False)
         and getattr(n.inference_node, "training_style", None) is TrainingStyle.UPDATE_ON_CPU
     }
+    graph._recompute, graph._recompute_reads = _plan_recompute(graph, order, key)
+    graph._recompute_after = {}  # last forward reader's id -> what it frees until recomputed
+    for plans in graph._recompute.values():
+        for r in plans:
+            graph._recompute_after.setdefault(r.last_forward, []).append(r)
+
+
+def _plan_recompute(
+    graph: Any, order: list[FilterNode], key: Any
+) -> tuple[dict[int, list[_Recompute]], dict[int, int]]:
+    """The training-mode batch-normalization results the step frees after the forward and
+    recomputes before the backward reads them (see `Graph.recompute_normalization_results`).
+
+    A result ``y = f(gamma (x - mean)/sqrt(var + eps) + beta)`` qualifies when every forward
+    reader of it runs before every gradient reader (a convolution's weight gradient reads its
+    source), and the normalization's input ``x`` and state (the batch's statistics) are still
+    live at the first gradient reader: the batch-normalization gradient reads both later, and
+    gamma and beta change only in the updates after every gradient. Recomputing runs the same
+    kernel on the same values, so the recomputed image equals the freed one bit for bit.
+
+    Returns ``{first gradient reader's id: [_Recompute, ...]}`` and ``{key: forward reads}``
+    (the read count the key starts with: it is freed after its last forward reader).
+    """
+    bn = _bn_node()
+    index = {n._id: i for i, n in enumerate(order)}
+    readers: dict[int, list[FilterNode]] = {}
+    for n in order:
+        for k in graph._reads_by[n._id]:
+            readers.setdefault(k, []).append(n)
+    plans: dict[int, list[_Recompute]] = {}
+    reads: dict[int, int] = {}
+    for node in order:
+        if not isinstance(node, bn) or node._id not in graph._training:
+            continue
+        k = key(node.result_image._id)
+        shown = graph._alloc_nodes[node.result_image._id]
+        if k not in graph._readers or shown.image_allocator is not None:
+            continue  # kept (a result, an export, an allocator of its own) or never read
+        forward = [
+            index[r._id] for r in readers.get(k, []) if not isinstance(r, GradientFilterNode)
+        ]
+        backward = [r for r in readers.get(k, []) if isinstance(r, GradientFilterNode)]
+        if not forward or not backward:
+            continue
+        first = min(index[r._id] for r in backward)
+        if max(forward) >= first:
+            continue
+        # what the recompute reads must still be live at the first gradient reader
+        live = True
+        for dep in (node.source_images[0]._id, node.result_state._id):
+            d = key(dep)
+            if d in graph._source_ids:
+                live = False  # a source's read count is the caller's: never read it again
+            elif d in graph._readers and index[graph._last_reader[d]] < first:
+                live = False
+        if not live:
+            continue
+        ids = tuple(dict.fromkeys((node.result_image._id, k)))
+        last = order[max(forward)]._id
+        plans.setdefault(order[first]._id, []).append(_Recompute(node, ids, k, len(backward), last))
+        reads[k] = len(forward)
+    return plans, reads
+
+
+class _Recompute:
+    """A normalization result freed after the forward and computed again before its first
+    gradient reader: ``node`` (the batch normalization), ``ids`` (the image nodes that show
+    the result: its own and a fused neuron's), ``key`` (their read-count key) and ``reads``
+    (the gradient readers) and ``last_forward`` (the id of its last forward reader)."""
+
+    __slots__ = ("ids", "key", "last_forward", "node", "reads")
+
+    def __init__(
+        self, node: FilterNode, ids: tuple[int, ...], key: int, reads: int, last_forward: int
+    ) -> None:
+        self.node, self.ids, self.key, self.reads = node, ids, key, reads
+        self.last_forward = last_forward
 
 
 def _bn_node() -> type:
@@ -278,15 +378,26 @@ def _make_fused(node: Any, neuron: Any, device: Any) -> Any:
             node._neuron = node_neuron
     kernel = node._make_kernel(device)
     kernel._neuron = FusedNeuron.of(type(kernel).__name__, neuron)
-    kernel._descriptor.fused_neuron_descriptor = neuron
+    if hasattr(kernel, "_descriptor"):  # a convolution reports it (arithmetic has none)
+        kernel._descriptor.fused_neuron_descriptor = neuron
     return kernel
 
 
-class _Fused:
-    """The kernel slot of a neuron node fused into ``target``: its result is the target's."""
+def _record_kinds() -> tuple[type, ...]:
+    """The nodes whose state records a neuron fused into them (its gradient reads theirs)."""
+    from mpsnn.graph.forward_nodes import ConvolutionNode
 
-    def __init__(self, target: FilterNode) -> None:
+    return (ConvolutionNode, _bn_node())
+
+
+class _Fused:
+    """The kernel slot of a neuron node fused into ``target``: its result is the target's.
+    ``neuron``: after arithmetic, the neuron's own kernel, which writes the neuron's forward
+    record into its state (no command) for the ReLU's gradient."""
+
+    def __init__(self, target: FilterNode, neuron: Any = None) -> None:
         self.target = target
+        self.neuron = neuron
 
 
 class _PassGradient:

@@ -80,6 +80,11 @@ class _Step:
         self.updates: list[tuple[Any, Any, Any]] = []  # (gradient node, kernel, state batch)
         self.gamma_beta_reloads: list[tuple[Any, Any]] = []
         self.remaining = dict(graph._readers)  # node id -> consumers still to run
+        # normalization results recomputed for the backward: freed after the forward readers
+        self.recompute = graph._recompute if graph.recompute_normalization_results else {}
+        if self.recompute:
+            self.remaining.update(graph._recompute_reads)
+        self.recomputed: list[Any] = []  # the freed first images (for the plan report)
         self.shared: dict[int, int] = {}  # id(root image) -> keys holding it, when > 1
         self.bytes = 0
         self.peak = 0
@@ -148,6 +153,20 @@ class _Step:
         self.images[node._id] = value
         root = _root(value)
         self.shared[id(root)] = self.shared.get(id(root), 1) + 1
+
+    def recompute_before(self, node: _Node) -> None:
+        """Compute again the normalization results whose first gradient reader is ``node``
+        (freed after their last forward reader): the same kernel, input and state, so the
+        same values."""
+        for r in self.recompute.get(node._id, ()):
+            bn = r.node
+            kernel = self.graph._kernels[bn._id][1]  # (statistics, normalization)
+            x = self.image(bn.source_images[0])
+            value = kernel.encode_batch(self.cb, x, self.state(bn.result_state)[0])
+            self.recomputed.append(self.images[r.ids[0]])  # the freed one, for the report
+            for i in r.ids:
+                self.images[i] = value
+            self.remaining[r.key] = r.reads
 
     def done(self, node: _Node) -> None:
         """``node`` ran: release the images and states it was the last reader of."""

@@ -159,6 +159,9 @@ def _enc_graph(graph: Graph, enc: Encoder) -> dict[str, Any]:
     return {
         "label": attr(graph, "label", (str, type(None)), enc),
         "format": FeatureChannelFormat(graph.format).name,
+        "recompute_normalization_results": attr(
+            graph, "recompute_normalization_results", (bool,), enc
+        ),
         "results": [enc.object(r) for r in graph._results],
         "results_are_needed": list(graph._needed),
         "nodes": [enc.object(n) for n in graph._order],
@@ -188,6 +191,9 @@ def _dec_graph(f: Fields) -> Graph:
     graph = Graph.from_results(f.device, results, needed)
     graph.format = fmt
     graph.label = label
+    # absent from files written before the option existed: its default
+    if f.has("recompute_normalization_results"):
+        graph.recompute_normalization_results = f.get_bool("recompute_normalization_results")
     order = graph._order
     if len(order) != len(nodes) or any(a is not b for a, b in zip(order, nodes, strict=False)):
         planned = [type(n).__name__ for n in order]

@@ -21,6 +21,8 @@ from typing import NamedTuple
 import torch
 
 from mpsnn.core.geometry import AxisWindow, EdgeMode
+from mpsnn.ops import triton as fast_paths
+from mpsnn.ops.neuron import NeuronParams, activation, plain_relu
 from mpsnn.ops.window import ExtractPlan, apply_extract, apply_extract_adjoint, plan_extract
 
 __all__ = [
@@ -91,3 +93,14 @@ def unpack_bits(packed: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     for s in shape:
         n *= s
     return bits.reshape(-1)[:n].view(shape).bool()
+
+
+def add_activation(x: torch.Tensor, y: torch.Tensor, neuron: NeuronParams) -> torch.Tensor:
+    """``f(x + y)`` (a residual block's addition with the ReLU after it fused): one Triton
+    pass for the plain ReLU on CUDA tensors of one layout (the bits of the sum rounded to the
+    dtype, then MPS's ``(z >= 0) z``), else the addition and then `activation`."""
+    if plain_relu(neuron, x):
+        fast = fast_paths.add_relu(x, y)
+        if fast is not None:
+            return fast
+    return activation(neuron, x + y)

@@ -47,8 +47,9 @@ def test_residual_tail_frees_the_addition_inputs_and_result_and_matches_autograd
     last = graph._last_reader
     # the normalization's result: read by the addition only (its gradient needs the shape)
     assert last[bn.result_image._id] == add._id
-    # the addition's result: read by the ReLU only (its gradient reads the ReLU's result)
-    assert last[add.result_image._id] == relu._id
+    # the ReLU runs inside the addition (one pass, no addition result of its own); its
+    # gradient reads the ReLU's result
+    assert graph._fused_into[relu._id] is add and add.result_image._id not in last
     kinds = {type(k).__name__ for k in graph._kernels.values() if not isinstance(k, tuple)}
     assert "ReLUGradientOfResult" in kinds
 

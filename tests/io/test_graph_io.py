@@ -361,3 +361,23 @@ def test_every_node_type_is_registered() -> None:
     for cls in [*nodes, m.ImageNode, m.Graph]:
         assert names.get(cls.__name__) is cls, cls.__name__
     assert names["TrainingGraph"].__name__ == "TrainingCall"
+
+
+def test_the_recompute_option_round_trips_and_defaults_for_older_files(tmp_path) -> None:
+    from tests.io._helpers import _parts, _write
+
+    net = cnn(7, torch.float32, batch_norm=True)
+    graph = training(net.loss, torch.float32)
+    graph.recompute_normalization_results = False
+    path = tmp_path / "graph.safetensors"
+    m.save(graph, path)
+    assert m.load(path).recompute_normalization_results is False
+    structure, tensors = _parts(path)
+    (entry,) = [o for o in structure["objects"] if o["type"] == "Graph"]
+    assert entry["fields"].pop("recompute_normalization_results") is False
+    _write(path, structure, tensors)  # as written before the option existed
+    assert m.load(path).recompute_normalization_results is True
+    entry["fields"]["recompute_normalization_results"] = "yes"
+    _write(path, structure, tensors)
+    with pytest.raises(m.CheckpointError, match="field 'recompute_normalization_results' must be"):
+        m.load(path)

@@ -122,7 +122,7 @@ def _lines(text: str, pattern: str) -> list[str]:
     return [ln for ln in text.splitlines() if re.search(pattern, ln)]
 
 
-def test_graphs_fuse_relu_into_batch_norm_and_keep_the_additions() -> None:
+def test_graphs_fuse_relu_into_batch_norm_and_into_the_additions() -> None:
     model = _model((3, 32, 32), 7, sgd())
     text = model.training_graph(4, storage=F64).debug_description()
     bn = _lines(text, r"BatchNormalizationNode \[BatchNormalizationStatistics\+")
@@ -130,21 +130,23 @@ def test_graphs_fuse_relu_into_batch_norm_and_keep_the_additions() -> None:
     # (each block's second, the 3 shortcuts) feed an addition
     assert len(bn) == 20, text
     assert sum("(training; fused RELU)" in ln for ln in bn) == 9, text
-    assert len(_lines(text, r"NeuronReLUNode \[_Fused\]")) == 9, text
-    # 8 residual additions, each followed by its own ReLU kernel; 8 more additions sum the
-    # gradients where a block's input feeds both its first convolution and its shortcut
+    # and the 8 residual additions carry the ReLU after them (17 fused ReLUs, no ReLU kernel);
+    # 8 more additions sum the gradients where a block's input feeds both its first
+    # convolution and its shortcut
+    assert len(_lines(text, r"NeuronReLUNode \[_Fused\]")) == 17, text
+    assert not _lines(text, r"NeuronReLUNode \[Neuron\]"), text
     forward = _lines(text, r"AdditionNode \[Add\] .*\(training[;)]")
     assert len(forward) == 8, text
+    assert all("fused RELU" in ln for ln in forward), text
     # each frees its normalization input: its gradient needs the input's shape only
     assert all("frees" in ln for ln in forward), text
-    for ln in forward:
-        (out,) = re.findall(r"-> (t\d+)", ln)
-        assert _lines(text, rf"NeuronReLUNode \[Neuron\] \({out}\)"), (out, text)
+    # the ReLU's gradient reads the fused result
+    assert len(_lines(text, r"NeuronGradientNode \[ReLUGradientOfResult\]")) == 8, text
     assert len(_lines(text, r"AdditionNode \[Add\]")) == 16, text
     assert len(_lines(text, r"ArithmeticGradientNode \[AddGradient\]")) == 16, text
     assert len(_lines(text, r"NeuronGradientNode \[_PassGradient\]")) == 9, text
 
     infer = model.inference_graph(storage=F64).debug_description()
     assert "training" not in infer, infer
-    assert infer.count("fused RELU") == 9, infer
+    assert infer.count("fused RELU") == 17, infer  # 9 batch norms, 8 additions
     assert len(_lines(infer, r"AdditionNode \[Add\]")) == 8, infer

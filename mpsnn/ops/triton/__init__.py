@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "add_relu",
     "available",
     "batch_norm_backward",
     "batch_norm_eligible",
@@ -94,6 +95,24 @@ def dropout_apply(
     from mpsnn.ops.triton.dropout import dropout_apply_triton
 
     return dropout_apply_triton(t, key, first_image, geom, seed_part=seed_part, key_out=key_out)
+
+
+def add_relu(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    """``relu(x + y)`` in one pass for CUDA tensors in float16, bfloat16 or float32 of one
+    shape, dtype and dense layout (a residual block's addition and ReLU), else None."""
+    if not (
+        _runs(x, y)
+        and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and y.dtype is x.dtype
+        and x.shape == y.shape
+        and x.stride() == y.stride()
+        and x.numel() > 0
+        and (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last))
+    ):
+        return None
+    from mpsnn.ops.triton.elementwise import add_relu_triton
+
+    return add_relu_triton(x, y)
 
 
 def batch_norm_eligible(x: torch.Tensor, neuron: Any = None, *more: torch.Tensor) -> bool:
