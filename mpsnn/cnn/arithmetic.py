@@ -427,7 +427,7 @@ def _command(
     def run(out: Image) -> None:
         x = read_source(p._read()[pz : pz + count], record.reads[0])
         y = read_source(s._read()[sz : sz + count], record.reads[1])
-        if add_then and x.shape == y.shape:
+        if add_then and x.shape == y.shape and x.dtype is out._read_dtype:
             z = add_activation(x, y, neuron.params)  # type: ignore[union-attr]
             if state is not None:  # no clamp, no divisor: only the shape to record
                 state._mask, state._mask_shape, state._divisor = None, tuple(z.shape), None
@@ -439,8 +439,8 @@ def _command(
                 state._divisor = y.clone() if record.op == DIVIDE else None  # no input alias
             if clamps:
                 z = z.clamp(lo, hi)
-            if neuron is not None:
-                z = neuron.forward(z)
+            if neuron is not None:  # on the stored values, as the unfused neuron reads them
+                z = neuron.forward(z.to(out._read_dtype))
         if z.shape != (count, nc, ny, nx):  # materialize a broadcast (an expanded view); an
             z = torch.broadcast_to(z, (count, nc, ny, nx)).contiguous()  # equal shape keeps
         out._write_block(z.to(out._read_dtype), dz, c0, y0, x0, p._data())  # its layout

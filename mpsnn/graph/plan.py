@@ -157,7 +157,13 @@ def plan_graph(graph: Any) -> None:
         target = graph._fused_into.get(n._id)
         if target is not None:
             canon[target.result_image._id] = n.result_image._id
-            if target.result_state is not None and n.result_state is not None:
+            # the gradient reads the target's state (after arithmetic, the neuron's own)
+            kinds = _record_kinds()
+            if (
+                isinstance(target, kinds)
+                and target.result_state is not None
+                and (n.result_state is not None)
+            ):
                 canon[n.result_state._id] = target.result_state._id
     for n in order:
         fwd = getattr(n, "inference_node", None)
@@ -195,7 +201,11 @@ def plan_graph(graph: Any) -> None:
     trainable_states = set()
     for n in order:
         # liveness follows content reads: a shape-only input does not keep its storage
-        keys = [s._id for s in n._content_sources()] + [s._id for s in n.source_states]
+        content = n._content_sources()
+        fwd = getattr(n, "inference_node", None)
+        if fwd is not None and isinstance(graph._fused_into.get(fwd._id), _bn_node()):
+            content = content[:1]  # a passed-on gradient: it reads nothing of the forward
+        keys = [s._id for s in content] + [s._id for s in n.source_states]
         keys = list(dict.fromkeys(key(k) for k in keys))
         graph._reads_by[n._id] = [k for k in keys if k not in keep and k not in graph._source_ids]
         for k in graph._reads_by[n._id]:
@@ -326,11 +336,15 @@ def _plan_recompute(
             d = key(dep)
             if d in graph._source_ids:
                 live = False  # a source's read count is the caller's: never read it again
+            elif d in reads:
+                live = False  # itself freed until recomputed (a normalization of one)
             elif d in graph._readers and index[graph._last_reader[d]] < first:
                 live = False
         if not live:
             continue
-        ids = tuple(dict.fromkeys((node.result_image._id, k)))
+        # every image node that shows it (the normalization's, a fused neuron's, an inference
+        # dropout's): their step values are the freed image until recomputed
+        ids = tuple(n.result_image._id for n in order if key(n.result_image._id) == k)
         last = order[max(forward)]._id
         plans.setdefault(order[first]._id, []).append(_Recompute(node, ids, k, len(backward), last))
         reads[k] = len(forward)

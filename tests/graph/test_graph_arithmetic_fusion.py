@@ -90,3 +90,17 @@ def test_inference_fuses_any_neuron_after_arithmetic_with_the_same_values() -> N
     cb.commit()
     cb.wait_until_completed()
     assert torch.equal(one.tensor, ref.tensor)
+
+
+def test_a_fused_neuron_reads_the_stored_sum_as_the_unfused_one_does() -> None:
+    # float64 sources into a float32 graph: the neuron runs on the sum rounded to float32
+    g = gen(84)
+    x, y = m.ImageNode("x"), m.ImageNode("y")
+    add = m.AdditionNode(x, y)
+    sig = m.NeuronSigmoidNode(add.result_image)
+    fused = m.Graph(DEV, sig.result_image)
+    assert fused._fused_into[sig._id] is add
+    xt, yt = rand(g, 2, 3, 9, 7), rand(g, 2, 3, 9, 7)
+    got = encode(fused, [xt, yt]).tensor
+    want = torch.sigmoid((xt + yt).float())
+    assert got.dtype == torch.float32 and torch.equal(got, want)
