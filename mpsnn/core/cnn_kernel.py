@@ -420,7 +420,6 @@ class CNNKernel(SharedProperties, Kernel):
         policy_states: Any = None,
     ) -> Image:
         """Validate and plan (restoring the kernel if anything raises), then apply."""
-        who = type(self).__name__
         saved = self._save_geometry()
         try:
             if dst is not None:
@@ -430,12 +429,8 @@ class CNNKernel(SharedProperties, Kernel):
                 object.__setattr__(self, name, value)
             records: Records = []
             if states:  # an inference encode writes no state: no record to make
-                unique = _unique(states)
                 dst_shape = desc.shape if dst is None else dst._shape  # type: ignore[union-attr]
-                record = self._forward_record(window, memo, src, dst_shape, batch)
-                for st in unique:
-                    st._check_record(record, who)
-                records = self._state_records(record, unique)
+                records = self._records(window, memo, src, dst_shape, batch, states)
             forward = self._make_forward(window, records, memo)
             out: Any = dst if dst is not None else desc  # given, or a descriptor to allocate
             out_dtype = out._dtype if dst is not None else _FORMAT_TO_DTYPE[out._fmt]
@@ -446,31 +441,33 @@ class CNNKernel(SharedProperties, Kernel):
         enc = Encoding(run, (out,), (src,), records, None, batch)
         return self._apply(cb, enc)[0]  # type: ignore[return-value]
 
-    def _forward_record(
-        self, window: Window, memo: dict[str, Any], src: Image, dst_shape: Any, batch: bool
-    ) -> ForwardRecord:
-        return ForwardRecord(
+    def _records(
+        self, window: Window, memo: dict[str, Any], src: Image, dst_shape: Any, batch: bool,
+        states: list[Any],
+    ) -> Records:  # fmt: skip
+        """The typed record of this encode for each state, checked against what it holds."""
+        record = ForwardRecord(
             self, window, self._edge_mode, self._offset, self._clip, src._shape, dst_shape,
             self._record_params(window, memo), batch,
         )  # fmt: skip
+        unique = _unique(states)
+        for st in unique:
+            st._check_record(record, type(self).__name__)
+        return self._state_records(record, unique)
 
     def _record_only(self, src: Image, states: list[Any]) -> None:
-        """Write into ``states`` the record a batch encode of ``src`` would, and encode no
+        """Write into ``states`` the records a batch encode of ``src`` would, and encode no
         command: a graph that ran this kernel's math inside the kernel before it (a ReLU fused
         into an addition) gives the gradient the state it expects. Validated and planned like
         an encode; the kernel is left as it was."""
-        who = type(self).__name__
         saved = self._save_geometry()
         try:
             desc, _, window, memo = self._plan(src, None, True, None, saved)
-            record = self._forward_record(window, memo, src, desc.shape, True)  # type: ignore[union-attr]
-            unique = _unique(states)
-            for st in unique:
-                st._check_record(record, who)
+            records = self._records(window, memo, src, desc.shape, True, states)  # type: ignore[union-attr]
         finally:
             self._restore_geometry(saved)
-        for st, rec in self._state_records(record, unique):
-            st._forward = rec
+        for st, record in records:
+            st._forward = record
 
     # -- planning (pure: the kernel is restored before returning) -----------------------------
 

@@ -381,6 +381,10 @@ class Graph:
         run in training mode, the fused neurons, and (after an encode) the intermediates' peak
         memory against their total."""
         lines = [f"Graph on {self._device} ({len(self._order)} filters, format {self.format.name})"]
+        freed_until = {}  # last forward reader's id -> the results it frees until recomputed
+        for plans in self._recompute.values():
+            for r in plans:
+                freed_until.setdefault(r.last_forward, []).append(r)
         names = {}
         for i, n in enumerate(self._sources):
             names[n._id] = f"in{i}" + (f"({n.handle!r})" if n.handle is not None else "")
@@ -409,7 +413,7 @@ class Graph:
             if self.recompute_normalization_results:
                 for r in self._recompute.get(node._id, ()):
                     extra.insert(0, f"recomputes {names.get(r.key, '?')} first")
-                for r in self._recompute_after.get(node._id, ()):
+                for r in freed_until.get(node._id, ()):
                     extra.append(f"frees {names.get(r.key, '?')} until recomputed")
             label = f" {node.label!r}" if node.label else ""
             lines.append(

@@ -284,10 +284,6 @@ def plan_graph(graph: Any) -> None:
         and getattr(n.inference_node, "training_style", None) is TrainingStyle.UPDATE_ON_CPU
     }
     graph._recompute, graph._recompute_reads = _plan_recompute(graph, order, key)
-    graph._recompute_after = {}  # last forward reader's id -> what it frees until recomputed
-    for plans in graph._recompute.values():
-        for r in plans:
-            graph._recompute_after.setdefault(r.last_forward, []).append(r)
 
 
 def _plan_recompute(

@@ -29,6 +29,7 @@ __all__ = [
     "F32",
     "F64",
     "TOL",
+    "RecordingAllocator",
     "TorchConv",
     "assert_close",
     "ce_loss",
@@ -52,6 +53,19 @@ def gen(seed: int) -> torch.Generator:
 
 def rand(g: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
     return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
+
+
+class RecordingAllocator:
+    """An image allocator that remembers what it made (a temporary one by default)."""
+
+    def __init__(self, inner: Any = None) -> None:
+        self.inner = inner if inner is not None else m.TemporaryImage.default_allocator()
+        self.images: list[m.Image] = []
+
+    def image(self, cb: Any, descriptor: Any, kernel: Any) -> m.Image:
+        image = self.inner.image(cb, descriptor, kernel)
+        self.images.append(image)
+        return image
 
 
 def sgd1() -> m.SGD:

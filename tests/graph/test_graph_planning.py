@@ -16,6 +16,7 @@ from tests.graph._helpers import (
     F32,
     F64,
     TOL,
+    RecordingAllocator,
     TorchConv,
     assert_close,
     ce_loss,
@@ -27,19 +28,6 @@ from tests.graph._helpers import (
     rand,
     training,
 )
-
-
-class _Recording:
-    """An image allocator that remembers what it made."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.images: list[m.Image] = []
-
-    def image(self, cb, descriptor, kernel):
-        image = self.inner.image(cb, descriptor, kernel)
-        self.images.append(image)
-        return image
 
 
 def _chain(g: torch.Generator, depth: int, channels: int, optimizer=None, *, relu: bool = False):
@@ -122,7 +110,7 @@ def test_fused_neuron_result_is_a_permanent_image_from_the_result_allocator() ->
     graph = m.Graph(DEV, relu.result_image)
     graph.format = F64
     assert "fused RELU" in graph.debug_description()
-    alloc = _Recording(m.Image.default_allocator())
+    alloc = RecordingAllocator(m.Image.default_allocator())
     graph.destination_image_allocator = alloc
     xt = rand(g, 2, 2, 5, 5)
     out = encode(graph, [xt])
@@ -174,7 +162,7 @@ def test_debug_description_frees_each_intermediate_after_its_last_reader() -> No
 def test_intermediate_with_a_temporary_allocator_is_freed_after_its_last_reader() -> None:
     g = gen(35)
     (c1, c2, c3), out = _chain(g, 3, 2)
-    alloc = _Recording(m.TemporaryImage.default_allocator())
+    alloc = RecordingAllocator(m.TemporaryImage.default_allocator())
     c1.result_image.image_allocator = alloc  # read by c2 only
     graph = m.Graph(DEV, out)
     graph.format = F64
@@ -192,7 +180,7 @@ def test_intermediate_with_a_temporary_allocator_is_freed_after_its_last_reader(
 def test_intermediate_with_a_permanent_allocator_stays_readable() -> None:
     g = gen(36)
     (c1, _), out = _chain(g, 2, 2)
-    alloc = _Recording(m.Image.default_allocator())
+    alloc = RecordingAllocator(m.Image.default_allocator())
     c1.result_image.image_allocator = alloc
     train, _ = training(ce_loss(m.PoolingAverageNode(out, 4).result_image, 2))
     xt = rand(g, 2, 2, 4, 4)

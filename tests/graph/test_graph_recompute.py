@@ -15,6 +15,7 @@ from tests.graph._helpers import (
     DEV,
     F32,
     TOL,
+    RecordingAllocator,
     TorchConv,
     assert_close,
     conv_ds,
@@ -52,18 +53,6 @@ def _chain(g: torch.Generator, blocks: int = 2, channels: int = 4, dtype=torch.f
     convs.append(last)
     out = m.ConvolutionNode(img, last).result_image
     return x, out, convs, bns
-
-
-class _Counting:
-    """A temporary-image allocator that counts its images."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._inner = m.TemporaryImage.default_allocator()
-
-    def image(self, cb, descriptor, kernel):
-        self.count += 1
-        return self._inner.image(cb, descriptor, kernel)
 
 
 def _consumers(out: m.ImageNode) -> list:
@@ -195,12 +184,12 @@ def test_kept_results_sources_and_inference_graphs_are_not_recomputed() -> None:
     # a (fused ReLU's) result with an allocator of its own: that allocator makes the image
     _, out, _, bns = _chain(g, blocks=2)
     relu = [n for n in _consumers(out) if isinstance(n, m.NeuronReLUNode)][-1]
-    allocator = _Counting()
+    allocator = RecordingAllocator()
     relu.result_image.image_allocator = allocator
     graph, _ = training(mse_loss(out))
     assert _planned(graph) == [bns[0]]
     encode(graph, [rand(g, 2, 4, 5, 5)], [m.LossLabels(DEV, rand(g, 2, 4, 5, 5))])
-    assert allocator.count == 1  # used once: the graph neither fuses it away nor remakes it
+    assert len(allocator.images) == 1  # used once: the graph neither fuses it away nor remakes it
     # a normalization of a graph source: recomputing would read the source again, and a
     # source's read count is the caller's
     x = m.ImageNode("x")
