@@ -161,11 +161,16 @@ class Dropout(_DropoutParameters, PointwiseKernel):
         super().__init__(device, keep_probability, seed, mask_stride_in_pixels)
         # Encodes so far, on the device: each run advances it (and draws new masks).
         self._counter = torch.zeros(1, dtype=torch.int64, device=device.torch_device)
+        # the Triton forward's scratch (programs done; 0 between launches), see
+        # `mpsnn.ops.dropout.dropout_apply_counted`
+        self._ticket = torch.zeros(1, dtype=torch.int32, device=device.torch_device)
         self.image_offset = 0  # the index of an encode's first image (see the module)
 
     def _state_records(self, record: ForwardRecord, states: list[Any]) -> Records:
         """One record per state: the encode's key, and the images each state covers."""
-        key = torch.zeros(1, dtype=torch.int64, device=self._device.torch_device)
+        # written by the forward as it runs (before its gradient reads it): no fill needed,
+        # which on CUDA would be one more launch per encode
+        key = torch.empty(1, dtype=torch.int64, device=self._device.torch_device)
         base: DropoutRecord = record.params
         shared = len(states) == 1
         n = record.window.images
@@ -182,21 +187,28 @@ class Dropout(_DropoutParameters, PointwiseKernel):
     def _record_params(self, window: Window, memo: dict[str, Any]) -> DropoutRecord:
         return DropoutRecord(
             self._extract_plan(window, memo), self._keep, self._seed, self._strides,
-            self._geometry_for_mask(), torch.empty(0), 0, window.images,
+            self._geometry_for_mask(), _NO_KEY, 0, window.images,
         )  # fmt: skip
 
     def _pointwise(self, window: Window, records: Records) -> Pointwise:
-        geom, seed, counter = self._geometry_for_mask(), self._seed, self._counter
+        geom, seed, counter, ticket = (
+            self._geometry_for_mask(),
+            self._seed,
+            self._counter,
+            self._ticket,
+        )
         # one key per encode: the states' (the gradient reads it), or a scratch one
-        key = records[0][1].params.key if records else torch.zeros_like(counter)
+        key = records[0][1].params.key if records else torch.empty_like(counter)
         first = check_int("Dropout", "image_offset", self.image_offset, 0)
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            y = dropout_apply_counted(x, counter, seed, first, geom, key)
-            counter.add_(1)  # on the device: a captured step advances it at every replay
-            return y
+            # advances the counter on the device: a captured step draws new masks at every replay
+            return dropout_apply_counted(x, counter, seed, first, geom, key, ticket)
 
         return forward
+
+
+_NO_KEY = torch.empty(0, dtype=torch.int64)  # a record's key until `_state_records` sets it
 
 
 def _with_params(record: ForwardRecord, params: Any) -> ForwardRecord:

@@ -20,6 +20,8 @@ at every replay.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mpsnn.ops import triton as fast_paths
@@ -62,7 +64,9 @@ def stream_key(seed: int, counter: int) -> int:
     return mix32(_seed_part(seed) ^ mix32(counter + 0x632BE5AB))
 
 
+@functools.lru_cache(maxsize=256)  # once per kernel's seed, not at every encode
 def _seed_part(seed: int) -> int:
+    """The 32-bit part of a key that depends on the seed (64 bits) alone."""
     return mix32((seed & M32) ^ 0x9E3779B9) ^ mix32(seed >> 32)
 
 
@@ -121,18 +125,23 @@ def dropout_apply_counted(
     first_image: int,
     geom: DropoutGeometry,
     key_out: torch.Tensor,
+    ticket: torch.Tensor,
 ) -> torch.Tensor:
     """A forward dropout of the encode numbered ``counter`` (a one-element int64 tensor on t's
-    device, not advanced here): the key `stream_key_tensor` ``(seed, counter)`` is written to
-    ``key_out`` (for the gradient) and the mask applied. On CUDA the Triton kernel computes the
-    key itself (one launch; the tensor form is about 30 small integer operations, which on a
+    device), which it advances by 1: the key `stream_key_tensor` ``(seed, counter)`` is written
+    to ``key_out`` (for the gradient) and the mask applied. ``ticket``: a one-element int32
+    tensor on t's device holding 0, scratch of the Triton kernel (0 again after it).
+
+    On CUDA the Triton kernel computes the key and advances the counter itself (one launch; the
+    tensor form is about 30 small integer operations and the increment one more, which on a
     slow host cost more than the dropout of a large batch)."""
     fast = fast_paths.dropout_apply(
-        t, counter, first_image, geom, seed_part=_seed_part(seed), key_out=key_out
+        t, counter, first_image, geom, seed_part=_seed_part(seed), key_out=key_out, ticket=ticket
     )
     if fast is not None:
         return fast
     key_out.copy_(stream_key_tensor(seed, counter))
+    counter.add_(1)
     return dropout_apply_portable(t, key_out, first_image, geom)
 
 

@@ -174,14 +174,17 @@ def test_triton_dropout_computes_the_key_from_the_counter(strides, device) -> No
     t = torch.randn(3, 5, 7, 9, generator=gen).to(device)
     geom = dropout_geometry(0.7, strides)
     seed = 2**40 + 17
+    ticket = torch.zeros(1, dtype=torch.int32, device=device)
     for count in (0, 5, 2**32 + 3):  # the counter is taken mod 2^32, as the tensor form does
         counter = torch.tensor([count], device=device)
+        want_key = stream_key_tensor(seed, counter)
         key_out = torch.zeros(1, dtype=torch.int64, device=device)
         got = triton_dropout.dropout_apply_triton(
-            t, counter, 2, geom, seed_part=_seed_part(seed), key_out=key_out
+            t, counter, 2, geom, seed_part=_seed_part(seed), key_out=key_out, ticket=ticket
         )
-        want_key = stream_key_tensor(seed, counter)
-        assert torch.equal(key_out, want_key) and counter.item() == count  # not advanced
+        assert torch.equal(key_out, want_key)
         assert torch.equal(got, dropout_apply_portable(t, want_key, 2, geom))
-    with pytest.raises(ValueError, match=r"\[dropout_apply_triton\] key_out must be given"):
-        triton_dropout.dropout_apply_triton(t, counter, 0, geom, seed_part=1)
+        # the last of its programs advanced the counter once, and left the ticket at 0
+        assert counter.item() == count + 1 and ticket.item() == 0
+    with pytest.raises(ValueError, match=r"\[dropout_apply_triton\] key_out and ticket must"):
+        triton_dropout.dropout_apply_triton(t, counter, 0, geom, seed_part=1, key_out=key_out)

@@ -86,15 +86,18 @@ def dropout_apply(
     *,
     seed_part: int | None = None,
     key_out: torch.Tensor | None = None,
+    ticket: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The Triton dropout for CUDA tensors in float16, bfloat16 or float32, else None (float64
-    runs on the portable path); ``seed_part``/``key_out``: ``key`` is the encode counter (see
-    `mpsnn.ops.triton.dropout.dropout_apply_triton`)."""
+    runs on the portable path); ``seed_part``/``key_out``/``ticket``: ``key`` is the encode
+    counter, advanced by the kernel (see `mpsnn.ops.triton.dropout.dropout_apply_triton`)."""
     if not (_runs(t) and t.dtype in (torch.float16, torch.bfloat16, torch.float32)):
         return None
     from mpsnn.ops.triton.dropout import dropout_apply_triton
 
-    return dropout_apply_triton(t, key, first_image, geom, seed_part=seed_part, key_out=key_out)
+    return dropout_apply_triton(
+        t, key, first_image, geom, seed_part=seed_part, key_out=key_out, ticket=ticket
+    )
 
 
 def add_relu(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:

@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mpsnn.ops.triton.launch import fast_kernel
+
 __all__ = [
     "bn_backward_triton",
     "bn_forward_triton",
@@ -98,6 +100,7 @@ def _chan_merge(cnt, mean, m2, k, bmean, bm2):
     return tot, mean + delta * w, m2 + bm2 + delta * delta * cnt * w
 
 
+@fast_kernel
 @triton.jit
 def _stats_partial(
     x_ptr, part_ptr, N, C, L, planes, span, ROWS: tl.constexpr, BLOCK: tl.constexpr,
@@ -138,6 +141,7 @@ def _stats_partial(
     tl.store(part_ptr + 2 * plane + p, m2)
 
 
+@fast_kernel
 @triton.jit
 def _stats_combine(
     part_ptr, x_ptr, count_ptr, mean_ptr, m2_ptr, C, L, P, BLOCK_P: tl.constexpr,
@@ -161,6 +165,7 @@ def _stats_combine(
         tl.store(count_ptr, total.to(tl.float32))
 
 
+@fast_kernel
 @triton.jit
 def _forward(
     x_ptr, y_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, NC, C, L, span, eps, slope,
@@ -185,6 +190,7 @@ def _forward(
         _store(y_ptr + idx, z, mask)
 
 
+@fast_kernel
 @triton.jit
 def _gradient_sums_partial(
     g_ptr, x_ptr, part_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, N, C, L, planes, span, eps,
@@ -223,6 +229,7 @@ def _gradient_sums_partial(
     tl.store(part_ptr + C * parts + p, tl.sum(tl.sum(acc_gx, axis=1), axis=0))
 
 
+@fast_kernel
 @triton.jit
 def _backward(
     g_ptr, x_ptr, dx_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, sum_gy_ptr, sum_gyx_ptr,

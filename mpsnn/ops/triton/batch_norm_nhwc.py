@@ -30,6 +30,7 @@ from mpsnn.ops.triton.batch_norm import (
     _store,
     _warps,
 )
+from mpsnn.ops.triton.launch import fast_kernel
 
 __all__ = [
     "is_nhwc",
@@ -50,6 +51,7 @@ def is_nhwc(x: torch.Tensor) -> bool:
     )
 
 
+@fast_kernel
 @triton.jit
 def _stats_partial_nhwc(
     x_ptr, part_ptr, M, C, rows, BM: tl.constexpr, BC: tl.constexpr,
@@ -84,6 +86,7 @@ def _stats_partial_nhwc(
     tl.store(part_ptr + 2 * plane + p, m2, mask=cmask)
 
 
+@fast_kernel
 @triton.jit
 def _forward_nhwc(
     x_ptr, y_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, M, C, eps, slope,
@@ -104,6 +107,7 @@ def _forward_nhwc(
     _store(y_ptr + idx, z, mask)
 
 
+@fast_kernel
 @triton.jit
 def _gradient_sums_partial_nhwc(
     g_ptr, x_ptr, part_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, M, C, rows, eps, slope,
@@ -137,6 +141,7 @@ def _gradient_sums_partial_nhwc(
     tl.store(part_ptr + C * parts + p, tl.sum(acc_gx, axis=0), mask=cmask)
 
 
+@fast_kernel
 @triton.jit
 def _backward_nhwc(
     g_ptr, x_ptr, dx_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, sum_gy_ptr, sum_gyx_ptr,
@@ -165,6 +170,7 @@ def _backward_nhwc(
     _store(dx_ptr + idx, dx, mask)
 
 
+@fast_kernel
 @triton.jit
 def _channel_sums_partial(g_ptr, part_ptr, M, C, rows, BM: tl.constexpr, BC: tl.constexpr):
     # grid and tiles as in _stats_partial_nhwc: float32 sums of each channel's pixels

@@ -4,7 +4,9 @@ The same integer hash as `mpsnn.ops.dropout`, in native uint32 arithmetic (the p
 emulates it with int64 tensors), so the bits equal the portable path's. Bytes moved: the input
 once and the output once; the gradient regenerates the mask from the key (the forward stores the
 8-byte key, no mask). The key is read from device memory (a one-element int64 tensor), or
-computed there from the kernel's encode counter, so captured work follows it.
+computed there from the kernel's encode counter, so captured work follows it. A forward that
+computes its key from the counter also advances the counter: the last of its programs to finish
+adds 1 (a ticket counts the programs done), so no separate launch is needed for it.
 
 Two kernels: without mask broadcasting (the common case) each program takes a contiguous span
 of one image, where the mask index is the element's offset in the image (no integer division,
@@ -20,6 +22,7 @@ import triton
 import triton.language as tl
 
 from mpsnn.ops.plans import DropoutGeometry
+from mpsnn.ops.triton.launch import fast_kernel
 
 __all__ = ["dropout_apply_triton"]
 
@@ -67,9 +70,24 @@ def _key(key_ptr, seed_part, key_out_ptr, FROM_COUNTER: tl.constexpr):
 
 
 @triton.jit
+def _advance(counter_ptr, ticket_ptr, FROM_COUNTER: tl.constexpr):
+    """With ``FROM_COUNTER``: the last program to get here adds 1 to the encode counter and
+    resets the ticket. Every program read the counter before: the barrier orders the reads of
+    all of this program's threads before its ticket, and the tickets (acquire-release atomics)
+    order every program's before the last one's."""
+    if FROM_COUNTER:
+        tl.debug_barrier()
+        done = tl.atomic_add(ticket_ptr, 1)
+        if done == tl.num_programs(0) * tl.num_programs(1) - 1:
+            tl.atomic_xchg(ticket_ptr, 0)
+            tl.atomic_add(counter_ptr, 1)
+
+
+@fast_kernel
+@triton.jit
 def _dropout_flat(
     t_ptr, out_ptr, key_ptr, first_image, CHW, threshold, scale, seed_part, key_out_ptr,
-    FROM_COUNTER: tl.constexpr, BLOCK: tl.constexpr,
+    ticket_ptr, FROM_COUNTER: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # a contiguous span of one image per program: the mask index is the offset in the image
     n = tl.program_id(0)
@@ -77,12 +95,14 @@ def _dropout_flat(
     key = _key(key_ptr, seed_part, key_out_ptr, FROM_COUNTER)
     image_key = _mix(key ^ _mix((n + first_image + 1).to(tl.uint32)))
     _apply(t_ptr, out_ptr, n.to(tl.int64) * CHW + e, e < CHW, e, image_key, threshold, scale)
+    _advance(key_ptr, ticket_ptr, FROM_COUNTER)
 
 
+@fast_kernel
 @triton.jit
 def _dropout_planes(
     t_ptr, out_ptr, key_ptr, first_image, C, H, W, threshold, scale, seed_part, key_out_ptr,
-    FROM_COUNTER: tl.constexpr, SC: tl.constexpr, SY: tl.constexpr, SX: tl.constexpr,
+    ticket_ptr, FROM_COUNTER: tl.constexpr, SC: tl.constexpr, SY: tl.constexpr, SX: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     # one (image, channel) plane per program row; per-program scalars for the image key
@@ -103,6 +123,7 @@ def _dropout_planes(
     key = _key(key_ptr, seed_part, key_out_ptr, FROM_COUNTER)
     image_key = _mix(key ^ _mix((n + first_image + 1).to(tl.uint32)))
     _apply(t_ptr, out_ptr, plane.to(tl.int64) * hw + s, s < hw, e, image_key, threshold, scale)
+    _advance(key_ptr, ticket_ptr, FROM_COUNTER)
 
 
 def dropout_apply_triton(
@@ -113,15 +134,19 @@ def dropout_apply_triton(
     *,
     seed_part: int | None = None,
     key_out: torch.Tensor | None = None,
+    ticket: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same result as `mpsnn.ops.dropout.dropout_apply_portable` (float16/bfloat16/float32);
-    ``key`` is a one-element int64 tensor on t's device. With ``seed_part`` (and ``key_out``),
-    ``key`` is the kernel's encode counter instead: the key is computed from it in the kernel
-    (one launch instead of the ~30 small integer operations of the tensor form) and written to
-    ``key_out``."""
+    ``key`` is a one-element int64 tensor on t's device. With ``seed_part`` (and ``key_out``,
+    ``ticket``), ``key`` is the kernel's encode counter instead: the key is computed from it in
+    the kernel (one launch instead of the ~30 small integer operations of the tensor form) and
+    written to ``key_out``, and the counter advanced by 1 (``ticket``: a one-element int32
+    tensor holding 0, the kernel's scratch, 0 again after the launch)."""
     from_counter = seed_part is not None
-    if from_counter and key_out is None:
-        raise ValueError("[dropout_apply_triton] key_out must be given with seed_part, got None")
+    if from_counter and (key_out is None or ticket is None):
+        raise ValueError(
+            "[dropout_apply_triton] key_out and ticket must be given with seed_part, got None"
+        )
     seed32 = 0 if seed_part is None else seed_part - (1 << 32) * (seed_part >= (1 << 31))
     out_key = key_out if key_out is not None else key
     t = t.contiguous()
@@ -135,13 +160,13 @@ def dropout_apply_triton(
         chw = c * h * w
         block = min(4096, triton.next_power_of_2(chw))
         _dropout_flat[(n, triton.cdiv(chw, block))](
-            t, out, key, first_image, chw, thr32, scale, seed32, out_key,
+            t, out, key, first_image, chw, thr32, scale, seed32, out_key, ticket,
             FROM_COUNTER=from_counter, BLOCK=block,
         )  # fmt: skip
         return out
     block = min(4096, triton.next_power_of_2(h * w))
     _dropout_planes[(n * c, triton.cdiv(h * w, block))](
-        t, out, key, first_image, c, h, w, thr32, scale, seed32, out_key,
+        t, out, key, first_image, c, h, w, thr32, scale, seed32, out_key, ticket,
         FROM_COUNTER=from_counter, SC=sc, SY=sy, SX=sx, BLOCK=block,
     )  # fmt: skip
     return out

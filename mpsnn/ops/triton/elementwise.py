@@ -14,11 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+from mpsnn.ops.triton.launch import fast_kernel
+
 __all__ = ["add_relu_triton"]
 
 _BLOCK = 4096
 
 
+@fast_kernel
 @triton.jit
 def _add_relu(x_ptr, y_ptr, out_ptr, numel, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

@@ -76,6 +76,7 @@ import triton
 import triton.language as tl
 
 from mpsnn.ops.optim import RegularizationType, UpdateRule
+from mpsnn.ops.triton.launch import fast_kernel
 
 __all__ = ["BLOCK", "MultiTensorTables", "build_tables", "release_graph_tables"]
 
@@ -214,6 +215,7 @@ def _ptr(base, k: tl.constexpr, dtype: tl.constexpr, ALIGNED: tl.constexpr):
     return p
 
 
+@fast_kernel
 @triton.jit
 def _multi_tensor_update(
     ptrs, chunks, hyper, step,

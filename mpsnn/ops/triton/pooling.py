@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from mpsnn.ops.plans import PoolGeometry
+from mpsnn.ops.triton.launch import fast_kernel
 
 __all__ = ["max_pool_backward_triton"]
 
@@ -28,6 +29,7 @@ def _take(v, k, best, best_k, best_nan):
     return tl.where(take & (isn == 0), v, best), tl.where(take, k, best_k), best_nan | isn
 
 
+@fast_kernel
 @triton.jit
 def _max_pool_bwd(
     x_ptr, g_ptr, dx_ptr, rows, OH, OW, H, W, y0, x0,

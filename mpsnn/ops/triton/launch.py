@@ -1,0 +1,160 @@
+"""Cheaper Triton launches: the compiled kernel looked up by a key of our own.
+
+At every launch ``fn[grid](*args)`` Triton binds the arguments, specializes each of them (the
+dtype of a tensor and whether its address is a multiple of 16; the width of an integer, whether
+it is divisible by 16 and whether it equals 1), builds a cache-key string from that, looks the
+compiled kernel up and checks the globals it used. On a slow host that costs about 20 µs, as
+much as the launch itself, and mpsnn launches small kernels at every command (a dropout, a
+max-pool gradient, an optimizer step).
+
+`FastKernel` wraps a ``@triton.jit`` function and keeps, per *argument key*, the kernel Triton
+compiled for it. The key holds, for each positional argument, exactly the properties Triton
+specializes on (a finer partition than Triton's own: two calls with one key always get one
+Triton specialization), and the keyword arguments by value (constexprs and launch options).
+A call whose key was seen launches the `CompiledKernel` directly on the current stream, with
+the same arguments in the same order as Triton's own path would.
+
+Triton's own path still runs:
+
+* for the first call of each key (it compiles, or finds the compiled kernel, and launches);
+* for an argument this cannot key (a type other than tensor, int, float, bool or None, or a
+  tensor passed by keyword);
+* under the interpreter (``TRITON_INTERPRET=1``), which has no compiled kernels;
+* while a Triton launch hook is installed (a profiler), so the hook sees every launch;
+* when the installed Triton's compiled kernels lack what the direct launch uses.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["FastKernel", "fast_kernel"]
+
+_I32 = (-(1 << 31), 1 << 31)
+_U64 = 1 << 63
+_get_device: Callable[[], int] = torch.cuda.current_device
+_raw_stream: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _knobs() -> Any:
+    try:
+        from triton import knobs
+    except ImportError:  # an older Triton: no launch hooks to honour there
+        return None
+    return knobs.runtime
+
+
+class FastKernel:
+    """A ``@triton.jit`` function launched as ``kernel[grid](*args, **constexprs)``, with the
+    compiled kernel looked up by `_key` instead of Triton's binder (see the module)."""
+
+    __slots__ = ("_compiled", "_defaults", "_names", "direct_launches", "fn")
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        params = list(inspect.signature(fn.fn).parameters.values())
+        self._names = [p.name for p in params]
+        self._defaults = {
+            p.name: p.default for p in params if p.default is not inspect.Parameter.empty
+        }
+        # key -> (launcher, function, packed metadata, trailing args), or None: Triton's path
+        self._compiled: dict[Any, tuple[Any, ...] | None] = {}
+        self.direct_launches = 0  # how many launches skipped Triton's binder (for tests)
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        key = _key(args, kwargs)
+        entry = self._compiled.get(key, _MISSING) if key is not None else None
+        if entry is _MISSING:
+            kernel = self.fn[grid](*args, **kwargs)
+            self._compiled[key] = self._direct(kernel, args, kwargs)
+            return
+        if entry is None or (_HOOKS is not None and _hooked(_HOOKS.launch_enter_hook)):
+            self.fn[grid](*args, **kwargs)
+            return
+        run, function, packed, tail = entry
+        device = _get_device()
+        stream = _raw_stream(device)  # type: ignore[misc]
+        n = len(grid)
+        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, function, packed,
+            None, None, None, *args, *tail)  # fmt: skip
+        self.direct_launches += 1
+
+    def _direct(
+        self, kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, ...] | None:
+        """What a direct launch of ``kernel`` needs, or None where it cannot be done."""
+        if _raw_stream is None or kernel is None:
+            return None
+        try:
+            kernel._init_handles()
+            run, function, packed = kernel.run, kernel.function, kernel.packed_metadata
+        except AttributeError:  # the interpreter, or a Triton without these
+            return None
+        if not callable(run) or function is None:
+            return None
+        # the parameters after the positional ones, in signature order: the keyword
+        # arguments (keyed by value) and the defaults; Triton's launcher takes them all
+        tail = []
+        for name in self._names[len(args) :]:
+            if name in kwargs:
+                tail.append(kwargs[name])
+            elif name in self._defaults:
+                tail.append(self._defaults[name])
+            else:
+                return None
+        return run, function, packed, tuple(tail)
+
+
+def fast_kernel(fn: Any) -> FastKernel:
+    """Wrap a ``@triton.jit`` kernel for cheaper launches (see `FastKernel`)."""
+    return FastKernel(fn)
+
+
+_MISSING: Any = object()
+_HOOKS = _knobs()
+
+
+def _hooked(hook: Any) -> bool:
+    """Whether a launch hook is installed: a callable, or a non-empty chain of them (Triton
+    3.5 and later keep an empty `HookChain` there by default)."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return calls is None or len(calls) > 0
+
+
+def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """The properties of the arguments Triton specializes on; None when one cannot be keyed."""
+    key: list[Any] = []
+    for a in args:
+        t = type(a)
+        if t is torch.Tensor or isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() & 15 == 0))
+        elif t is bool:  # before int: a bool is an int
+            key.append(("b",))
+        elif t is int:
+            key.append(("i", a == 1, a & 15 == 0, _I32[0] <= a < _I32[1], a < _U64))
+        elif t is float:
+            key.append(("f",))
+        elif a is None:
+            key.append(None)
+        else:
+            return None
+    if kwargs:
+        for v in kwargs.values():
+            if isinstance(v, torch.Tensor):
+                return None
+        try:
+            items = tuple(kwargs.items())
+            hash(items)
+        except TypeError:
+            return None
+        key.append(items)
+    return tuple(key)

@@ -1,0 +1,85 @@
+"""Direct Triton launches (`mpsnn.ops.triton.launch`): the argument key separates every case
+Triton compiles separately, a repeated key launches the compiled kernel directly with the same
+results as Triton's own path, and the cases that must take Triton's path do (the interpreter,
+an argument that cannot be keyed, a launch hook)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpsnn.ops.triton.elementwise import _add_relu, add_relu_triton
+from mpsnn.ops.triton.launch import FastKernel, _key
+from tests.helpers import TRITON_DEVICES
+
+CUDA = torch.cuda.is_available()
+
+
+def test_key_separates_what_triton_specializes_on() -> None:
+    base = torch.zeros(64)
+    # integers: 1 (a constant for Triton), divisibility by 16, 32-bit range, unsigned 64-bit
+    ints = [1, 2, 3, 16, 32, 0, -16, 17, 2**31 - 16, 2**31, -(2**31), -(2**31) - 16, 2**63]
+    keys = {i: _key((i,), {}) for i in ints}
+    assert keys[2] == keys[3] and keys[16] == keys[32] == keys[0] == keys[-16]
+    assert keys[1] != keys[2] and keys[2] != keys[16]
+    assert keys[2**31 - 16] == keys[16] and keys[2**31] != keys[16]
+    assert keys[-(2**31)] == keys[16] and keys[-(2**31) - 16] == keys[2**31]
+    assert keys[2**63] != keys[2**31]
+    # tensors: dtype and whether the address is a multiple of 16 bytes
+    assert _key((base,), {}) == _key((torch.zeros(8),), {})
+    assert _key((base[1:],), {}) != _key((base,), {})  # 4 bytes in: misaligned
+    assert _key((base[4:],), {}) == _key((base,), {})  # 16 bytes in: aligned
+    assert _key((base.to(torch.bfloat16),), {}) != _key((base,), {})
+    # bools and floats are not specialized; a bool is not the int 1
+    assert _key((True,), {}) == _key((False,), {}) != _key((1,), {})
+    assert _key((0.5,), {}) == _key((3.0,), {})
+    # constexprs and launch options by value; the argument count is part of the key
+    assert _key((2,), {"BLOCK": 64}) != _key((2,), {"BLOCK": 128})
+    assert _key((2,), {}) != _key((2, 2), {})
+
+
+def test_key_refuses_what_it_cannot_key() -> None:
+    assert _key(("text",), {}) is None
+    assert _key((2,), {"T": torch.zeros(1)}) is None  # a tensor by keyword
+    assert _key((2,), {"L": [1, 2]}) is None  # unhashable
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_repeated_launches_equal_tritons_own_path(device) -> None:
+    kernel = _add_relu
+    assert isinstance(kernel, FastKernel)
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(2 * 4096 + 7, generator=gen).to(device)
+    other = torch.randn(2 * 4096 + 7, generator=gen).to(device)
+    before = kernel.direct_launches
+    # aligned, then misaligned views (another specialization), each launched three times
+    for start in (0, 0, 0, 1, 1, 1, 4):
+        x, y = base[start:], other[start:]
+        got = add_relu_triton(x, y)
+        z = x + y
+        assert torch.equal(got, (z >= 0).to(z.dtype) * z)
+    if device == "cuda":
+        # two keys: aligned (starts 0 and 4: the element counts differ but are alike for
+        # Triton) and misaligned (start 1); the first launch of each went through Triton
+        assert kernel.direct_launches - before == 5
+    else:
+        assert kernel.direct_launches == before  # the interpreter: always Triton's path
+
+
+@pytest.mark.skipif(not CUDA, reason="launch hooks are called by compiled launches only")
+def test_a_launch_hook_sees_every_launch() -> None:
+    from triton import knobs
+
+    seen = []
+    x = torch.randn(4096, device="cuda")
+    add_relu_triton(x, x)  # compiled and keyed
+    old = knobs.runtime.launch_enter_hook
+    knobs.runtime.launch_enter_hook = lambda metadata: seen.append(1)
+    try:
+        before = _add_relu.direct_launches
+        for _ in range(3):
+            add_relu_triton(x, x)
+        assert _add_relu.direct_launches == before
+    finally:
+        knobs.runtime.launch_enter_hook = old
+    assert len(seen) == 3
