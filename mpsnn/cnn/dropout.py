@@ -164,6 +164,8 @@ class Dropout(_DropoutParameters, PointwiseKernel):
         # the Triton forward's scratch (programs done; 0 between launches), see
         # `mpsnn.ops.dropout.dropout_apply_counted`
         self._ticket = torch.zeros(1, dtype=torch.int32, device=device.torch_device)
+        self._last_stream: Any = None  # the CUDA stream of the last run (`_order_runs`)
+        self._last_raw: int | None = None
         self.image_offset = 0  # the index of an encode's first image (see the module)
 
     def _state_records(self, record: ForwardRecord, states: list[Any]) -> Records:
@@ -200,14 +202,33 @@ class Dropout(_DropoutParameters, PointwiseKernel):
         # one key per encode: the states' (the gradient reads it), or a scratch one
         key = records[0][1].params.key if records else torch.empty_like(counter)
         first = check_int("Dropout", "image_offset", self.image_offset, 0)
+        order = self._order_runs if counter.is_cuda else None
 
         def forward(x: torch.Tensor) -> torch.Tensor:
+            if order is not None:
+                order()
             # advances the counter on the device: a captured step draws new masks at every replay
             return dropout_apply_counted(x, counter, seed, first, geom, key, ticket)
 
         return forward
 
+    def _order_runs(self) -> None:
+        """Runs of this kernel follow each other on the device (run time, CUDA): the counter
+        and its ticket are read and written by every run, so a run on another stream than the
+        last one (another queue) waits for that stream first. Comparing raw stream handles is
+        cheap; the stream objects are made only when the stream changes."""
+        index = self._counter.get_device()
+        raw = _raw_stream(index) if _raw_stream is not None else None
+        if raw is not None and raw == self._last_raw:
+            return
+        current = torch.cuda.current_stream(index)
+        last = self._last_stream
+        if last is not None and last != current and not torch.cuda.is_current_stream_capturing():
+            current.wait_stream(last)
+        self._last_stream, self._last_raw = current, raw
 
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _NO_KEY = torch.empty(0, dtype=torch.int64)  # a record's key until `_state_records` sets it
 
 

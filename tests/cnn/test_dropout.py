@@ -188,3 +188,25 @@ def test_triton_dropout_computes_the_key_from_the_counter(strides, device) -> No
         assert counter.item() == count + 1 and ticket.item() == 0
     with pytest.raises(ValueError, match=r"\[dropout_apply_triton\] key_out and ticket must"):
         triton_dropout.dropout_apply_triton(t, counter, 0, geom, seed_part=1, key_out=key_out)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams")
+def test_runs_on_two_streams_follow_each_other() -> None:
+    """One kernel encoded on queues of two streams: each run waits for the last one (they share
+    the device counter and its ticket), so the encodes draw the keys of counts 0, 1, 2, 3."""
+    dev = m.Device("cuda")
+    drop = m.Dropout(dev, 0.5, seed=9)
+    x = torch.randn(64, 32, 16, 16, device="cuda")
+    src = m.Image.from_tensor(x)
+    queues = [dev.new_command_queue(stream=torch.cuda.Stream()) for _ in range(2)]
+    states = []
+    for i in range(4):
+        cb = queues[i % 2].command_buffer()
+        st = drop.result_state(src)
+        drop.encode(cb, src, destination_state=st)
+        cb.commit()
+        states.append(st)
+    torch.cuda.synchronize()
+    assert int(drop._counter) == 4 and int(drop._ticket) == 0
+    keys = [int(st._forward.params.key) for st in states]
+    assert keys == [stream_key(9, k) for k in range(4)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mpsnn.ops.triton import elementwise
 from mpsnn.ops.triton.elementwise import _add_relu, add_relu_triton
 from mpsnn.ops.triton.launch import FastKernel, _key
 from tests.helpers import TRITON_DEVICES
@@ -33,9 +34,13 @@ def test_key_separates_what_triton_specializes_on() -> None:
     # bools and floats are not specialized; a bool is not the int 1
     assert _key((True,), {}) == _key((False,), {}) != _key((1,), {})
     assert _key((0.5,), {}) == _key((3.0,), {})
-    # constexprs and launch options by value; the argument count is part of the key
+    # constexprs and launch options by type and value; the argument count is part of the key
     assert _key((2,), {"BLOCK": 64}) != _key((2,), {"BLOCK": 128})
+    assert _key((2,), {"F": True}) != _key((2,), {"F": 1}) != _key((2,), {"F": 1.0})
     assert _key((2,), {}) != _key((2, 2), {})
+    # a constexpr passed positionally is keyed by its value, not by its integer properties
+    assert _key((2, 64), {}) == _key((2, 128), {})
+    assert _key((2, 64), {}, frozenset({1})) != _key((2, 128), {}, frozenset({1}))
 
 
 def test_key_refuses_what_it_cannot_key() -> None:
@@ -45,9 +50,12 @@ def test_key_refuses_what_it_cannot_key() -> None:
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
-def test_repeated_launches_equal_tritons_own_path(device) -> None:
-    kernel = _add_relu
-    assert isinstance(kernel, FastKernel)
+def test_repeated_launches_equal_tritons_own_path(device, monkeypatch) -> None:
+    assert isinstance(_add_relu, FastKernel)
+    # a kernel of its own: the module's caches keys of earlier tests
+    kernel = FastKernel(_add_relu.fn)
+    monkeypatch.setattr(elementwise, "_add_relu", kernel)
+    assert kernel._constexpr == frozenset({4})  # BLOCK
     gen = torch.Generator().manual_seed(5)
     base = torch.randn(2 * 4096 + 7, generator=gen).to(device)
     other = torch.randn(2 * 4096 + 7, generator=gen).to(device)
@@ -61,9 +69,14 @@ def test_repeated_launches_equal_tritons_own_path(device) -> None:
     if device == "cuda":
         # two keys: aligned (starts 0 and 4: the element counts differ but are alike for
         # Triton) and misaligned (start 1); the first launch of each went through Triton
-        assert kernel.direct_launches - before == 5
+        assert kernel.direct_launches - before == 5 and len(kernel._compiled) == 2
     else:
         assert kernel.direct_launches == before  # the interpreter: always Triton's path
+    # a callable grid is Triton's to evaluate: never launched directly
+    x = base[:4096]
+    kernel[lambda meta: (1,)](x, x, torch.empty_like(x), 4096, BLOCK=4096)
+    kernel[lambda meta: (1,)](x, x, torch.empty_like(x), 4096, BLOCK=4096)
+    assert kernel.direct_launches - before == (5 if device == "cuda" else 0)
 
 
 @pytest.mark.skipif(not CUDA, reason="launch hooks are called by compiled launches only")

@@ -8,9 +8,10 @@ much as the launch itself, and mpsnn launches small kernels at every command (a 
 max-pool gradient, an optimizer step).
 
 `FastKernel` wraps a ``@triton.jit`` function and keeps, per *argument key*, the kernel Triton
-compiled for it. The key holds, for each positional argument, exactly the properties Triton
-specializes on (a finer partition than Triton's own: two calls with one key always get one
-Triton specialization), and the keyword arguments by value (constexprs and launch options).
+compiled for it. The key holds, for each argument, the properties Triton specializes on, and
+constexprs (positional or keyword) and launch options by type and value, under the current CUDA
+device (Triton compiles, and loads a kernel, per device): a finer partition than Triton's own,
+so two calls with one key get one Triton specialization.
 A call whose key was seen launches the `CompiledKernel` directly on the current stream, with
 the same arguments in the same order as Triton's own path would.
 
@@ -21,7 +22,11 @@ Triton's own path still runs:
   tensor passed by keyword);
 * under the interpreter (``TRITON_INTERPRET=1``), which has no compiled kernels;
 * while a Triton launch hook is installed (a profiler), so the hook sees every launch;
+* for a grid given as a callable;
 * when the installed Triton's compiled kernels lack what the direct launch uses.
+
+Triton's global settings (``knobs``: debug mode, instrumentation) are read when a key is first
+seen: change them before launching, not between launches.
 """
 
 from __future__ import annotations
@@ -36,7 +41,12 @@ __all__ = ["FastKernel", "fast_kernel"]
 
 _I32 = (-(1 << 31), 1 << 31)
 _U64 = 1 << 63
-_get_device: Callable[[], int] = torch.cuda.current_device
+# the current CUDA device (-1 without CUDA: the interpreter, where nothing is launched directly)
+_get_device: Callable[[], int] = (
+    getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+    if torch.cuda.is_available()
+    else (lambda: -1)
+)
 _raw_stream: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
@@ -52,7 +62,7 @@ class FastKernel:
     """A ``@triton.jit`` function launched as ``kernel[grid](*args, **constexprs)``, with the
     compiled kernel looked up by `_key` instead of Triton's binder (see the module)."""
 
-    __slots__ = ("_compiled", "_defaults", "_names", "direct_launches", "fn")
+    __slots__ = ("_compiled", "_constexpr", "_defaults", "_names", "direct_launches", "fn")
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
@@ -61,6 +71,11 @@ class FastKernel:
         self._defaults = {
             p.name: p.default for p in params if p.default is not inspect.Parameter.empty
         }
+        # positions of the constexpr parameters (annotated ``tl.constexpr``, as Triton tells
+        # them): keyed by value when passed positionally
+        self._constexpr = frozenset(
+            i for i, p in enumerate(params) if "constexpr" in str(p.annotation)
+        )
         # key -> (launcher, function, packed metadata, trailing args), or None: Triton's path
         self._compiled: dict[Any, tuple[Any, ...] | None] = {}
         self.direct_launches = 0  # how many launches skipped Triton's binder (for tests)
@@ -69,17 +84,22 @@ class FastKernel:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        key = _key(args, kwargs)
+        device = _get_device()  # Triton compiles per device: a kernel's handle is for one
+        key = None if callable(grid) else _key(args, kwargs, self._constexpr)
+        if key is not None:
+            key = (device, key)
         entry = self._compiled.get(key, _MISSING) if key is not None else None
         if entry is _MISSING:
             kernel = self.fn[grid](*args, **kwargs)
             self._compiled[key] = self._direct(kernel, args, kwargs)
             return
-        if entry is None or (_HOOKS is not None and _hooked(_HOOKS.launch_enter_hook)):
+        if entry is None or (
+            _HOOKS is not None
+            and (_hooked(_HOOKS.launch_enter_hook) or _hooked(_HOOKS.launch_exit_hook))
+        ):
             self.fn[grid](*args, **kwargs)
             return
         run, function, packed, tail = entry
-        device = _get_device()
         stream = _raw_stream(device)  # type: ignore[misc]
         n = len(grid)
         run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, function, packed,
@@ -130,12 +150,17 @@ def _hooked(hook: Any) -> bool:
     return calls is None or len(calls) > 0
 
 
-def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
-    """The properties of the arguments Triton specializes on; None when one cannot be keyed."""
+def _key(
+    args: tuple[Any, ...], kwargs: dict[str, Any], constexpr: frozenset[int] = frozenset()
+) -> tuple[Any, ...] | None:
+    """The properties of the arguments Triton specializes on (``constexpr``: positions keyed
+    by type and value); None when one cannot be keyed."""
     key: list[Any] = []
-    for a in args:
+    for i, a in enumerate(args):
         t = type(a)
-        if t is torch.Tensor or isinstance(a, torch.Tensor):
+        if i in constexpr:
+            key.append((t, a))
+        elif t is torch.Tensor or isinstance(a, torch.Tensor):
             key.append((a.dtype, a.data_ptr() & 15 == 0))
         elif t is bool:  # before int: a bool is an int
             key.append(("b",))
@@ -152,7 +177,8 @@ def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | Non
             if isinstance(v, torch.Tensor):
                 return None
         try:
-            items = tuple(kwargs.items())
+            # by type too: Triton compiles FLAG=True, FLAG=1 and FLAG=1.0 apart (they are ==)
+            items = tuple((k, type(v), v) for k, v in kwargs.items())
             hash(items)
         except TypeError:
             return None
