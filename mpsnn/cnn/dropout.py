@@ -164,6 +164,7 @@ class Dropout(_DropoutParameters, PointwiseKernel):
         # the Triton forward's scratch (programs done; 0 between launches), see
         # `mpsnn.ops.dropout.dropout_apply_counted`
         self._ticket = torch.zeros(1, dtype=torch.int32, device=device.torch_device)
+        self._device_index = self._counter.get_device()  # -1 on the CPU
         self._last_stream: Any = None  # the CUDA stream of the last run (`_order_runs`)
         self._last_raw: int | None = None
         self.image_offset = 0  # the index of an encode's first image (see the module)
@@ -217,7 +218,7 @@ class Dropout(_DropoutParameters, PointwiseKernel):
         and its ticket are read and written by every run, so a run on another stream than the
         last one (another queue) waits for that stream first. Comparing raw stream handles is
         cheap; the stream objects are made only when the stream changes."""
-        index = self._counter.get_device()
+        index = self._device_index
         raw = _raw_stream(index) if _raw_stream is not None else None
         if raw is not None and raw == self._last_raw:
             return

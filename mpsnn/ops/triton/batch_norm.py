@@ -77,6 +77,23 @@ def _coefficients(mean_ptr, var_ptr, gamma_ptr, beta_ptr, c, eps):
 
 
 @triton.jit
+def _neuron(z, slope, RELU: tl.constexpr):
+    """The fused neuron of the normalized ``z``: ``z >= 0 ? z : slope z`` (RELU), or ``z``."""
+    if RELU:
+        z = tl.where(z >= 0, z, z * slope)
+    return z
+
+
+@triton.jit
+def _through_neuron(gy, z, slope, RELU: tl.constexpr):
+    """``gy`` through the fused neuron's derivative at ``z`` (1 where ``z >= 0``, ``slope``
+    below; RELU), or ``gy`` (then ``z`` is unused, and the compiler drops its arithmetic)."""
+    if RELU:
+        gy = tl.where(z >= 0, gy, gy * slope)
+    return gy
+
+
+@triton.jit
 def _store(ptr, v, mask):
     """Store float32 ``v`` in ``ptr``'s dtype, rounded to nearest even. bfloat16 is rounded in
     integer arithmetic (Triton's interpreter truncates in its own conversion); a NaN stays a
@@ -184,9 +201,7 @@ def _forward(
         idx = base[:, None] + (i + offs)[None, :]
         mask = (planes < NC)[:, None] & (i + offs < l1)[None, :]
         xc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32) - mu[:, None]
-        z = xc * a[:, None] + beta[:, None]
-        if RELU:
-            z = tl.where(z >= 0, z, z * slope)
+        z = _neuron(xc * a[:, None] + beta[:, None], slope, RELU)
         _store(y_ptr + idx, z, mask)
 
 
@@ -219,9 +234,7 @@ def _gradient_sums_partial(
             mask = (r < n1)[:, None] & (i + offs < l1)[None, :]
             xc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32) - mu
             gy = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)  # 0 where masked
-            if RELU:
-                z = xc * a + beta
-                gy = tl.where(z >= 0, gy, gy * slope)
+            gy = _through_neuron(gy, xc * a + beta, slope, RELU)
             acc_g += gy
             acc_gx += gy * (xc * s)
     p = c * parts + chunk * tl.num_programs(2) + split
@@ -253,9 +266,7 @@ def _backward(
         mask = (planes < NC)[:, None] & (i + offs < l1)[None, :]
         xc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32) - mu[:, None]
         gy = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        if RELU:
-            z = xc * a[:, None] + beta[:, None]
-            gy = tl.where(z >= 0, gy, gy * slope)
+        gy = _through_neuron(gy, xc * a[:, None] + beta[:, None], slope, RELU)
         t = gy - mean_gy[:, None]
         t = t - (xc * s[:, None]) * mean_gyx[:, None]
         dx = t * a[:, None]

@@ -24,10 +24,12 @@ from mpsnn.ops.triton.batch_norm import (
     _MAX_PARTS,
     _chan_merge,
     _coefficients,
+    _neuron,
     _programs_wanted,
     _relu,
     _stats_combine,
     _store,
+    _through_neuron,
     _warps,
 )
 from mpsnn.ops.triton.launch import fast_kernel
@@ -101,9 +103,7 @@ def _forward_nhwc(
     mask = (r < M)[:, None] & cmask[None, :]
     idx = r.to(tl.int64)[:, None] * C + cs[None, :]
     xc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32) - mu[None, :]
-    z = xc * a[None, :] + beta[None, :]
-    if RELU:
-        z = tl.where(z >= 0, z, z * slope)
+    z = _neuron(xc * a[None, :] + beta[None, :], slope, RELU)
     _store(y_ptr + idx, z, mask)
 
 
@@ -131,9 +131,7 @@ def _gradient_sums_partial_nhwc(
         idx = r.to(tl.int64)[:, None] * C + cs[None, :]
         xc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32) - mu[None, :]
         gy = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)  # 0 where masked
-        if RELU:
-            z = xc * a[None, :] + beta[None, :]
-            gy = tl.where(z >= 0, gy, gy * slope)
+        gy = _through_neuron(gy, xc * a[None, :] + beta[None, :], slope, RELU)
         acc_g += gy
         acc_gx += gy * (xc * s[None, :])
     p = cs * parts + chunk
@@ -161,9 +159,7 @@ def _backward_nhwc(
     idx = r.to(tl.int64)[:, None] * C + cs[None, :]
     xc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32) - mu[None, :]
     gy = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    if RELU:
-        z = xc * a[None, :] + beta[None, :]
-        gy = tl.where(z >= 0, gy, gy * slope)
+    gy = _through_neuron(gy, xc * a[None, :] + beta[None, :], slope, RELU)
     t = gy - mean_gy[None, :]
     t = t - (xc * s[None, :]) * mean_gyx[None, :]
     dx = t * a[None, :]
