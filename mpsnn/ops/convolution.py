@@ -224,16 +224,11 @@ def fc_forward(
     ``weight``, when the caller keeps it."""
     n = x.shape[0]
     o, _, kh, kw = weight.shape
-    xin = _pixels(x, kh, kw)
-    # F.linear's own product (addmm, or mm without a bias), written into a new (N, O, 1, 1)
-    # tensor rather than returned as a view: an image adopts a new tensor as its storage.
-    out = x.new_empty((n, o, 1, 1))
-    w2t = (fc_matrix(weight) if matrix is None else matrix).t()
-    if bias is None:
-        torch.mm(xin, w2t, out=out.view(n, o))
-    else:
-        torch.addmm(bias, xin, w2t, out=out.view(n, o))
-    return out
+    w2 = fc_matrix(weight) if matrix is None else matrix
+    # F.linear is one addmm (mm without a bias) of the (N, O) product; resized in place to
+    # (N, O, 1, 1) rather than viewed, it stays a new tensor (no base) that an image adopts
+    # as its storage. One call from Python for what took four (out=, t, view, addmm).
+    return F.linear(_pixels(x, kh, kw), w2, bias).resize_(n, o, 1, 1)
 
 
 def fc_backward(
@@ -251,9 +246,8 @@ def fc_backward(
     g2 = grad.reshape(n, o)
     dx = dw = None
     if need_data:
-        dx = grad.new_empty((n, c, kh, kw))  # a new tensor, not a view (see fc_forward)
         w2 = fc_matrix(weight) if matrix is None else matrix
-        torch.mm(g2, w2, out=dx.view(n, -1))
+        dx = torch.mm(g2, w2).resize_(n, c, kh, kw)  # a new tensor, not a view (fc_forward)
         if (kh, kw) != (h, w):
             dx = F.pad(dx, (0, w - kw, 0, h - kh))
     if need_weights:

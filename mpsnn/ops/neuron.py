@@ -29,8 +29,9 @@ Domains: POWER with a non-integer ``c`` is real only where ``a x + b >= 0`` (NaN
 domain give what PyTorch gives; they are not errors.
 
 RELU with ``a = +0.0`` (the plain ReLU) runs as ``(x >= 0) x`` and ``(x >= 0) g`` with the
-general formulas' bits: two vectorized passes on the CPU, two launches on CUDA (`plain_relu`
-decides and says why).
+general formulas' bits: two vectorized passes on the CPU, one Triton pass on CUDA for dense
+float16/bfloat16/float32 tensors of one layout, else two launches (`plain_relu` decides and
+says why).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from mpsnn.ops import triton as fast_paths
 from mpsnn.ops._dtypes import device_constant
 
 __all__ = [
@@ -199,7 +201,7 @@ def plain_relu(p: NeuronParams, x: torch.Tensor) -> bool:
     Why: the general forms take 3 to 5 passes, where (and mixed bool-float products) are not
     vectorized; these take 2 vectorized passes, on the CPU and on CUDA (where ``x * (x >= 0)``
     with a bool mask ran as a non-vectorized kernel at half the bandwidth: 0.45 ms of a
-    ResNet-18 step at batch 512 on an H100).
+    ResNet-18 step at batch 512 on an H100), or one Triton pass on CUDA (`_relu_times`).
     """
     return p.kind == RELU and p.a == 0.0 and math.copysign(1.0, p.a) > 0 and x.is_floating_point()
 
@@ -216,7 +218,12 @@ def _times(m: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 def _relu_times(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``(x >= 0) t``, a new tensor, through a 1.0/0.0 mask in ``x``'s dtype (see
-    `plain_relu`)."""
+    `plain_relu`); on CUDA one Triton pass with the same bits (`mpsnn.ops.triton.relu_times`:
+    one launch and one read of each input, where the mask takes two launches and a round
+    trip through memory)."""
+    fast = fast_paths.relu_times(x, t)
+    if fast is not None:
+        return fast
     return _times(_nonnegative(x), t)
 
 

@@ -1,6 +1,7 @@
-"""``relu(x + y)`` in one Triton pass equals the addition followed by the portable ReLU, bit
-for bit (NaN, infinities, sums that round to zero, -0.0, both memory layouts, every storage
-format). On the CPU it runs in Triton's interpreter, with bfloat16 sums that need no rounding
+"""The plain ReLU's Triton passes equal the portable forms bit for bit (NaN, infinities, sums
+that round to zero, -0.0, both memory layouts, every storage format): ``relu(x + y)`` against
+the addition followed by the portable ReLU, ``(x >= 0) t`` against the 1.0/0.0 mask and its
+product. On the CPU they run in Triton's interpreter, with bfloat16 sums that need no rounding
 (the interpreter truncates; the GPU run checks the rounding)."""
 
 from __future__ import annotations
@@ -8,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mpsnn.ops import neuron as N
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops.arithmetic import add_activation
 from mpsnn.ops.neuron import RELU, NeuronParams, activation
-from mpsnn.ops.triton.elementwise import add_relu_triton
+from mpsnn.ops.triton.elementwise import add_relu_triton, relu_times_triton
 from tests.helpers import TRITON_DEVICES
 
 RELU0 = NeuronParams(RELU, 0.0, 0.0, 0.0, None)
@@ -51,6 +53,29 @@ def test_triton_add_relu_equals_add_then_relu(shape, dtype, channels_last, devic
                        want[keep].view(torch.int16 if dtype != torch.float32 else torch.int32))  # fmt: skip
 
 
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got.isnan(), want.isnan())
+    keep = ~want.isnan()
+    view = torch.int16 if got.dtype != torch.float32 else torch.int32
+    assert torch.equal(got[keep].view(view), want[keep].view(view))
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_triton_relu_times_equals_the_mask_product(dtype, channels_last, device) -> None:
+    """The ReLU (``t = x``) and its gradient (``t`` another tensor): -0.0 for ``x < 0``, NaN for
+    a NaN ``x`` and for ``x = -inf`` (``0 * -inf``), ``t``'s own ±0/±inf/NaN where ``x >= 0``."""
+    x, t = _pair((2, 3, 5, 7), dtype, device, channels_last)
+    for a, b in ((x, x), (x, t), (t, x)):
+        got = relu_times_triton(a, b)
+        assert got.stride() == a.stride()
+        _same_bits(got, N._times(N._nonnegative(a), b))
+    assert N.plain_relu(RELU0, x)
+    _same_bits(activation(RELU0, x), N._times(N._nonnegative(x), x))
+
+
 def test_dispatch_takes_one_layout_and_dtype_only() -> None:
     x = torch.randn(2, 3, 4, 5)
     assert fast_paths.add_relu(x, x) is None  # CPU tensors: the portable path
@@ -62,3 +87,8 @@ def test_dispatch_takes_one_layout_and_dtype_only() -> None:
         assert fast_paths.add_relu(gpu, gpu.contiguous(memory_format=torch.channels_last)) is None
         assert fast_paths.add_relu(gpu, gpu.double()) is None
         assert fast_paths.add_relu(gpu[..., ::2], gpu[..., ::2]) is None  # not dense
+        for a, b in ((gpu, gpu), (gpu, -gpu)):
+            assert torch.equal(fast_paths.relu_times(a, b), N._times(N._nonnegative(a), b))
+        assert fast_paths.relu_times(gpu, gpu.contiguous(memory_format=torch.channels_last)) is None
+        assert fast_paths.relu_times(gpu.double(), gpu.double()) is None
+    assert fast_paths.relu_times(x, x) is None  # CPU tensors: the portable path

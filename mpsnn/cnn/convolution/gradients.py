@@ -55,6 +55,8 @@ from mpsnn.ops.convolution import (
 __all__ = ["ConvolutionGradient", "ConvolutionTransposeGradient", "FullyConnectedGradient"]
 
 Grads = tuple["torch.Tensor | None", "torch.Tensor | None", torch.Tensor]
+_WITH_DATA = int(ConvolutionGradientOption.GRADIENT_WITH_DATA)
+_WITH_WEIGHTS = int(ConvolutionGradientOption.GRADIENT_WITH_WEIGHTS_AND_BIAS)
 
 
 @gradient_of(Convolution)
@@ -163,7 +165,7 @@ class ConvolutionGradient(GradientKernel):
             )
 
     def _wants_data_gradient(self) -> bool:
-        return bool(self._option & ConvolutionGradientOption.GRADIENT_WITH_DATA)
+        return int(self._option) & _WITH_DATA != 0
 
     def _grads(self, record: ForwardRecord, need_bias: bool = True) -> Callable[..., Grads]:
         """``(g, x, w, need_data, need_weights) -> (dx, dw, db)``; ``db`` may be None when
@@ -177,8 +179,9 @@ class ConvolutionGradient(GradientKernel):
         ws = record.params.weights
         need_b = self._bias_sums or ws.bias is not None
         grads = self._grads(record, need_b)
-        need_data = bool(self._option & ConvolutionGradientOption.GRADIENT_WITH_DATA)
-        need_w = bool(self._option & ConvolutionGradientOption.GRADIENT_WITH_WEIGHTS_AND_BIAS)
+        option = int(self._option)  # an IntFlag's own `&` runs in Python, at every encode
+        need_data = option & _WITH_DATA != 0
+        need_w = option & _WITH_WEIGHTS != 0
         groups = _group_by_state(states)
         if need_w and not need_b:
             for state, _ in groups:

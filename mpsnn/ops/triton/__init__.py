@@ -28,6 +28,7 @@ __all__ = [
     "max_pool_backward",
     "optimizer_tables",
     "pool_tiles",
+    "relu_times",
     "set_enabled",
 ]
 
@@ -100,22 +101,41 @@ def dropout_apply(
     )
 
 
-def add_relu(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-    """``relu(x + y)`` in one pass for CUDA tensors in float16, bfloat16 or float32 of one
-    shape, dtype and dense layout (a residual block's addition and ReLU), else None."""
-    if not (
+def _one_pass(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """``x`` and ``y`` can be read elementwise in memory order by one pass: CUDA, float16,
+    bfloat16 or float32, one shape, dtype and dense layout (NCHW or channels-last)."""
+    return (
         _runs(x, y)
-        and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and x.dtype in _PASS_DTYPES
         and y.dtype is x.dtype
         and x.shape == y.shape
         and x.stride() == y.stride()
         and x.numel() > 0
         and (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last))
-    ):
+    )
+
+
+_PASS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def add_relu(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    """``relu(x + y)`` in one pass for CUDA tensors in float16, bfloat16 or float32 of one
+    shape, dtype and dense layout (a residual block's addition and ReLU), else None."""
+    if not _one_pass(x, y):
         return None
     from mpsnn.ops.triton.elementwise import add_relu_triton
 
     return add_relu_triton(x, y)
+
+
+def relu_times(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor | None:
+    """``(x >= 0) t`` (the plain ReLU with ``t = x``, its gradient with ``t`` the incoming
+    gradient) in one pass, under `add_relu`'s conditions, else None."""
+    if not _one_pass(x, t):
+        return None
+    from mpsnn.ops.triton.elementwise import relu_times_triton
+
+    return relu_times_triton(x, t)
 
 
 def batch_norm_eligible(x: torch.Tensor, neuron: Any = None, *more: torch.Tensor) -> bool:

@@ -1,4 +1,6 @@
-"""A residual block's ``relu(x + y)`` in one pass (Triton).
+"""The plain ReLU's elementwise passes in Triton: a residual block's ``relu(x + y)`` and the
+masked product ``(x >= 0) t`` (the ReLU itself with ``t = x``, its gradient with ``t`` the
+incoming gradient), each in one pass.
 
 ``x`` and ``y`` have one shape and one memory layout (NCHW or channels-last, dense), so the sum
 is elementwise over their storage in memory order. The sum is rounded to the storage dtype
@@ -6,6 +8,12 @@ first and the ReLU applied to that value as MPS's ReLU does, ``(z >= 0) z`` (a n
 gives -0.0, NaN stays NaN): the bits equal ``torch.add`` followed by the portable ReLU. Bytes
 moved: both inputs once and the output once, against twice the output more for an addition
 and a separate ReLU.
+
+``(x >= 0) t`` computes the product with the mask 1.0/0.0 in float32 and rounds it to the
+storage dtype: multiplying by 1.0 or 0.0 is exact, so the bits equal the portable form's (a
+1.0/0.0 mask in ``x``'s dtype, then a product): ``x`` for ``x >= 0``, -0.0 for ``x < 0``, NaN
+for NaN and -inf. It reads ``x`` and ``t`` once and writes once (the portable form writes the
+mask, then reads it again), and it is one launch instead of two.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import triton.language as tl
 
 from mpsnn.ops.triton.launch import fast_kernel
 
-__all__ = ["add_relu_triton"]
+__all__ = ["add_relu_triton", "relu_times_triton"]
 
 _BLOCK = 4096
 
@@ -41,4 +49,25 @@ def add_relu_triton(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     n = x.numel()
     _add_relu[(triton.cdiv(n, _BLOCK),)](x, y, out, n, BLOCK=_BLOCK, num_warps=8)
+    return out
+
+
+@fast_kernel
+@triton.jit
+def _relu_times(x_ptr, t_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < numel
+    # compared in float32 (exact; Triton's interpreter compares bfloat16 as raw bits)
+    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    t = tl.load(t_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    out = tl.where(x >= 0, 1.0, 0.0) * t  # exact: a product with 1.0 or 0.0
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def relu_times_triton(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``(x >= 0) t`` for dense CUDA tensors of one shape, strides and dtype (the caller
+    checks); a new tensor with ``x``'s layout."""
+    out = torch.empty_like(x)
+    n = x.numel()
+    _relu_times[(triton.cdiv(n, _BLOCK),)](x, t, out, n, BLOCK=_BLOCK, num_warps=8)
     return out
