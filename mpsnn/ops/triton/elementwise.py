@@ -57,7 +57,8 @@ def add_relu_triton(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def _relu_times(x_ptr, t_ptr, out_ptr, numel, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < numel
-    # compared in float32 (exact; Triton's interpreter compares bfloat16 as raw bits)
+    # compared in float32: exact on the GPU; Triton's interpreter would compare bfloat16 as
+    # raw bits (it also mishandles bfloat16 subnormals, which its tests therefore avoid)
     x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
     t = tl.load(t_ptr + offs, mask=m, other=0.0).to(tl.float32)
     out = tl.where(x >= 0, 1.0, 0.0) * t  # exact: a product with 1.0 or 0.0
