@@ -18,6 +18,8 @@ mask, then reads it again), and it is one launch instead of two.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -46,10 +48,7 @@ def _add_relu(x_ptr, y_ptr, out_ptr, numel, BLOCK: tl.constexpr):
 def add_relu_triton(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``relu(x + y)`` for dense CUDA tensors of one shape, strides and dtype (the caller
     checks); a new tensor with ``x``'s layout."""
-    out = torch.empty_like(x)
-    n = x.numel()
-    _add_relu[(triton.cdiv(n, _BLOCK),)](x, y, out, n, BLOCK=_BLOCK, num_warps=8)
-    return out
+    return _launch(_add_relu, x, y)
 
 
 @fast_kernel
@@ -68,7 +67,13 @@ def _relu_times(x_ptr, t_ptr, out_ptr, numel, BLOCK: tl.constexpr):
 def relu_times_triton(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``(x >= 0) t`` for dense CUDA tensors of one shape, strides and dtype (the caller
     checks); a new tensor with ``x``'s layout."""
-    out = torch.empty_like(x)
-    n = x.numel()
-    _relu_times[(triton.cdiv(n, _BLOCK),)](x, t, out, n, BLOCK=_BLOCK, num_warps=8)
+    return _launch(_relu_times, x, t)
+
+
+def _launch(kernel: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Run a two-input pass over the storage in memory order into a new tensor with ``a``'s
+    layout (the caller checked one shape, strides and dtype)."""
+    out = torch.empty_like(a)
+    n = a.numel()
+    kernel[(triton.cdiv(n, _BLOCK),)](a, b, out, n, BLOCK=_BLOCK, num_warps=8)
     return out
