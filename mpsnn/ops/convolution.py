@@ -172,22 +172,29 @@ def conv_backward(
         ox = _out_len(plan.x.length, plan.x.pad, geom.x)
         g = F.pad(g, (0, ox - g.shape[3], 0, oy - g.shape[2]))
     g = _channels_last(g)
-    dt, dw, _ = _conv_backward(
+    acc = acc_dtype(grad.dtype)
+    # On CUDA, a float32/float64 bias gradient comes with the operator (which sums ``g`` over
+    # (0, 2, 3) in C++, as ``g.sum((0, 2, 3))`` would): one call from Python less per layer
+    # and step. Narrower dtypes sum in float32 below; the CPU keeps the explicit sum (oneDNN
+    # computes the operator's bias gradient with a reduction order of its own).
+    with_bias = need_bias and g.is_cuda and g.dtype is acc
+    dt, dw, db = _conv_backward(
         g,
         t,
         weight,
-        None,
+        [g.shape[1]] if with_bias else None,
         [geom.y.stride, geom.x.stride],
         list(plan.pads),
         [geom.y.dilation, geom.x.dilation],
         False,
         [0, 0],
         geom.groups,
-        [need_data, need_weights, False],
+        [need_data, need_weights, with_bias],
     )
     dx = apply_extract_adjoint(dt, plan) if need_data else None
     # g: grad, zero-padded where it was cropped
-    db = _channel_sums(g, acc_dtype(grad.dtype)) if need_bias else None
+    if need_bias and not with_bias:  # (without the mask bit, the operator returned None)
+        db = _channel_sums(g, acc)
     if need_weights and not dw.is_contiguous():
         # cuDNN's channels-last weight gradient: gradient states and optimizers hold the
         # weights' own layout, and sum in float32 (float64 stays): one pass does both
