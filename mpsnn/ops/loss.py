@@ -58,6 +58,11 @@ distance: ``w_bar`` as above.
 scatter into the (N, C, H, W) class-term tensor ``a`` (no int64 one-hot). Indices must lie in
 ``[0, C)``; they are not checked here (a check would wait for the device).
 
+**CUDA fast path.** SOFTMAX_CROSS_ENTROPY with class indices, no weights, no label smoothing
+and ``0 < weight <= float32 max`` on float16/bfloat16/float32 CUDA predictions runs as one
+Triton kernel (`mpsnn.ops.triton.loss`): the same formulas, ``log_softmax`` within an ulp or so
+of ATen's; an index outside ``[0, C)`` gives a NaN pixel there instead of a device assertion.
+
 **Reductions**, per image ``n`` (a reduction never crosses images), ``S_n`` the sum of ``l_w``
 over the image:
 
@@ -89,6 +94,7 @@ from typing import NamedTuple
 
 import torch
 
+from mpsnn.ops import triton as fast_paths
 from mpsnn.ops._dtypes import acc_dtype
 
 __all__ = [
@@ -149,6 +155,10 @@ def loss_forward_backward(
     """
     kind, reduction = int(params.kind), int(params.reduction)
     _check(y, labels, weights, kind, reduction)
+    if kind == SOFTMAX_CROSS_ENTROPY and weights is None:
+        fused = _fused_softmax_cross_entropy(y, labels, params, reduction)
+        if fused is not None:
+            return fused
     n, c, h, w = y.shape
     acc = acc_dtype(y.dtype)
     yw = y.to(acc)
@@ -277,6 +287,27 @@ def _one_hot_sum(
     if not p.weight <= torch.finfo(y.dtype).max:
         return None
     return p.weight
+
+
+def _fused_softmax_cross_entropy(
+    y: torch.Tensor, labels: torch.Tensor, p: LossParams, reduction: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """SOFTMAX_CROSS_ENTROPY with one-hot class terms (`_one_hot_sum`) on CUDA: one Triton
+    launch for `_class_terms` and `_cross_entropy`, its gradient already divided by the
+    reduction's divisor and in ``y``'s dtype (`mpsnn.ops.triton.loss`), then the loss's
+    reduction as in `loss_forward_backward`; None where that launch does not apply."""
+    units = y.shape[2] * y.shape[3]
+    # no per-element weights: SUM_BY_NON_ZERO_WEIGHTS counts every pixel, as MEAN
+    divisor = 1 if reduction in (NONE, SUM) else units
+    fused = fast_paths.softmax_cross_entropy(y, labels, None, p.weight, p.label_smoothing, divisor)
+    if fused is None:
+        return None
+    loss, grad = fused
+    if reduction != NONE:
+        loss = loss.sum((1, 2, 3), keepdim=True)
+        if divisor != 1:
+            loss = loss / divisor
+    return loss, grad
 
 
 def _cross_entropy(

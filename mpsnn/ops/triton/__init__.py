@@ -30,6 +30,7 @@ __all__ = [
     "pool_tiles",
     "relu_times",
     "set_enabled",
+    "softmax_cross_entropy",
 ]
 
 _enabled = True
@@ -136,6 +137,39 @@ def relu_times(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor | None:
     from mpsnn.ops.triton.elementwise import relu_times_triton
 
     return relu_times_triton(x, t)
+
+
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def softmax_cross_entropy(
+    y: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor | None,
+    weight: float,
+    label_smoothing: float,
+    divisor: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The Triton softmax cross entropy's ``(per-pixel loss (N, 1, H, W) float32, gradient in
+    ``y``'s dtype divided by ``divisor``)`` when its class terms are a one-hot ``weight``
+    (`mpsnn.ops.loss._one_hot_sum`: int64 class indices (N, H, W), no ``weights``, no label
+    smoothing, ``0 < weight <= float32 max``) for non-empty CUDA (N, C, H, W) logits in
+    float16, bfloat16 or float32 with at most `mpsnn.ops.triton.loss.MAX_CLASSES` classes,
+    else None (float64 and the other cases run on the portable path)."""
+    if weights is not None or label_smoothing or labels.dtype != torch.int64:
+        return None
+    if not 0 < weight <= _F32_MAX:  # NaN fails too
+        return None
+    if not _runs(y, labels) or y.dtype not in _PASS_DTYPES or y.dim() != 4 or y.numel() == 0:
+        return None
+    n, c, h, w = y.shape
+    if labels.shape != (n, h, w) or labels.device != y.device:
+        return None
+    from mpsnn.ops.triton.loss import MAX_CLASSES, softmax_cross_entropy_triton
+
+    if c > MAX_CLASSES:
+        return None
+    return softmax_cross_entropy_triton(y, labels, weight, divisor)
 
 
 def batch_norm_eligible(x: torch.Tensor, neuron: Any = None, *more: torch.Tensor) -> bool:
