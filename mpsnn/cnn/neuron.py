@@ -197,19 +197,7 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
         """dL/d(pre-activation) of a kernel's fused neuron, shaped like that kernel's result;
         zero outside the region the forward wrote."""
         who = "NeuronGradient"
-        if len(_unique(states)) != 1:
-            raise ValueError(
-                f"[{who}] gradient_states must repeat one state (see result_state_batch), "
-                f"got {len(_unique(states))} distinct states"
-            )
-        shape = record.destination_shape
-        for image, name in ((grad, "source_gradient"), (result, "source_image")):
-            if image._shape[1:] != shape[1:]:
-                raise ValueError(
-                    f"[{who}] {name} must have the convolution destination's shape "
-                    f"{shape[3]}x{shape[2]}x{shape[1]}, got "
-                    f"{image.width}x{image.height}x{image.feature_channels}"
-                )
+        shape = _check_fused(states, record, ((grad, "source_gradient"), (result, "source_image")))
         if dst is not None and dst._shape[1:] != shape[1:]:
             raise ValueError(
                 f"[{who}] destination_gradient must have the convolution destination's shape, "
@@ -219,22 +207,8 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
         out = dst if dst is not None else ImageDescriptor._make(
             _result_format(grad._fmt), shape[3], shape[2], shape[1], grad.number_of_images
         )  # fmt: skip
-        state = states[0]
-        region = (
-            slice(w.dst_image, w.dst_image + w.images),
-            slice(w.dst_channel, w.dst_channel + w.dst_channels),
-            slice(w.dst_y, w.dst_y + w.y.count),
-            slice(w.dst_x, w.dst_x + w.x.count),
-        )
-
-        whole = (w.dst_image, w.dst_channel, w.dst_y, w.dst_x) == (0, 0, 0, 0) and (
-            w.images,
-            w.dst_channels,
-            w.y.count,
-            w.x.count,
-        ) == grad._shape  # no view to make of the gradient (at every step)
-
-        backward = self._fused_backward(fused, state, result, region, whole)
+        region, whole = _region(w, grad._shape)
+        backward = self._fused_backward(fused, states[0], result, region, whole)
 
         def run(out: Image) -> None:
             g = grad._read()
@@ -245,7 +219,7 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
                 dz = full
             out._write_block(dz, 0, 0, 0, 0, grad._data())
 
-        return Encoding(run, (out,), (grad, result, state))
+        return Encoding(run, (out,), (grad, result, states[0]))
 
     def _fused_backward(
         self, fused: FusedNeuron, state: Any, result: Image, region: tuple, whole: bool
@@ -253,6 +227,23 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
         """``g -> g f'(z)`` of a fused neuron, from the pre-activation ``z`` the forward kept
         in its state (``result`` is the forward's destination)."""
         return lambda g: fused.backward(g, state._preactivation)
+
+    def _incoming_transform(
+        self, states: list[Any], result: Image
+    ) -> tuple[Callable[[torch.Tensor], torch.Tensor], Image]:
+        """This gradient as a step of the convolution gradient after it (a graph fuses the
+        two when nothing else reads this gradient's result): ``g -> g f'`` on the region the
+        convolution wrote, which is the block of the incoming gradient the convolution
+        gradient reads, and the image that function reads at run time. Checked as an encode
+        of this kernel would be; the convolution gradient records it
+        (``GradientKernel._incoming_gradient``). The values are this kernel's: the same
+        function on the same elements (a mask product, exact in any dtype)."""
+        record = _unique(states)[0]._require_forward("NeuronGradient")
+        self._check_forward(record)  # the state's kernel fused this very neuron
+        fused = _fused(record)
+        _check_fused(states, record, ((result, "source_image"),))
+        region, whole = _region(record.window, result._shape)
+        return self._fused_backward(fused, states[0], result, region, whole), result
 
 
 class ReLUGradientOfResult(NeuronGradient):
@@ -290,6 +281,40 @@ class ReLUGradientOfResult(NeuronGradient):
             return relu_backward_of_result(g, y if whole else y[region])
 
         return backward
+
+
+def _check_fused(states: list[Any], record: ForwardRecord, images: tuple) -> tuple[int, ...]:
+    """Raise unless ``states`` repeat one state and each ``(image, name)`` has the shape of the
+    convolution's destination (``record``); returns that shape."""
+    who = "NeuronGradient"
+    if len(_unique(states)) != 1:
+        raise ValueError(
+            f"[{who}] gradient_states must repeat one state (see result_state_batch), "
+            f"got {len(_unique(states))} distinct states"
+        )
+    shape = record.destination_shape
+    for image, name in images:
+        if image._shape[1:] != shape[1:]:
+            raise ValueError(
+                f"[{who}] {name} must have the convolution destination's shape "
+                f"{shape[3]}x{shape[2]}x{shape[1]}, got "
+                f"{image.width}x{image.height}x{image.feature_channels}"
+            )
+    return shape
+
+
+def _region(w: Any, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], bool]:
+    """The block of an image of ``shape`` the forward window ``w`` wrote, and whether that
+    is the whole image (then no view is made of it, at every step)."""
+    region = (
+        slice(w.dst_image, w.dst_image + w.images),
+        slice(w.dst_channel, w.dst_channel + w.dst_channels),
+        slice(w.dst_y, w.dst_y + w.y.count),
+        slice(w.dst_x, w.dst_x + w.x.count),
+    )
+    start = (w.dst_image, w.dst_channel, w.dst_y, w.dst_x)
+    whole = start == (0, 0, 0, 0) and (w.images, w.dst_channels, w.y.count, w.x.count) == shape
+    return region, whole
 
 
 def _fused(record: ForwardRecord) -> FusedNeuron | None:

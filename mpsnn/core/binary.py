@@ -18,8 +18,10 @@ window-model gradient records (`Backward`, `_backward_command`) lives in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import torch
 
 from mpsnn.core._checks import check_enum, check_int, check_type
 from mpsnn.core.cnn_kernel import DEFAULT_PADDING_METHOD
@@ -236,6 +238,11 @@ class GradientKernel(BinaryKernel):
     _forward_class: type | None = None  # set by `mpsnn.core.registry.gradient_of`
     _secondary_is_result = False
     _shared_state_batch = False  # True: a batch's states must repeat one state
+    # Set by a graph around one encode (never by users): ``(transform, image)``, a function
+    # applied to the incoming-gradient block before the family's math, and the image it
+    # reads at run time (a plain ReLU's gradient fused into the convolution gradient after
+    # it). Only the window model (`_plan_gradient` below) applies it.
+    _incoming_gradient: tuple[Callable[[torch.Tensor], torch.Tensor], Image] | None = None
 
     def __init__(self, device: Device, **kwargs: Any) -> None:
         super().__init__(device, **kwargs)
@@ -503,6 +510,15 @@ class GradientKernel(BinaryKernel):
         y0, ny = resolve_span(who, "y", self._clip.origin.y, self._clip.size.height, h)
         x0, nx = resolve_span(who, "x", self._clip.origin.x, self._clip.size.width, w)
         backward = self._make_backward(cb, record, fw, states)
+        extra: tuple[Image, ...] = ()
+        if self._incoming_gradient is not None:
+            pre, read = self._incoming_gradient
+            family = backward
+            extra = (read,)
+
+            def backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+                return family(pre(g), x)
+
         run = _backward_command(
             backward,
             grad,
@@ -516,7 +532,7 @@ class GradientKernel(BinaryKernel):
         )
         # reads: each distinct state once (a batch repeats a shared state once per image, and
         # the reads are walked in Python at every encode)
-        reads = (grad, src, *_unique(states))
+        reads = (grad, src, *extra, *_unique(states))
         return Encoding(run, (out,), reads, (), {"_last_record": record}, batch)
 
     def _check_shape(

@@ -65,15 +65,27 @@ class UnaryGradientNode(GradientFilterNode):
         g = step.image(self._sources[0])
         x = step.image(self._read_node(kernel))
         states = step.state(self._state)
-        trusted = getattr(kernel, "_graph_encode_batch", None)
-        if trusted is not None:  # mpsnn's kernels: the graph made (and checked) the arguments
-            dx = trusted(step.cb, g, x, states)
-        else:
-            dx = kernel.encode_batch(step.cb, g, x, states)
+        pre = step.graph._pre_gradient.get(self._id)
+        if pre is None:
+            dx = _encode(step, kernel, g, x, states)
+        else:  # a ReLU's gradient fused into this one (`mpsnn.graph.plan`)
+            relu, result = pre
+            kernel._incoming_gradient = relu._incoming_transform(states, step.image(result)._image)
+            try:
+                dx = _encode(step, kernel, g, x, states)
+            finally:
+                kernel._incoming_gradient = None
         if dx is not None:
             step.set_image(self.result_image, dx)
         if self.trainable:
             step.weight_gradient_ready(self, step.graph._kernels[self._forward._id], states)
+
+
+def _encode(step: _Step, kernel: Any, g: Any, x: Any, states: Any) -> Any:
+    trusted = getattr(kernel, "_graph_encode_batch", None)
+    if trusted is not None:  # mpsnn's kernels: the graph made (and checked) the arguments
+        return trusted(step.cb, g, x, states)
+    return kernel.encode_batch(step.cb, g, x, states)
 
 
 class _NeuronGradientNode(UnaryGradientNode):

@@ -6,12 +6,14 @@ node, with no other reader and not exported, runs inside that node's kernel (the
 fused neuron, applied after the bias; batch normalization's, after gamma and beta). Its
 gradient follows: after a convolution, `NeuronGradient` differentiates the fused neuron from
 the pre-activation the convolution keeps in its state (a plain ReLU computed in the graph's
-format reads the convolution's result instead, `ReLUGradientOfResult`, and nothing is kept);
-after batch normalization, the batch-normalization gradient kernels
-apply the neuron's gradient first and the neuron's gradient node passes its input on. A ReLU
-after an arithmetic node fuses into it only when its gradient reads its own result (nothing
-keeps the arithmetic's result); its node then writes its own forward record (no command) for
-that gradient. In an inference graph any neuron after arithmetic fuses.
+format reads the convolution's result instead, `ReLUGradientOfResult`, and nothing is kept),
+and a plain ReLU's gradient whose only reader is the layer's gradient runs inside that
+gradient's command (`_plan_gradient_fusion`); after batch normalization, the
+batch-normalization gradient kernels apply the neuron's gradient first and the neuron's
+gradient node passes its input on. A ReLU after an arithmetic node fuses into it only when
+its gradient reads its own result (nothing keeps the arithmetic's result); its node then
+writes its own forward record (no command) for that gradient. In an inference graph any
+neuron after arithmetic fuses.
 
 Recomputation: see `_plan_recompute`.
 
@@ -108,6 +110,54 @@ def _fusible(node: FilterNode, readers: dict[int, list[FilterNode]], keep: set[i
     return prev
 
 
+# Whether a plain ReLU's gradient may fuse into the convolution gradient after it (see
+# `_plan_gradient_fusion`); tests turn it off to compare the two plans bit for bit.
+FUSE_GRADIENTS = True
+
+
+def _plan_gradient_fusion(
+    order: list[FilterNode], readers: dict[int, list[FilterNode]], keep: set[int], fused_into: dict
+) -> dict[int, Any]:
+    """``{convolution-family gradient node id: ReLU gradient node}`` for each plain ReLU
+    (``a = +0.0``) fused into a convolution-family node whose gradient feeds only that layer's
+    gradient node, as its incoming gradient, in the graph's format, neither kept nor given an
+    allocator. That gradient then runs inside the convolution gradient's command: the same
+    mask product (from the ReLU's result, or from the pre-activation the convolution kept) on
+    the block the convolution gradient reads, exact in any dtype, so no value changes; one
+    encode, one command and one image fewer per layer and step. The ReLU's gradient node
+    stays in the graph (a node handler saw it) and passes its incoming gradient on; the
+    convolution gradient reads the forward result in its place, until it ran."""
+    from mpsnn.graph.forward_nodes import ConvolutionNode
+    from mpsnn.graph.gradient_nodes import _ConvolutionGradientNode, _NeuronGradientNode
+
+    out: dict[int, Any] = {}
+    if not FUSE_GRADIENTS:
+        return out
+    for n in order:
+        if not (isinstance(n, _NeuronGradientNode) and n._plain_relu):
+            continue
+        target = fused_into.get(n._forward._id)
+        res = n.result_image
+        rs = readers.get(res._id, [])
+        if (
+            not isinstance(target, ConvolutionNode)
+            or len(rs) != 1
+            or res._id in keep
+            or res.format is not None
+            or res.image_allocator is not None
+        ):
+            continue
+        g = rs[0]
+        if (
+            isinstance(g, _ConvolutionGradientNode)
+            and g._forward is target
+            and g.source_images[0] is res
+            and all(s is not res for s in g.source_images[1:])
+        ):
+            out[g._id] = n
+    return out
+
+
 def plan_graph(graph: Any) -> None:
     """Set the graph's plan attributes (see the module docstring)."""
     from mpsnn.graph.forward_nodes import ConvolutionNode, DropoutNode
@@ -151,8 +201,13 @@ def plan_graph(graph: Any) -> None:
             graph._fused_into[n._id] = target
             fused[target._id] = n.descriptor.neuron_type.name
     graph._fused = fused
+    # a plain ReLU's gradient fused into the convolution gradient after it: G id -> ReLU's
+    fused_grads = _plan_gradient_fusion(order, readers, keep, graph._fused_into)
+    passed = {n._id for n in fused_grads.values()}
     # fused neurons and passed-on gradients hold their input's value: one key for both
     canon: dict[int, int] = {}
+    for n in fused_grads.values():
+        canon[n.result_image._id] = n.source_images[0]._id
     for n in order:
         target = graph._fused_into.get(n._id)
         if target is not None:
@@ -205,6 +260,10 @@ def plan_graph(graph: Any) -> None:
         fwd = getattr(n, "inference_node", None)
         if fwd is not None and isinstance(graph._fused_into.get(fwd._id), _bn_node()):
             content = content[:1]  # a passed-on gradient: it reads nothing of the forward
+        if n._id in passed:
+            content = content[:1]  # its math runs in the convolution gradient after it
+        elif n._id in fused_grads:  # ... which reads the forward result instead
+            content = [*content, fused_grads[n._id]._forward.result_image]
         keys = [s._id for s in content] + [s._id for s in n.source_states]
         keys = list(dict.fromkeys(key(k) for k in keys))
         graph._reads_by[n._id] = [k for k in keys if k not in keep and k not in graph._source_ids]
@@ -255,6 +314,7 @@ def plan_graph(graph: Any) -> None:
             )
     # the neuron gradient after a fused batch normalization passes its gradient on; after a
     # fused convolution, one that reads the result lets the convolution drop its pre-activation
+    graph._pre_gradient = {}  # G id -> (the ReLU's gradient kernel, the image it reads)
     for n in order:
         fwd = getattr(n, "inference_node", None)
         if fwd is not None and fwd._id in graph._fused_into:
@@ -263,6 +323,9 @@ def plan_graph(graph: Any) -> None:
                 graph._kernels[n._id] = _PassGradient()
             elif isinstance(graph._kernels[n._id], ReLUGradientOfResult):
                 graph._kernels[target._id]._keep_preactivation = False
+    for g_id, n in fused_grads.items():
+        graph._pre_gradient[g_id] = (graph._kernels[n._id], n._forward.result_image)
+        graph._kernels[n._id] = _PassGradient()
     # a result that is not needed: the first layer's data gradient is skipped
     if not graph._needed[0]:
         producer = graph._results[0].producer
