@@ -121,7 +121,9 @@ def _plan_gradient_fusion(
     """``{convolution-family gradient node id: ReLU gradient node}`` for each plain ReLU
     (``a = +0.0``) fused into a convolution-family node whose gradient feeds only that layer's
     gradient node, as its incoming gradient, in the graph's format, neither kept nor given an
-    allocator. That gradient then runs inside the convolution gradient's command: the same
+    allocator, and whose own incoming gradient is made in the graph in the graph's format
+    (decided when the graph is planned, like the rest of the plan: node formats set later
+    are not seen here). That gradient then runs inside the convolution gradient's command: the same
     mask product (from the ReLU's result, or from the pre-activation the convolution kept) on
     the block the convolution gradient reads, exact in any dtype, so no value changes; one
     encode, one command and one image fewer per layer and step. The ReLU's gradient node
@@ -146,6 +148,12 @@ def _plan_gradient_fusion(
             or res.format is not None
             or res.image_allocator is not None
         ):
+            continue
+        # the incoming gradient in the graph's format too, made by a node of the graph with
+        # the graph's allocator: the layer gradient then reads it in the dtype the ReLU's
+        # gradient would have written (another format would round, or widen, differently)
+        g_in = n.source_images[0]
+        if g_in.producer is None or g_in.format is not None or g_in.image_allocator is not None:
             continue
         g = rs[0]
         if (

@@ -173,11 +173,11 @@ def conv_backward(
         g = F.pad(g, (0, ox - g.shape[3], 0, oy - g.shape[2]))
     g = _channels_last(g)
     acc = acc_dtype(grad.dtype)
-    # On CUDA, a float32/float64 bias gradient comes with the operator (which sums ``g`` over
-    # (0, 2, 3) in C++, as ``g.sum((0, 2, 3))`` would): one call from Python less per layer
-    # and step. Narrower dtypes sum in float32 below; the CPU keeps the explicit sum (oneDNN
-    # computes the operator's bias gradient with a reduction order of its own).
-    with_bias = need_bias and g.is_cuda and g.dtype is acc
+    # On CUDA, the bias gradient of a float32/float64 NCHW ``g`` comes with the operator (a
+    # sum of ``g`` over (0, 2, 3) in C++): one call from Python less per layer and step.
+    # Narrower dtypes sum in float32 below, a channels-last ``g`` through the Triton channel
+    # sums; the CPU keeps the explicit sum (oneDNN's operator sums in an order of its own).
+    with_bias = need_bias and g.is_cuda and g.dtype is acc and g.is_contiguous()
     dt, dw, db = _conv_backward(
         g,
         t,

@@ -150,3 +150,19 @@ def test_an_exported_or_leaky_relu_gradient_is_not_fused() -> None:
     # a leaky ReLU (a != 0) is not the plain ReLU: its gradient stays a kernel of its own
     leaky, *_ = _steps(True, F64, steps=1, leaky=0.1)
     assert len(leaky._pre_gradient) == 2
+
+
+def test_an_incoming_gradient_of_another_format_keeps_the_relu_gradient_apart() -> None:
+    """The layer gradient would read the incoming gradient in its own format, where the
+    ReLU's gradient rounds it to the graph's: not fused, and the same bits as unfused."""
+
+    def wide(gnode, inference, source, gradient_source) -> None:
+        if not isinstance(inference, m.NeuronReLUNode):  # the layers' data gradients
+            gnode.result_image.format = F32
+
+    fused, w_fused, dx_fused, _ = _steps(True, F16, steps=2, handler=wide)
+    _, w_plain, dx_plain, _ = _steps(False, F16, steps=2, handler=wide)
+    assert not fused._pre_gradient
+    for a, b in zip(w_fused, w_plain, strict=True):
+        assert _bits(a, b)
+    assert _bits(dx_fused, dx_plain)

@@ -280,3 +280,26 @@ def test_loss_forward_backward_keeps_the_portable_path_outside_the_case(
     ):
         loss, grad = loss_forward_backward(y, labels, wt, params)
         assert torch.isfinite(loss).all() and grad.dtype == y.dtype
+
+
+@pytest.mark.usefixtures("_interpreted")
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_class_offsets_past_two_to_the_31_are_computed_in_int64(device) -> None:
+    """A class stride of 2**30 + 1 elements (NCHW logits with that many pixels per image): the
+    third class's offset passes 2**31. A view of a buffer of which only three elements are
+    written (4 GiB of float16, mostly never touched on the CPU)."""
+    s = 2**30 + 1
+    base = torch.zeros(2 * s + 1, dtype=torch.float16, device=device)
+    for i, v in enumerate((1.0, -2.0, 3.0)):
+        base[i * s] = v
+    y = base.as_strided((1, 3, 1, 1), (1, s, 1, 1))
+    labels = torch.tensor([[[2]]], device=device)
+    p = LossParams(L.SOFTMAX_CROSS_ENTROPY, L.NONE, 1.0)
+    fast_paths.set_enabled(False)
+    try:
+        want_loss, want_grad = loss_forward_backward(y, labels, None, p)
+    finally:
+        fast_paths.set_enabled(True)
+    got_loss, got_grad = loss_forward_backward(y, labels, None, p)
+    assert torch.allclose(got_loss, want_loss, rtol=1e-6)
+    assert torch.allclose(got_grad.float(), want_grad.float(), atol=2e-3)

@@ -98,10 +98,11 @@ def _softmax_cross_entropy(
     w = hw - h * W
     lab = tl.load(lab_ptr + (n * lsn + h * lsh + w * lsw), mask=pmask, other=0)
     # the tile: classes along CLS_AXIS, pixels along the other axis
+    # int64 class offsets: (C - 1) * stride may pass 2**31 (NCHW logits of large images)
     if CLS_AXIS == 1:
-        cls = tl.arange(0, BLOCK_C)[None, :]
+        cls = tl.arange(0, BLOCK_C).to(tl.int64)[None, :]
     else:
-        cls = tl.arange(0, BLOCK_C)[:, None]
+        cls = tl.arange(0, BLOCK_C).to(tl.int64)[:, None]
     m2 = tl.expand_dims(pmask, CLS_AXIS) & (cls < C)
     y_off = tl.expand_dims(n * ysn + h * ysh + w * ysw, CLS_AXIS) + cls * ysc
     x = tl.load(y_ptr + y_off, mask=m2, other=-float("inf")).to(tl.float32)
