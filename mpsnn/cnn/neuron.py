@@ -238,10 +238,10 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
         of this kernel would be; the convolution gradient records it
         (``GradientKernel._incoming_gradient``). The values are this kernel's: the same
         function on the same elements (a mask product, exact in any dtype)."""
-        record = _unique(states)[0]._require_forward("NeuronGradient")
+        record = states[0]._require_forward("NeuronGradient")
+        _check_fused(states, record, ((result, "source_image"),))  # one state, the shape
         self._check_forward(record)  # the state's kernel fused this very neuron
         fused = _fused(record)
-        _check_fused(states, record, ((result, "source_image"),))
         region, whole = _region(record.window, result._shape)
         return self._fused_backward(fused, states[0], result, region, whole), result
 

@@ -123,12 +123,12 @@ def _plan_gradient_fusion(
     gradient node, as its incoming gradient, in the graph's format, neither kept nor given an
     allocator, and whose own incoming gradient is made in the graph in the graph's format
     (decided when the graph is planned, like the rest of the plan: node formats set later
-    are not seen here). That gradient then runs inside the convolution gradient's command: the same
-    mask product (from the ReLU's result, or from the pre-activation the convolution kept) on
-    the block the convolution gradient reads, exact in any dtype, so no value changes; one
-    encode, one command and one image fewer per layer and step. The ReLU's gradient node
-    stays in the graph (a node handler saw it) and passes its incoming gradient on; the
-    convolution gradient reads the forward result in its place, until it ran."""
+    are not seen here). That gradient then runs inside the convolution gradient's command:
+    the same mask product (from the ReLU's result, or from the pre-activation the convolution
+    kept) on the block the convolution gradient reads, exact in any dtype, so no value
+    changes; one encode, one command and one image fewer per layer and step. The ReLU's
+    gradient node stays in the graph (a node handler saw it) and passes its incoming gradient
+    on; the convolution gradient reads the forward result in its place, until it ran."""
     from mpsnn.graph.forward_nodes import ConvolutionNode
     from mpsnn.graph.gradient_nodes import _ConvolutionGradientNode, _NeuronGradientNode
 
@@ -211,11 +211,16 @@ def plan_graph(graph: Any) -> None:
     graph._fused = fused
     # a plain ReLU's gradient fused into the convolution gradient after it: G id -> ReLU's
     fused_grads = _plan_gradient_fusion(order, readers, keep, graph._fused_into)
-    passed = {n._id for n in fused_grads.values()}
+    # neuron gradients that pass their incoming gradient on: after a fused batch normalization
+    # (its gradient kernels apply the neuron's gradient) and those `fused_grads` ran inside
+    passed = {n._id for n in fused_grads.values()} | {
+        n._id
+        for n in order
+        if (fwd := getattr(n, "inference_node", None)) is not None
+        and isinstance(graph._fused_into.get(fwd._id), _bn_node())
+    }
     # fused neurons and passed-on gradients hold their input's value: one key for both
     canon: dict[int, int] = {}
-    for n in fused_grads.values():
-        canon[n.result_image._id] = n.source_images[0]._id
     for n in order:
         target = graph._fused_into.get(n._id)
         if target is not None:
@@ -229,8 +234,7 @@ def plan_graph(graph: Any) -> None:
             ):
                 canon[n.result_state._id] = target.result_state._id
     for n in order:
-        fwd = getattr(n, "inference_node", None)
-        if fwd is not None and isinstance(graph._fused_into.get(fwd._id), _bn_node()):
+        if n._id in passed:
             src = n.source_images[0]._id
             canon[n.result_image._id] = canon.get(src, src)
         # an inference dropout is the identity (its result is its source's image): without
@@ -265,12 +269,9 @@ def plan_graph(graph: Any) -> None:
     for n in order:
         # liveness follows content reads: a shape-only input does not keep its storage
         content = n._content_sources()
-        fwd = getattr(n, "inference_node", None)
-        if fwd is not None and isinstance(graph._fused_into.get(fwd._id), _bn_node()):
-            content = content[:1]  # a passed-on gradient: it reads nothing of the forward
         if n._id in passed:
-            content = content[:1]  # its math runs in the convolution gradient after it
-        elif n._id in fused_grads:  # ... which reads the forward result instead
+            content = content[:1]  # a passed-on gradient: it reads nothing of the forward
+        elif n._id in fused_grads:  # a ReLU's gradient runs inside: it reads the ReLU result
             content = [*content, fused_grads[n._id]._forward.result_image]
         keys = [s._id for s in content] + [s._id for s in n.source_states]
         keys = list(dict.fromkeys(key(k) for k in keys))

@@ -159,7 +159,7 @@ def loss_forward_backward(
         fused = _fused_softmax_cross_entropy(y, labels, params, reduction)
         if fused is not None:
             return fused
-    n, c, h, w = y.shape
+    _, c, h, w = y.shape
     acc = acc_dtype(y.dtype)
     yw = y.to(acc)
     # Per-element weights, channels >= C dropped; (N, H, W) pixel weights get a channel axis.
@@ -190,14 +190,23 @@ def loss_forward_backward(
 
     if reduction != NONE:
         loss = loss.sum((1, 2, 3), keepdim=True)
-        divisor: int | torch.Tensor = 1
-        if reduction == MEAN or (reduction == SUM_BY_NON_ZERO_WEIGHTS and count is None):
-            divisor = units
-        elif reduction == SUM_BY_NON_ZERO_WEIGHTS:
-            divisor = count.clamp(min=1).to(acc).view(n, 1, 1, 1)
+        divisor = _divisor(reduction, units, count, acc)
         if not (isinstance(divisor, int) and divisor == 1):
             loss, grad = loss / divisor, grad / divisor
     return loss, grad.to(y.dtype)
+
+
+def _divisor(
+    reduction: int, units: int, count: torch.Tensor | None, acc: torch.dtype
+) -> int | torch.Tensor:
+    """What an image's loss sum is divided by: 1 (NONE, SUM), ``units`` (MEAN, and
+    SUM_BY_NON_ZERO_WEIGHTS without weights), or the image's ``count`` of pixels or elements
+    with a non-zero weight (at least 1), as an (N, 1, 1, 1) tensor."""
+    if reduction == MEAN or (reduction == SUM_BY_NON_ZERO_WEIGHTS and count is None):
+        return units
+    if reduction == SUM_BY_NON_ZERO_WEIGHTS:
+        return count.clamp(min=1).to(acc).view(-1, 1, 1, 1)
+    return 1
 
 
 # -- per-element types ----------------------------------------------------------------------
@@ -296,9 +305,8 @@ def _fused_softmax_cross_entropy(
     launch for `_class_terms` and `_cross_entropy`, its gradient already divided by the
     reduction's divisor and in ``y``'s dtype (`mpsnn.ops.triton.loss`), then the loss's
     reduction as in `loss_forward_backward`; None where that launch does not apply."""
-    units = y.shape[2] * y.shape[3]
     # no per-element weights: SUM_BY_NON_ZERO_WEIGHTS counts every pixel, as MEAN
-    divisor = 1 if reduction in (NONE, SUM) else units
+    divisor = _divisor(reduction, y.shape[2] * y.shape[3], None, torch.float32)
     fused = fast_paths.softmax_cross_entropy(y, labels, None, p.weight, p.label_smoothing, divisor)
     if fused is None:
         return None

@@ -129,19 +129,10 @@ def test_the_node_handler_sees_every_gradient_node_and_a_format_keeps_one_apart(
 def test_an_exported_or_leaky_relu_gradient_is_not_fused() -> None:
     g = gen(504)
     loss, _, relus = _net(g)
-    terminals = loss.training_graph()
-    grads = {}
-
-    def find(node, seen=set()):  # noqa: B006 - one walk
-        for img in node.source_images:
-            p = img.producer
-            if p is not None and p._id not in seen:
-                seen.add(p._id)
-                grads[p._id] = p
-                find(p, seen)
-
-    find(terminals[0])
-    relu_grads = [n for n in grads.values() if getattr(n, "inference_node", None) in relus]
+    relu_grads = []  # the ReLUs' gradient nodes, as the node handler sees them
+    terminals = loss.training_graph(
+        None, lambda gnode, inference, *_: relu_grads.append(gnode) if inference in relus else None
+    )
     assert len(relu_grads) == 3
     relu_grads[0].result_image.export_from_graph = True
     graph = m.Graph(DEV, terminals[0].result_image)
