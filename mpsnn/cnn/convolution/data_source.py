@@ -220,6 +220,12 @@ class TensorConvolutionDataSource(ConvolutionDataSource):
         results = [res._oihw, res._biases] if with_bias else [res._oihw]
         if self._optimizer_state is None:
             self._optimizer_state = self._optimizer._init_state(results)
+        elif self._optimizer_state and len(self._optimizer_state[0]) < len(results):
+            # biases given to a layer that had none (set_weights_and_biases): their state
+            # starts fresh, the weights' keeps its history
+            added = self._optimizer._init_state(results[len(self._optimizer_state[0]) :])
+            for kept, new in zip(self._optimizer_state, added, strict=True):
+                kept.extend(new)
 
         def grads() -> list[torch.Tensor]:  # read when the update runs
             return [gradient_state._sum(0), gradient_state._sum(1)][: len(values)]
