@@ -118,6 +118,7 @@ class Graph:
         self.recompute_normalization_results = True
         self.reuse_step = True
         self._templates: list[Any] = []
+        self._template_refusals = 0  # recordings in a row not kept (mpsnn.graph.template)
         plan_graph(self)  # sets _order, _sources, _state_sources, _kernels, _training, ...
         self._last_plan_report: dict[str, Any] | None = None
         self._intermediates: list[Any] = []
@@ -294,6 +295,8 @@ class Graph:
             )
         checked = [_labels_batch(self, value, n, i) for i, value in enumerate(states)]
         key = template.key_of(images, checked) if template.eligible(self) else None
+        if key is None and self._templates and not self.reuse_step:
+            self._templates = []  # turned off: let go of the recorded steps
         if key is not None:
             found = template.find(self, key, checked)
             if found is not None:

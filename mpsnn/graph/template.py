@@ -57,6 +57,7 @@ __all__ = ["eligible", "find", "key_of", "record"]
 _NOT_ENQUEUED = CommandBufferStatus.NOT_ENQUEUED
 _UNSET: Any = object()
 _CONTAINERS = (dict, list, set)
+_REFUSALS = 3  # recordings in a row that could not be kept: stop recording (a plain encode)
 
 
 def eligible(graph: Any) -> bool:
@@ -67,6 +68,9 @@ def eligible(graph: Any) -> bool:
         and graph.data_parallel is None
         and not graph._cpu_updates
         and graph.destination_image_allocator is None
+        and graph._template_refusals < _REFUSALS
+        # tensors an encode makes under inference mode cannot be updated outside it
+        and not torch.is_inference_mode_enabled()
     )
 
 
@@ -75,6 +79,9 @@ def _recordable(graph: Any) -> bool:
     optimizers (another's ``update`` may do host work at every step)."""
     for node in graph._order:
         if node.result_image.image_allocator is not None:
+            return False
+        policy = getattr(node, "padding_policy", None)  # a user's is called at every encode
+        if policy is not None and not type(policy).__module__.startswith("mpsnn."):
             return False
         ds = getattr(getattr(node, "inference_node", node), "data_source", None)
         if ds is not None and not type(ds).__module__.startswith("mpsnn."):
@@ -205,6 +212,18 @@ def _state_of(obj: Any, plain: bool) -> dict[str, Any]:
     return {k: v for k, v in _attrs(obj).items() if k not in _NOT_READ and k != "_config"}
 
 
+def _weights_signature(kernels: list[Any]) -> tuple[Any, ...]:
+    """Which weights tensors each convolution-family kernel holds, and whether it has biases:
+    what its gradient's encode decides the bias sums from (reloads change them)."""
+    out = []
+    for k in kernels:
+        ws = getattr(k, "_weights", None)
+        w = getattr(ws, "weight", None)
+        if isinstance(w, torch.Tensor):
+            out.append((w.shape, w.dtype, getattr(ws, "bias", None) is None))
+    return tuple(out)
+
+
 def _kernels(graph: Any) -> list[Any]:
     out = []
     for k in graph._kernels.values():
@@ -220,7 +239,8 @@ class _Template:
         self.kernels = _kernels(graph)
         self.configs = tuple(getattr(k, "_config", None) for k in self.kernels)
         self.watched = [(o, _plain(o)) for o in _watched(graph)]
-        self.snapshots: list[dict[str, Any]] = []
+        self.snapshots = [dict(_state_of(o, plain)) for o, plain in self.watched]
+        self.weights = _weights_signature(self.kernels)
         self.graph_settings = _settings(graph)
         self.sources: list[Image] = []  # the proxies
         self.labels: list[Any] = []  # the label proxies (one per state source)
@@ -251,10 +271,22 @@ class _Template:
         for i in range(len(kernels)):
             if getattr(kernels[i], "_config", None) != configs[i]:
                 return False
+        return self._same_reads() and _weights_signature(kernels) == self.weights
+
+    def _same_reads(self, lazy: bool = False) -> bool:
+        """The watched objects' attributes equal the snapshots (``lazy``: an attribute that
+        was None may have been made since: state an encode makes once, e.g. an optimizer's,
+        and then reads as made)."""
         for (obj, plain), snap in zip(self.watched, self.snapshots, strict=True):
             try:
-                if _state_of(obj, plain) != snap:
-                    return False
+                now = _state_of(obj, plain)
+                if now != snap:
+                    if not lazy or now.keys() != snap.keys():
+                        return False
+                    for k, v in snap.items():
+                        if v is not None and not (now[k] is v or now[k] == v):
+                            return False
+                    snap.update(now)  # what later encodes compare with
             except Exception:  # a value whose == is not a bool (a tensor replaced)
                 return False
         return True
@@ -282,6 +314,7 @@ class _Template:
         if self.pending:
             cb._pending_releases.extend(self.pending)
         cb._hooks.extend(self.hooks)
+        cb._hooks.append(self._unbinder())
         self.last_cb = cb
         self.uses += 1
         graph._intermediates = [_fresh_batch(e, fresh) for e in self.exports]
@@ -305,17 +338,26 @@ class _Template:
         return bind
 
     def _mover(self, fresh: list[Image]) -> Any:
-        recorded, proxies, label_proxies = self.outputs, self.sources, self.labels
+        recorded = self.outputs
 
         def move() -> None:
             for old, new in zip(recorded, fresh, strict=True):
                 new._storage, old._storage = old._storage, None
-            for proxy in proxies:  # the caller's tensors are not kept past the step
+
+        return move
+
+    def _unbinder(self) -> Any:
+        """A hook (it runs once the step's work is enqueued, also after a failed command):
+        the proxies let go of the caller's tensors."""
+        proxies, label_proxies = self.sources, self.labels
+
+        def unbind() -> None:
+            for proxy in proxies:
                 proxy._storage = None
             for proxy in label_proxies:
                 proxy._labels = proxy._weights = None
 
-        return move
+        return unbind
 
 
 def _user_batch(batch: Any, users: dict[int, ImageBatch]) -> Any:
@@ -386,6 +428,9 @@ def record(
         proxy.label = user.label
         proxies.append(proxy)
     label_proxies = [copy.copy(states[0]) for states in labels]
+    for p in label_proxies:  # what a loss encode writes: set again by this one
+        p._loss = None
+        p._classes = None
     before = [dict(vars(p)) for p in label_proxies]
     t.sources, t.labels = proxies, label_proxies
     start, hooks, pending = len(cb._commands), len(cb._hooks), len(cb._pending_releases)
@@ -401,7 +446,14 @@ def record(
     binder = _Command("Graph.bind", t._binder(images, [s[0] for s in labels]))
     cb._commands.insert(start, binder)
     t.configs = tuple(getattr(k, "_config", None) for k in t.kernels)  # as the encode left them
-    t.snapshots = [dict(_state_of(o, plain)) for o, plain in t.watched]
+    # an encode that changed what it reads (a lazily made optimizer state, a data source moved
+    # to the device, a kernel reloaded with biases it did not have) made commands for the old
+    # values: such a recording is not kept (the next one is)
+    unchanged = (
+        t._same_reads(lazy=True)
+        and _weights_signature(t.kernels) == t.weights
+        and [o for o, _ in t.watched] == _watched(graph)
+    )
     # what the encode set on the labels: the caller's labels get the same (fresh outputs)
     sets, outputs = [], []
     for proxy, old in zip(label_proxies, before, strict=True):
@@ -416,6 +468,7 @@ def record(
     movable = [o for o in outputs if type(o) is Image and o._base is None and o._storage is None
                and all(o is not p for p in proxies)]  # fmt: skip
     ok = len(movable) == len(outputs) and len(cb._handlers) == handlers and _recordable(graph)
+    ok = ok and unchanged
     ok = ok and (last is None or len(last.releases or ()) == last_releases)
     t.label_sets, t.outputs, t.result = sets, movable, out
     t.descriptors = [o.descriptor for o in movable]
@@ -437,6 +490,10 @@ def record(
     cb._commands.append(_Command("Graph.outputs", t._mover([fresh[id(o)] for o in movable])))
     t.last_cb = cb
     graph._intermediates = [_user_batch(_fresh_batch(e, fresh), users) for e in t.exports]
+    cb._on_enqueued(t._unbinder())
     if ok:
         graph._templates = [t, *graph._templates[:1]]  # the newest two
+        graph._template_refusals = 0
+    else:
+        graph._template_refusals += 1
     return _user_batch(_fresh_batch(out, fresh), users)

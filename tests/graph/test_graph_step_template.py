@@ -344,8 +344,8 @@ def test_set_learning_rate_keeps_the_template() -> None:
     assert len(on_graph._templates) == 1 and on_graph._templates[0].uses == 4
 
 
-@pytest.mark.parametrize("momentum", [0.0, 0.9])
-def test_biases_given_to_a_bias_less_layer_are_trained(momentum: float) -> None:
+@pytest.mark.parametrize(("momentum", "reload"), [(0.0, True), (0.9, True), (0.0, False)])
+def test_biases_given_to_a_bias_less_layer_are_trained(momentum: float, reload: bool) -> None:
     """Biases given to a bias-less layer after the template was recorded
     (``set_weights_and_biases`` + ``reload_from_data_sources``) are used and trained as by the
     ordinary encode; with momentum their optimizer state starts fresh beside the weights'."""
@@ -361,11 +361,12 @@ def test_biases_given_to_a_bias_less_layer_are_trained(momentum: float) -> None:
         def before(i: int, net: Any, graph: m.Graph, first: Any = sources[0]) -> None:
             if i == 2:
                 first.set_weights_and_biases(first.weights(), torch.full((4,), 0.5))
-                graph.reload_from_data_sources()
+                if reload:  # without: the step's update reloads the kernel (the bias appears)
+                    graph.reload_from_data_sources()
 
         runs.append((graph, sources, _train(None, graph, data, before)))
     (on_graph, on_sources, on_losses), (_, off_sources, off_losses) = runs
-    assert on_graph._templates[0].uses >= 1  # the template was recorded before the change
+    assert _uses(on_graph) >= 1  # a template was recorded and used before the change
     assert not torch.equal(off_sources[0].bias_terms(), torch.full((4,), 0.5))  # trained
     on_bias, off_bias = on_sources[0].bias_terms(), off_sources[0].bias_terms()
     assert torch.equal(on_bias, off_bias), f"new biases: {on_bias} != {off_bias}"
