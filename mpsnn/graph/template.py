@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from mpsnn.cnn.loss import LossLabels
 from mpsnn.core.device import CommandBuffer, CommandBufferStatus, _Command
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
@@ -105,6 +106,18 @@ def _attrs(obj: Any) -> dict[str, Any]:
     return out
 
 
+def _has_tensor(values: Any) -> bool:
+    """Whether a tensor is among ``values`` or inside their containers, at any depth."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            return True
+        if isinstance(v, dict):
+            v = list(v.values())
+        if isinstance(v, list | tuple | set) and _has_tensor(v):
+            return True
+    return False
+
+
 class _Memento:
     """One temporary's attributes as the recording encode left them, to restore at each use
     (containers are copied at each restore: a command may fill them in place)."""
@@ -132,10 +145,10 @@ class _Memento:
         self.dict_values = dict_values
 
     def holds_tensors(self) -> bool:
+        """Whether the encode left a tensor in it (made at encode time and filled by a
+        command, it would carry one step's values into the next)."""
         values = [v for _, v in self.slot_values] + list((self.dict_values or {}).values())
-        for _, c in self.containers:
-            values += c.values() if isinstance(c, dict) else c
-        return any(isinstance(v, torch.Tensor) for v in values)
+        return _has_tensor(values) or _has_tensor([c for _, c in self.containers])
 
     def restore(self, cb: CommandBuffer) -> None:
         obj = self.obj
@@ -299,6 +312,23 @@ class _Template:
         """Encode the recorded step on ``cb`` for these inputs (checked by the caller)."""
         for m in self.mementos:
             m.restore(cb)
+        cmds = cb._commands
+        cmds.append(_Command("Graph.bind", self._binder(images, labels)))
+        cmds.extend(self.commands)
+        if self.pending:
+            cb._pending_releases.extend(self.pending)
+        cb._hooks.extend(self.hooks)
+        self.uses += 1
+        return self._finish(graph, cb, labels, {})
+
+    def _finish(
+        self, graph: Any, cb: CommandBuffer, labels: list[Any], users: dict[int, ImageBatch]
+    ) -> Any:
+        """The step's last work and the caller's outputs (recording and re-arming alike):
+        fresh output images, which the encode's settings on the labels and the exported
+        images name, filled by a last command that moves the recorded outputs' storage; a hook
+        that unbinds the proxies. Returns the result batch (``users``: the caller's batch for
+        a proxy's)."""
         fresh = {}
         for out, desc in zip(self.outputs, self.descriptors, strict=True):
             new = Image._make(out._device, desc)
@@ -307,21 +337,13 @@ class _Template:
         for proxy_sets, user in zip(self.label_sets, labels, strict=True):
             for name, value in proxy_sets:
                 setattr(user, name, fresh.get(id(value), value))
-        cmds = cb._commands
-        cmds.append(_Command("Graph.bind", self._binder(images, labels)))
-        cmds.extend(self.commands)
-        cmds.append(_Command("Graph.outputs", self._mover([fresh[id(o)] for o in self.outputs])))
-        if self.pending:
-            cb._pending_releases.extend(self.pending)
-        cb._hooks.extend(self.hooks)
-        cb._hooks.append(self._unbinder())
+        cb._commands.append(
+            _Command("Graph.outputs", self._mover([fresh[id(o)] for o in self.outputs]))
+        )
+        cb._on_enqueued(self._unbinder())
         self.last_cb = cb
-        self.uses += 1
-        graph._intermediates = [_fresh_batch(e, fresh) for e in self.exports]
-        if self.result is None:
-            return None
-        new = fresh.get(id(self.result._image))
-        return ImageBatch(new) if new is not None else self.result
+        graph._intermediates = [_user_batch(_fresh_batch(e, fresh), users) for e in self.exports]
+        return _user_batch(_fresh_batch(self.result, fresh), users)
 
     def _binder(self, images: list[ImageBatch], labels: list[Any]) -> Any:
         proxies, label_proxies = self.sources, self.labels
@@ -381,8 +403,6 @@ def _settings(graph: Any) -> tuple[Any, ...]:
 
 def key_of(images: list[ImageBatch], labels: list[list[Any]]) -> tuple[Any, ...] | None:
     """The inputs' part of a template's key (None: inputs a template does not bind)."""
-    from mpsnn.cnn.loss import LossLabels
-
     parts: list[Any] = []
     for b in images:
         sig = _signature(b._image)
@@ -479,21 +499,10 @@ def record(
     made = [getattr(h, "resource", None) for h in t.hooks]
     t.mementos = [_Memento(o, cb) for o in made if o is not None]
     ok = ok and len(made) == len(t.mementos) and not any(m.holds_tensors() for m in t.mementos)
-    fresh = {}
-    for o in movable:  # the caller's outputs of this step: moved out of the recorded ones
-        new = Image._make(o._device, o.descriptor)
-        new._writer = cb
-        fresh[id(o)] = new
-    for proxy_sets, states in zip(sets, labels, strict=True):
-        for name, value in proxy_sets:
-            setattr(states[0], name, fresh.get(id(value), value))
-    cb._commands.append(_Command("Graph.outputs", t._mover([fresh[id(o)] for o in movable])))
-    t.last_cb = cb
-    graph._intermediates = [_user_batch(_fresh_batch(e, fresh), users) for e in t.exports]
-    cb._on_enqueued(t._unbinder())
+    result = t._finish(graph, cb, [s[0] for s in labels], users)
     if ok:
         graph._templates = [t, *graph._templates[:1]]  # the newest two
         graph._template_refusals = 0
     else:
         graph._template_refusals += 1
-    return _user_batch(_fresh_batch(out, fresh), users)
+    return result

@@ -6,7 +6,6 @@ template was (or was not) used."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,6 +16,14 @@ from mpsnn.cli.common import DTYPES, build_model, make_optimizer, parse_device
 from mpsnn.cnn.loss import LossLabels
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
+from tests.graph._template_nets import (
+    assert_same_losses,
+    assert_same_sources,
+    encode,
+    small_data,
+    small_training,
+    train,
+)
 
 DEV = parse_device("cpu")
 
@@ -46,42 +53,8 @@ def _data(net: Any, steps: int, batch: int, *, seed: int = 1, scale: float = 1.0
     return out
 
 
-def _encode(graph: m.Graph, cb: m.CommandBuffer, x: torch.Tensor, y: torch.Tensor) -> Any:
-    """One training step encoded on ``cb`` with new images and new labels; its labels."""
-    labels = LossLabels(DEV, y.view(-1, 1, 1))
-    graph.encode_batch(cb, [ImageBatch.from_tensor(x.clone())], [labels])
-    return labels
-
-
-def _train(
-    net: Any,
-    graph: m.Graph,
-    data: Data,
-    before: Callable[[int, Any, m.Graph], None] | None = None,
-) -> list[torch.Tensor]:
-    """One committed step per batch (``before(i, net, graph)`` first); the losses (copies)."""
-    queue = DEV.new_command_queue()
-    losses = []
-    for i, (x, y) in enumerate(data):
-        if before is not None:
-            before(i, net, graph)
-        cb = queue.command_buffer()
-        labels = _encode(graph, cb, x, y)
-        cb.commit()
-        cb.wait_until_completed()
-        losses.append(labels.loss_image().tensor.clone())
-    return losses
-
-
 def _weights(net: Any) -> dict[str, torch.Tensor]:
     return net.torch_module().state_dict()
-
-
-def _assert_same_losses(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
-    assert len(a) == len(b)
-    for i, (la, lb) in enumerate(zip(a, b, strict=True)):
-        assert la.dtype == lb.dtype and la.shape == lb.shape, (i, la, lb)
-        assert torch.equal(la, lb), f"step {i}: {la.flatten()} != {lb.flatten()}"
 
 
 def _assert_same_weights(na: Any, nb: Any) -> None:
@@ -130,10 +103,10 @@ def test_template_steps_equal_ordinary_steps(model: str, opt: str, fmt: str, bat
     for reuse in (True, False):
         net = _net(model, opt)
         graph = _training(net, batch, reuse, fmt)
-        losses = _train(net, graph, _data(net, 5, batch))
+        losses = train(net, graph, _data(net, 5, batch))
         runs.append((net, graph, losses))
     (on_net, on_graph, on_losses), (off_net, off_graph, off_losses) = runs
-    _assert_same_losses(on_losses, off_losses)
+    assert_same_losses(on_losses, off_losses)
     _assert_same_weights(on_net, off_net)
     _assert_trained(on_net)
     assert len(on_graph._templates) == 1
@@ -151,9 +124,9 @@ def test_dropout_masks_advance_under_the_template() -> None:
         net.data_sources[0].optimizer.set_learning_rate(0.0)  # before any encode
         graph = _training(net, 4, reuse)
         (x, y) = _data(net, 1, 4)[0]
-        runs.append((graph, _train(net, graph, [(x, y)] * 4)))
+        runs.append((graph, train(net, graph, [(x, y)] * 4)))
     (on_graph, on_losses), (_, off_losses) = runs
-    _assert_same_losses(on_losses, off_losses)
+    assert_same_losses(on_losses, off_losses)
     assert _uses(on_graph) == 3
     sums = [float(loss.sum()) for loss in on_losses]
     assert len(set(sums)) == len(sums), f"the masks did not advance: {sums}"
@@ -173,7 +146,7 @@ def test_outputs_are_fresh_objects_per_step() -> None:
         labels, exports = [], []
         for x, y in _data(net, 4, 8):
             cb = queue.command_buffer()
-            lab = _encode(graph, cb, x, y)
+            lab = encode(graph, cb, x, y)
             with pytest.raises(ValueError, match="committed first"):
                 lab.loss_image().tensor  # noqa: B018
             cb.commit()
@@ -242,10 +215,10 @@ def test_inference_template_reads_reloaded_weights() -> None:
         data = _data(net, 3, 8)
         xs = [x for x, _ in data]
         # one step first: the optimizer's state is made then, which a template watches
-        _train(net, training, data[:1])
+        train(net, training, data[:1])
         inference.reload_from_data_sources()
         before = _infer(inference, xs[:2])
-        _train(net, training, data[1:])
+        train(net, training, data[1:])
         inference.reload_from_data_sources()
         after = _infer(inference, xs[:2])
         results[reuse] = (before, after)
@@ -307,9 +280,9 @@ def test_changes_invalidate_or_keep_the_template(what: str) -> None:
     for label, reuse, hook in (("on", True, before), ("off", False, before), ("base", False, None)):
         net = _net("lenet", "adam")
         graph = _training(net, 8, reuse)
-        runs[label] = (net, graph, _train(net, graph, _data(net, steps, 8, scale=scale), hook))
+        runs[label] = (net, graph, train(net, graph, _data(net, steps, 8, scale=scale), hook))
     (on_net, on_graph, on_losses), (off_net, _, off_losses) = runs["on"], runs["off"]
-    _assert_same_losses(on_losses, off_losses)
+    assert_same_losses(on_losses, off_losses)
     _assert_same_weights(on_net, off_net)
     base_losses = runs["base"][2]
     assert torch.equal(off_losses[at - 1], base_losses[at - 1])
@@ -337,9 +310,9 @@ def test_set_learning_rate_keeps_the_template() -> None:
             if i >= 2:
                 net.data_sources[0].optimizer.set_learning_rate(0.01 * i)
 
-        runs.append((net, graph, _train(net, graph, _data(net, 5, 8), before)))
+        runs.append((net, graph, train(net, graph, _data(net, 5, 8), before)))
     (on_net, on_graph, on_losses), (off_net, _, off_losses) = runs
-    _assert_same_losses(on_losses, off_losses)
+    assert_same_losses(on_losses, off_losses)
     _assert_same_weights(on_net, off_net)
     assert len(on_graph._templates) == 1 and on_graph._templates[0].uses == 4
 
@@ -349,14 +322,10 @@ def test_biases_given_to_a_bias_less_layer_are_trained(momentum: float, reload: 
     """Biases given to a bias-less layer after the template was recorded
     (``set_weights_and_biases`` + ``reload_from_data_sources``) are used and trained as by the
     ordinary encode; with momentum their optimizer state starts fresh beside the weights'."""
-    gen = torch.Generator().manual_seed(8)
-    data = [
-        (torch.randn(4, 1, 8, 8, generator=gen), torch.randint(0, 10, (4,), generator=gen))
-        for _ in range(4)
-    ]
+    data = small_data(8)
     runs = []
     for reuse in (True, False):
-        graph, sources, _ = _small_training("none", reuse, bias=False, momentum=momentum)
+        graph, sources, _ = small_training("none", reuse, bias=False, momentum=momentum)
 
         def before(i: int, net: Any, graph: m.Graph, first: Any = sources[0]) -> None:
             if i == 2:
@@ -364,16 +333,14 @@ def test_biases_given_to_a_bias_less_layer_are_trained(momentum: float, reload: 
                 if reload:  # without: the step's update reloads the kernel (the bias appears)
                     graph.reload_from_data_sources()
 
-        runs.append((graph, sources, _train(None, graph, data, before)))
+        runs.append((graph, sources, train(None, graph, data, before)))
     (on_graph, on_sources, on_losses), (_, off_sources, off_losses) = runs
     assert _uses(on_graph) >= 1  # a template was recorded and used before the change
     assert not torch.equal(off_sources[0].bias_terms(), torch.full((4,), 0.5))  # trained
     on_bias, off_bias = on_sources[0].bias_terms(), off_sources[0].bias_terms()
     assert torch.equal(on_bias, off_bias), f"new biases: {on_bias} != {off_bias}"
-    for a, b in zip(on_sources, off_sources, strict=True):
-        assert torch.equal(a.weights(), b.weights())
-        assert torch.equal(a.bias_terms(), b.bias_terms())
-    _assert_same_losses(on_losses, off_losses)
+    assert_same_sources(on_sources, off_sources)
+    assert_same_losses(on_losses, off_losses)
 
 
 # -- 5. steps encoded before either is committed --------------------------------------------
@@ -393,15 +360,15 @@ def test_steps_encoded_before_commit(buffers: str) -> None:
         for k in range(0, 6, 2):
             cb_a = queue.command_buffer()
             cb_b = queue.command_buffer() if buffers == "two buffers" else cb_a
-            labels.append(_encode(graph, cb_a, *data[k]))
-            labels.append(_encode(graph, cb_b, *data[k + 1]))
+            labels.append(encode(graph, cb_a, *data[k]))
+            labels.append(encode(graph, cb_b, *data[k + 1]))
             cb_a.commit()
             if cb_b is not cb_a:
                 cb_b.commit()
             cb_b.wait_until_completed()
         runs.append((net, graph, [lab.loss_image().tensor for lab in labels]))
     (on_net, on_graph, on_losses), (off_net, _, off_losses) = runs
-    _assert_same_losses(on_losses, off_losses)
+    assert_same_losses(on_losses, off_losses)
     _assert_same_weights(on_net, off_net)
     assert len(on_graph._templates) == 2
     assert _uses(on_graph) == 4
@@ -431,15 +398,13 @@ def test_new_input_layout_records_a_new_template() -> None:
 
     runs = []
     for reuse in (True, False):
-        graph, sources, _ = _small_training("none", reuse, cin=3)
-        runs.append((graph, sources, _train(None, graph, data, before)))
+        graph, sources, _ = small_training("none", reuse, cin=3)
+        runs.append((graph, sources, train(None, graph, data, before)))
         if reuse:
             recorded.append(graph._templates[0])
     (_, on_sources, on_losses), (_, off_sources, off_losses) = runs
-    _assert_same_losses(on_losses, off_losses)
-    for a, b in zip(on_sources, off_sources, strict=True):
-        assert torch.equal(a.weights(), b.weights())
-        assert torch.equal(a.bias_terms(), b.bias_terms())
+    assert_same_losses(on_losses, off_losses)
+    assert_same_sources(on_sources, off_sources)
     assert len(recorded) == 3
     assert len({id(t) for t in recorded}) == 3
     assert len({t.key for t in recorded}) == 3
@@ -457,7 +422,7 @@ def test_out_of_range_labels_raise_as_without_template() -> None:
         net = _net()
         graph = _training(net, 8, reuse)
         data = _data(net, 3, 8)
-        losses = _train(net, graph, data[:2])
+        losses = train(net, graph, data[:2])
         cb = DEV.new_command_queue().command_buffer()
         x, y = data[2]
         bad = y.clone()
@@ -470,7 +435,7 @@ def test_out_of_range_labels_raise_as_without_template() -> None:
         assert len(cb) == 0
         if reuse:
             assert len(graph._templates) == 1 and graph._templates[0].uses == 1
-        good = _encode(graph, cb, x, y)
+        good = encode(graph, cb, x, y)
         cb.commit()
         cb.wait_until_completed()
         losses.append(good.loss_image().tensor.clone())
@@ -479,90 +444,11 @@ def test_out_of_range_labels_raise_as_without_template() -> None:
         runs.append((net, losses))
     assert messages[0] == messages[1]
     assert "class indices must be < the 10 channels" in messages[0]
-    _assert_same_losses(runs[0][1], runs[1][1])
+    assert_same_losses(runs[0][1], runs[1][1])
     _assert_same_weights(runs[0][0], runs[1][0])
 
 
-# -- 8. data sources and optimizers defined outside mpsnn ---------------------------------
-
-
-class _CountingSource(m.TensorConvolutionDataSource):
-    """A data source of the user's: its ``update`` counts its calls."""
-
-    calls = 0
-
-    def update(self, command_buffer, gradient_state, source_state):  # type: ignore[no-untyped-def]
-        self.calls += 1
-        return super().update(command_buffer, gradient_state, source_state)
-
-
-class _CountingSGD(m.SGD):
-    """An optimizer of the user's: its update counts its calls."""
-
-    calls = 0
-
-    def _update(self, cb, values, grads, results, states):  # type: ignore[no-untyped-def]
-        self.calls += 1
-        return super()._update(cb, values, grads, results, states)
-
-
-def _small_training(
-    custom: str, reuse: bool, cin: int = 1, *, bias: bool = True, momentum: float = 0.9
-) -> tuple[m.Graph, list[Any], Any]:
-    """conv 3x3 cin->4 (biases or none) + ReLU, fully connected 8x8x4->10, softmax cross
-    entropy (batch 4), SGD; ``custom``: which part is the user's ("data source", "optimizer"
-    or "none")."""
-    gen = torch.Generator().manual_seed(3)
-    sgd = _CountingSGD if custom == "optimizer" else m.SGD
-    opt = sgd(DEV, momentum_scale=momentum, descriptor=m.OptimizerDescriptor(learning_rate=0.05))
-    d1, d2 = m.ConvolutionDescriptor(3, 3, cin, 4), m.ConvolutionDescriptor(8, 8, 4, 10)
-    first = _CountingSource if custom == "data source" else m.TensorConvolutionDataSource
-    w1 = torch.randn(d1.weights_shape, generator=gen) * 0.3
-    c1 = first(d1, w1, torch.zeros(4) if bias else None, opt)
-    fc = m.TensorConvolutionDataSource(
-        d2, torch.randn(d2.weights_shape, generator=gen) * 0.05, torch.zeros(10), opt
-    )
-    x = m.ImageNode("x")
-    h = m.NeuronReLUNode(m.ConvolutionNode(x, c1).result_image).result_image
-    loss = m.LossNode(
-        m.FullyConnectedNode(h, fc).result_image,
-        m.LossDescriptor(m.LossType.SOFTMAX_CROSS_ENTROPY, m.ReductionType.SUM, weight=1 / 4),
-    )
-    (exit_node,) = loss.training_graph()
-    graph = m.Graph(DEV, exit_node.result_image, False)
-    graph.reuse_step = reuse
-    counted = c1 if custom == "data source" else opt
-    return graph, [c1, fc], counted
-
-
-@pytest.mark.parametrize("custom", ["data source", "optimizer", "none"])
-def test_user_data_sources_and_optimizers_get_no_template(custom: str) -> None:
-    """A data source or optimizer defined outside mpsnn records no template and its update
-    runs at every step (mpsnn's own: a template, re-armed); values equal the ordinary
-    encode."""
-    gen = torch.Generator().manual_seed(4)
-    data = [
-        (torch.randn(4, 1, 8, 8, generator=gen), torch.randint(0, 10, (4,), generator=gen))
-        for _ in range(4)
-    ]
-    runs = []
-    for reuse in (True, False):
-        graph, sources, counted = _small_training(custom, reuse)
-        losses = _train(None, graph, data)
-        runs.append((graph, sources, counted, losses))
-    (on_graph, on_sources, counted, on_losses), (_, off_sources, _, off_losses) = runs
-    _assert_same_losses(on_losses, off_losses)
-    for a, b in zip(on_sources, off_sources, strict=True):
-        assert torch.equal(a.weights(), b.weights())
-        assert torch.equal(a.bias_terms(), b.bias_terms())
-    if custom == "none":
-        assert len(on_graph._templates) == 1 and on_graph._templates[0].uses == 3
-    else:
-        assert on_graph._templates == []
-        assert counted.calls == 4
-
-
-# -- 9. a source written by an earlier command on the same buffer --------------------------
+# -- 8. a source written by an earlier command on the same buffer --------------------------
 
 
 @pytest.mark.parametrize("image", ["new image per step", "same image every step"])
@@ -595,7 +481,7 @@ def test_source_written_earlier_on_the_same_buffer(image: str) -> None:
             assert torch.equal(img.tensor, x)
         runs.append((net, graph, losses))
     (on_net, on_graph, on_losses), (off_net, _, off_losses) = runs
-    _assert_same_losses(on_losses, off_losses)
+    assert_same_losses(on_losses, off_losses)
     _assert_same_weights(on_net, off_net)
     # a new image has no storage at every encode (one key); the same image has from step 2
     assert _uses(on_graph) == (3 if image == "new image per step" else 2)

@@ -1,12 +1,13 @@
-"""Where the step template (`mpsnn.graph.template`) must step aside, found by review: user
-code an encode calls (a custom padding policy), tensors made under inference mode, the labels'
-class count a compiled step checks, and graphs whose recordings cannot be kept (they stop
-recording). Each compares with ``reuse_step = False``."""
+"""Where the step template (`mpsnn.graph.template`) must step aside: user code an encode
+calls (a data source, optimizer or padding policy of the user's), tensors made under
+inference mode, the labels' class count a compiled step checks, and graphs whose recordings
+cannot be kept (they stop recording). Each compares with ``reuse_step = False``."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 import mpsnn as m
@@ -15,6 +16,13 @@ from mpsnn.cnn.loss import LossLabels
 from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.geometry import PaddingMethod
 from mpsnn.core.image_batch import ImageBatch
+from tests.graph._template_nets import (
+    assert_same_losses,
+    assert_same_sources,
+    small_data,
+    small_training,
+    train,
+)
 
 DEV = parse_device("cpu")
 
@@ -135,3 +143,24 @@ def test_a_graph_whose_recordings_are_not_kept_stops_recording() -> None:
     (on, graph), (off, _) = runs[True], runs[False]
     assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
     assert graph._templates == [] and graph._template_refusals == 3
+
+
+@pytest.mark.parametrize("custom", ["data source", "optimizer", "none"])
+def test_user_data_sources_and_optimizers_get_no_template(custom: str) -> None:
+    """A data source or optimizer defined outside mpsnn records no template and its update
+    runs at every step (mpsnn's own: a template, re-armed); values equal the ordinary
+    encode."""
+    data = small_data(4)
+    runs = []
+    for reuse in (True, False):
+        graph, sources, counted = small_training(custom, reuse)
+        losses = train(None, graph, data)
+        runs.append((graph, sources, counted, losses))
+    (on_graph, on_sources, counted, on_losses), (_, off_sources, _, off_losses) = runs
+    assert_same_losses(on_losses, off_losses)
+    assert_same_sources(on_sources, off_sources)
+    if custom == "none":
+        assert len(on_graph._templates) == 1 and on_graph._templates[0].uses == 3
+    else:
+        assert on_graph._templates == []
+        assert counted.calls == 4
