@@ -2,7 +2,9 @@
 mechanism): a LeNet-5 training step at batch 256 float32 (forward, loss, backward, Adam) and a
 CIFAR-style ResNet-18 step at batch 512 bfloat16 on 32×32×3 synthetic images, each as an mpsnn
 graph encoded eagerly and replayed, beside PyTorch eager and ``torch.compile``; step time, peak
-memory and the host time of one eager ``encode_batch``.
+memory and the host time of one eager ``encode_batch``. Then the eager step against PyTorch
+eager once more, in alternating runs in one process (``--pairs``, see
+`mpsnn.cli.bench.compare_eager`): the ratio per pair, robust to a host whose speed drifts.
 
     python -m benchmarks.bench_graph --device cuda --json out.json
     python -m benchmarks.bench_graph --device cuda --only lenet
@@ -13,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from mpsnn.cli.bench import measure
+from mpsnn.cli.bench import compare_eager, measure
 
 CASES = {
     "lenet": {"model": "lenet", "batch": 256, "dtype": "float32", "optimizer": "adam"},
@@ -34,6 +36,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--compile-modes", default="default")
+    parser.add_argument("--pairs", type=int, default=11, help="alternating eager pairs (0: none)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.device == "cpu":
@@ -55,6 +58,14 @@ def main() -> None:
                   f"{r['loss']:>9.4f}")  # fmt: skip
         if "host_encode_ms" in out:
             print(f"host encode_batch {out['host_encode_ms']:.3f} ms; {out['memory_plan']}")
+        if args.pairs > 0:
+            pairs = compare_eager(device=args.device, steps=args.steps, pairs=args.pairs,
+                                  **case)  # fmt: skip
+            out["interleaved_eager"] = pairs
+            r = sorted(pairs["ratios"])
+            print(f"eager vs PyTorch eager, {len(r)} alternating pairs of {args.steps} steps: "
+                  f"median {pairs['median_ratio']:.2f}x, range {r[0]:.2f}-{r[-1]:.2f}x, "
+                  f"{sum(v < 1 for v in r)} below 1")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -35,7 +35,7 @@ from mpsnn.cli.common import (
     make_optimizer,
 )
 
-__all__ = ["bench", "measure"]
+__all__ = ["bench", "compare_eager", "measure"]
 
 
 def _timed(step: Callable[[], None], sync: Callable[[], None], steps: int, trials: int) -> float:
@@ -96,20 +96,10 @@ def measure(
         if variant not in variants:
             continue
         base = memory_start()
-        net = build_model(model, dev, make_optimizer(optimizer, dev, None), seed=0,
-                          input_shape=shape)  # fmt: skip
-        graph = net.training_graph(batch, storage=DTYPES[dtype])
-        queue = dev.new_command_queue()
-        images = [_batch(x)]
-        labels = [_labels(dev, y)]
+        net, graph, queue, images, labels, step = _mpsnn_eager(
+            model, dev, optimizer, shape, batch, dtype, x, y
+        )
         if variant == "mpsnn-eager":
-
-            def step(graph: Any = graph, queue: Any = queue, images: Any = images,
-                     labels: Any = labels) -> None:  # fmt: skip
-                cb = queue.command_buffer()
-                graph.encode_batch(cb, images, labels)
-                cb.commit()
-
             for _ in range(3):
                 step()
             ms = _timed(step, sync, steps, trials)
@@ -143,27 +133,9 @@ def measure(
     torch_modes = (["eager"] if "torch-eager" in variants else []) + (
         list(compile_modes) if "torch-compile" in variants else []
     )
-    low = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
     for mode in torch_modes:
         base = memory_start()
-        net = build_model(model, dev, None, seed=0, input_shape=shape).torch_module().to(tdev)
-        xs = x
-        if low is not None and cuda:
-            net = net.to(memory_format=torch.channels_last)
-            xs = x.contiguous(memory_format=torch.channels_last)
-        opt = _torch_optimizer(optimizer, net.parameters(), cuda)
-        compile_mode = None if mode == "default" else mode
-        fwd = net if mode == "eager" else torch.compile(net, mode=compile_mode)
-        last = [torch.zeros((), device=tdev)]
-
-        def step(fwd: Any = fwd, opt: Any = opt, xs: torch.Tensor = xs, last: list = last) -> None:
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast(tdev.type, dtype=low or torch.bfloat16, enabled=low is not None):
-                loss = F.cross_entropy(fwd(xs).float(), y)
-            loss.backward()
-            opt.step()
-            last[0] = loss.detach()
-
+        step, last = _torch_step(model, dev, optimizer, shape, dtype, x, y, mode)
         t0 = time.perf_counter()
         for _ in range(3):
             step()
@@ -173,9 +145,103 @@ def measure(
         ms = _timed(step, sync, steps, trials)
         row("pytorch eager" if mode == "eager" else f"torch.compile ({mode})", ms, base,
             float(last[0]))  # fmt: skip
-        del net, opt, fwd, step
+        del step, last
     return {"model": model, "batch": batch, "dtype": dtype, "optimizer": optimizer,
             "device": dev.name, "torch": torch.__version__, "rows": rows, **extra}  # fmt: skip
+
+
+def _mpsnn_eager(
+    model: str, dev: Any, optimizer: str, shape: tuple[int, ...], batch: int, dtype: str,
+    x: torch.Tensor, y: torch.Tensor,
+) -> tuple[Any, Any, Any, list[Any], list[Any], Callable[[], None]]:  # fmt: skip
+    """``(net, graph, queue, images, labels, step)``: the model's training graph and one eager
+    step (encode_batch + commit, no wait)."""
+    net = build_model(model, dev, make_optimizer(optimizer, dev, None), seed=0,
+                      input_shape=shape)  # fmt: skip
+    graph = net.training_graph(batch, storage=DTYPES[dtype])
+    queue = dev.new_command_queue()
+    images, labels = [_batch(x)], [_labels(dev, y)]
+
+    def step() -> None:
+        cb = queue.command_buffer()
+        graph.encode_batch(cb, images, labels)
+        cb.commit()
+
+    return net, graph, queue, images, labels, step
+
+
+def _torch_step(
+    model: str, dev: Any, optimizer: str, shape: tuple[int, ...], dtype: str,
+    x: torch.Tensor, y: torch.Tensor, mode: str = "eager",
+) -> tuple[Callable[[], None], list[torch.Tensor]]:  # fmt: skip
+    """The same model's PyTorch step (``mode``: "eager" or a ``torch.compile`` mode) and the
+    one-element list its last loss is kept in. Half types: autocast and channels-last."""
+    tdev = dev.torch_device
+    cuda = tdev.type == "cuda"
+    low = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
+    net = build_model(model, dev, None, seed=0, input_shape=shape).torch_module().to(tdev)
+    xs = x
+    if low is not None and cuda:
+        net = net.to(memory_format=torch.channels_last)
+        xs = x.contiguous(memory_format=torch.channels_last)
+    opt = _torch_optimizer(optimizer, net.parameters(), cuda)
+    compile_mode = None if mode == "default" else mode
+    fwd = net if mode == "eager" else torch.compile(net, mode=compile_mode)
+    last = [torch.zeros((), device=tdev)]
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(tdev.type, dtype=low or torch.bfloat16, enabled=low is not None):
+            loss = F.cross_entropy(fwd(xs).float(), y)
+        loss.backward()
+        opt.step()
+        last[0] = loss.detach()
+
+    return step, last
+
+
+def compare_eager(
+    model: str = "lenet",
+    batch: int = 256,
+    dtype: str = "float32",
+    device: str = "cuda",
+    optimizer: str = "adam",
+    steps: int = 50,
+    pairs: int = 11,
+    input_shape: tuple[int, int, int] | None = None,
+) -> dict[str, Any]:
+    """The eager mpsnn step against PyTorch eager, timed in alternating runs of ``steps``
+    steps in one process (``pairs`` pairs, the order swapped every pair), so that a host whose
+    speed drifts between and within runs (a shared machine) slows both sides of a pair alike.
+
+    Returns ``{"mpsnn_ms": [...], "torch_ms": [...], "ratios": [...], "median_ratio": ...}``:
+    a ratio is PyTorch's step time over mpsnn's in one pair (above 1: mpsnn is faster)."""
+    from mpsnn.cli.common import model_class, parse_device
+
+    dev = parse_device(device)
+    tdev = dev.torch_device
+    sync = torch.cuda.synchronize if tdev.type == "cuda" else (lambda: None)
+    shape = tuple(input_shape or model_class(model).input_shape)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, *shape, generator=gen).to(tdev)
+    y = torch.randint(0, 10, (batch,), generator=gen).to(tdev)
+    mine = _mpsnn_eager(model, dev, optimizer, shape, batch, dtype, x, y)[-1]
+    theirs = _torch_step(model, dev, optimizer, shape, dtype, x, y)[0]
+    for step in (mine, theirs, mine, theirs):  # warm-up: libraries, caches, the template
+        for _ in range(3):
+            step()
+    sync()
+    a: list[float] = []
+    b: list[float] = []
+    for i in range(pairs):
+        order = ((mine, a), (theirs, b)) if i % 2 == 0 else ((theirs, b), (mine, a))
+        for step, out in order:
+            out.append(_timed(step, sync, steps, 1))
+    ratios = [t / m for m, t in zip(a, b, strict=True)]
+    return {"model": model, "batch": batch, "dtype": dtype, "optimizer": optimizer,
+            "device": dev.name, "torch": torch.__version__, "steps": steps, "mpsnn_ms": a,
+            "torch_ms": b, "ratios": ratios,
+            "median_ratio": statistics.median(ratios)}  # fmt: skip
 
 
 def _torch_optimizer(name: str, params: Any, cuda: bool) -> torch.optim.Optimizer:

@@ -215,9 +215,19 @@ _dtype = operator.attrgetter("dtype")
 _contiguous = torch.Tensor.is_contiguous
 
 
+# the raw handle of a device's current stream, without the Stream object that
+# torch.cuda.current_stream makes at every call (absent from CPU builds of PyTorch)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _stream(device: torch.device) -> int:
     """The current CUDA stream of ``device`` (0 elsewhere)."""
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    if device.type != "cuda":
+        return 0
+    if _raw_stream is not None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _raw_stream(index)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _plan(rule: UpdateRule, lists: tuple[Sequence[torch.Tensor], ...], hyper: torch.Tensor) -> Any:

@@ -110,6 +110,30 @@ def test_statistics_accumulate_in_any_commit_order() -> None:
         assert_close(got[1], ref[1], f"dx, order {order}", tol=1e-12)
 
 
+def test_a_normalization_between_sub_batches_sees_the_merged_statistics() -> None:
+    """The batch variance is computed once per change of the statistics and kept: a forward
+    that ran after the first sub-batch must not hand its variance to one that runs after the
+    second sub-batch was merged in place."""
+    dev = m.Device("cpu")
+    x, _, gamma, beta = _data(n=6, seed=3)
+    _, stats, bn, _, _ = _kernels(dev, x.shape[1], gamma, beta)
+    q = dev.new_command_queue()
+    first, second = (m.ImageBatch.from_tensor(t) for t in x.chunk(2))
+    whole = m.ImageBatch.from_tensor(x)
+    state = bn.result_state_batch(whole)[0]
+    for part in (first, second):
+        cb = q.command_buffer()
+        stats.encode_batch(cb, part, state)
+        y = bn.encode_batch(cb, whole, state)
+        run(cb)
+        # the statistics of the sub-batches seen so far
+        seen = x[: 3 if part is first else 6]
+        mean, var = seen.mean((0, 2, 3)), seen.var((0, 2, 3), unbiased=False)
+        ref = F.batch_norm(x, mean, var, gamma, beta, training=False, eps=1e-5)
+        assert_close(torch.cat([t.tensor for t in y]), ref, "after a sub-batch")
+        assert_close(state.variance, var, "state variance")
+
+
 def test_adjoint_of_the_gradient_in_float64() -> None:
     """<J(x) v, w> = <v, BN-gradient(w)> with J the derivative of the training forward (the
     statistics depend on x), v and w random."""

@@ -10,10 +10,20 @@ import torch
 
 from mpsnn.ops.triton import elementwise
 from mpsnn.ops.triton.elementwise import _add_relu, add_relu_triton
-from mpsnn.ops.triton.launch import FastKernel, _key
+from mpsnn.ops.triton.launch import FastKernel, _key, cdiv, next_power_of_2
 from tests.helpers import TRITON_DEVICES
 
 CUDA = torch.cuda.is_available()
+
+
+def test_host_helpers_equal_tritons() -> None:
+    """The plain-int grid helpers give what ``triton.cdiv`` / ``triton.next_power_of_2`` give."""
+    import triton
+
+    for n in [*range(0, 300), 4095, 4096, 4097, 2**31 - 1, 2**31, 2**40 + 3]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for b in (1, 3, 16, 64, 4096):
+            assert cdiv(n, b) == triton.cdiv(n, b), (n, b)
 
 
 def test_key_separates_what_triton_specializes_on() -> None:

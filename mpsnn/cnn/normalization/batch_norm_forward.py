@@ -58,8 +58,8 @@ class MasterPair:
         self.second = second.to(dev, dtype, copy=True)
 
     def load(self, first: torch.Tensor, second: torch.Tensor) -> None:
-        self.first.copy_(first)
-        self.second.copy_(second)
+        # one launch for both on a GPU (a training step reloads every normalization layer)
+        torch._foreach_copy_([self.first, self.second], [first, second])
 
     def load_from_data_source(
         self, who: str, data_source: Any, names: tuple[str, str], channels: int
@@ -195,6 +195,37 @@ class BatchNormalizationState(AccumulatorState):
         self._channels = batch_normalization.number_of_feature_channels
         self._statistics_encoded = False
         self._gradients_encoded = False
+        # (count, m2, their versions, variance): see `_mean_variance`
+        self._variance_memo: tuple[Any, ...] | None = None
+
+    def _mean_variance(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's mean and biased variance, read when the work runs.
+
+        The variance (``m2 / count``, two launches on a GPU) is computed once per change of
+        the statistics and kept: in a training step the forward, both gradient kernels and
+        the recomputed forward all read it. A change is a new ``count``/``m2`` (a reset, a new
+        step) or an in-place write into them (a later sub-batch's merge, a data-parallel
+        exchange), which moves the tensors' version counters. Tensors made under
+        ``torch.inference_mode`` have no version counter: their variance is not kept."""
+        count, mean, m2 = self._slots[_STATS]
+        memo = self._variance_memo
+        if (
+            memo is not None
+            and memo[0] is count
+            and memo[1] is m2
+            and memo[2] == count._version
+            and memo[3] == m2._version
+        ):
+            return mean, memo[4]
+        var = bn_variance(count, m2)
+        if count.is_inference() or m2.is_inference():  # no version counters: not kept
+            return mean, var
+        self._variance_memo = (count, m2, count._version, m2._version, var)
+        return mean, var
+
+    def _free_storage(self) -> None:
+        super()._free_storage()
+        self._variance_memo = None
 
     @property
     def batch_normalization(self) -> BatchNormalization:
@@ -237,7 +268,7 @@ class BatchNormalizationState(AccumulatorState):
     def variance(self) -> torch.Tensor:
         """The batch's biased variance so far, (C,)."""
         count, _, m2 = self._batch("BatchNormalizationState")
-        return bn_variance(count, m2)
+        return bn_variance(count, m2)  # a tensor of the caller's own, not the kept one
 
     @property
     def gradient_for_gamma(self) -> torch.Tensor | None:
@@ -253,6 +284,7 @@ class BatchNormalizationState(AccumulatorState):
         """Clear the statistics and their gradients (a new batch)."""
         super().reset()
         self._statistics_encoded = self._gradients_encoded = False
+        self._variance_memo = None
 
     def _statistics_tensors(self, who: str) -> Callable[[], list[torch.Tensor]]:
         """``(count, mean, m2)`` of the batch, read when the work runs (checked now)."""
@@ -505,9 +537,7 @@ class BatchNormalization(AffineChannels, PointwiseKernel):
         if training:
             state = records[0][0]
 
-            def stats() -> tuple[torch.Tensor, torch.Tensor]:
-                count, mean, m2 = state._slots[_STATS]
-                return mean, bn_variance(count, m2)
+            stats = state._mean_variance
 
         else:
             running = self._running

@@ -32,7 +32,7 @@ from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord
-from mpsnn.ops.batch_norm import bn_backward, bn_gradient_sums, bn_variance
+from mpsnn.ops.batch_norm import bn_backward, bn_gradient_sums
 from mpsnn.ops.window import apply_extract
 
 __all__ = ["BatchNormalizationGradient", "BatchNormalizationStatisticsGradient"]
@@ -111,12 +111,11 @@ class BatchNormalizationStatisticsGradient(_BatchNormalizationGradientBase):
         neuron = None if p.neuron is None else p.neuron.params
 
         def backward(g: torch.Tensor, x: torch.Tensor) -> None:
-            count, mean, m2 = state._slots[_STATS]
+            mean, var = state._mean_variance()
             xb = apply_extract(x, p.plan)
             sums = bn_gradient_sums(
-                g, xb, mean, bn_variance(count, m2), p.affine.first, p.affine.second,
-                p.epsilon, neuron,
-            )  # fmt: skip
+                g, xb, mean, var, p.affine.first, p.affine.second, p.epsilon, neuron
+            )
             state._accumulate(cb, (sums[1], sums[0]), slot=_GRADS)  # [dgamma, dbeta]
             return
 
@@ -193,11 +192,12 @@ class BatchNormalizationGradient(_BatchNormalizationGradientBase):
         neuron = None if p.neuron is None else p.neuron.params
 
         def backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-            count, mean, m2 = state._slots[_STATS]
+            count = state._slots[_STATS][0]
+            mean, var = state._mean_variance()
             dgamma, dbeta = state._slots[_GRADS]
             return bn_backward(
-                g, x, mean, bn_variance(count, m2), p.affine.first, p.affine.second, p.epsilon,
-                dbeta, dgamma, count, neuron,
+                g, x, mean, var, p.affine.first, p.affine.second, p.epsilon, dbeta, dgamma,
+                count, neuron,
             )  # fmt: skip
 
         return backward

@@ -280,11 +280,14 @@ class TensorBatchNormalizationDataSource(_TensorGammaBeta, BatchNormalizationDat
         mu, var = self._mv.mean, self._mv.variance
         stats = state._statistics_tensors("TensorBatchNormalizationDataSource")
 
+        running = [mu, var]
+
         def run() -> None:
             count, mean, m2 = stats()
             unbiased = m2 / (count - 1).clamp(min=1)
-            mu.mul_(1 - m).add_(mean.to(mu.dtype), alpha=m)
-            var.mul_(1 - m).add_(unbiased.to(var.dtype), alpha=m)
+            # (1 - m) running + m batch, both vectors in one launch per step on a GPU
+            torch._foreach_mul_(running, 1 - m)
+            torch._foreach_add_(running, [mean.to(mu.dtype), unbiased.to(var.dtype)], alpha=m)
 
         return run
 

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mpsnn.ops.triton.launch import fast_kernel
+from mpsnn.ops.triton.launch import cdiv, fast_kernel, next_power_of_2
 
 __all__ = [
     "bn_backward_triton",
@@ -315,21 +315,19 @@ def _reduction_plan(
     length = h * w
     budget = _BLOCK_BYTES // x.element_size()  # elements a tile loads per tensor
     if planes is None or span is None:
-        want = min(_MAX_PARTS, max(1, triton.cdiv(_programs_wanted(x.device), c)))
+        want = min(_MAX_PARTS, max(1, cdiv(_programs_wanted(x.device), c)))
         if n >= want:  # whole planes, several per program
-            planes, span = triton.cdiv(n, want), length
+            planes, span = cdiv(n, want), length
         else:  # one plane per program, split along the plane
-            planes, span = 1, triton.cdiv(length, triton.cdiv(want, n))
+            planes, span = 1, cdiv(length, cdiv(want, n))
     if block is None:
-        block = min(budget, triton.next_power_of_2(span))
+        block = min(budget, next_power_of_2(span))
     if rows is None:  # small planes: several in one tile, so that a tile stays large
-        rows = max(1, min(budget // block, triton.next_power_of_2(planes)))
+        rows = max(1, min(budget // block, next_power_of_2(planes)))
     if span < length:
-        span = triton.cdiv(span, block) * block  # splits start on a block boundary
+        span = cdiv(span, block) * block  # splits start on a block boundary
     span = min(span, length)
-    return _ReductionPlan(
-        planes, span, rows, block, triton.cdiv(n, planes), triton.cdiv(length, span)
-    )
+    return _ReductionPlan(planes, span, rows, block, cdiv(n, planes), cdiv(length, span))
 
 
 class _ElementwisePlan(NamedTuple):
@@ -349,15 +347,15 @@ def _elementwise_plan(
     length = h * w
     budget = _EW_BLOCK_BYTES // x.element_size()
     if span is None:
-        span = triton.cdiv(length, triton.cdiv(length, _EW_MAX_SPAN))
+        span = cdiv(length, cdiv(length, _EW_MAX_SPAN))
     if block is None:
-        block = min(budget, triton.next_power_of_2(span))
+        block = min(budget, next_power_of_2(span))
     if rows is None:  # small planes (CIFAR-sized networks): many per program
-        rows = max(1, min(budget // block, triton.next_power_of_2(n * c)))
+        rows = max(1, min(budget // block, next_power_of_2(n * c)))
     if span < length:
-        span = triton.cdiv(span, block) * block
+        span = cdiv(span, block) * block
     span = min(span, length)
-    return _ElementwisePlan(rows, span, block, triton.cdiv(length, span))
+    return _ElementwisePlan(rows, span, block, cdiv(length, span))
 
 
 def _per_channel(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -393,7 +391,7 @@ def bn_statistics_triton(
     out = torch.empty(2 * c + 1, dtype=torch.float32, device=x.device)
     count, mean, m2 = out[:1], out[1 : c + 1], out[c + 1 :]
     _stats_combine[(c,)](
-        part, x, count, mean, m2, c, h * w, parts, BLOCK_P=triton.next_power_of_2(parts),
+        part, x, count, mean, m2, c, h * w, parts, BLOCK_P=next_power_of_2(parts),
     )  # fmt: skip
     return count, mean, m2
 
@@ -418,7 +416,7 @@ def bn_forward_triton(
     relu, slope = _relu(neuron)
     plan = _elementwise_plan(x, span, block, rows)
     p = [_per_channel(t, x) for t in (mean, var, gamma, beta)]
-    _forward[(triton.cdiv(n * c, plan.rows), plan.splits)](
+    _forward[(cdiv(n * c, plan.rows), plan.splits)](
         x, y, *p, n * c, c, h * w, plan.span, float(eps), slope, RELU=relu, ROWS=plan.rows,
         BLOCK=plan.block, num_warps=_warps(plan.rows * plan.block), enable_fp_fusion=False,
     )  # fmt: skip
@@ -483,7 +481,7 @@ def bn_backward_triton(
     plan = _elementwise_plan(x, span, block, rows)
     m = torch.as_tensor(count, dtype=torch.float32, device=x.device).reshape(-1).contiguous()
     p = [_per_channel(t, x) for t in (mean, var, gamma, beta, sum_gy, sum_gy_xhat)]
-    _backward[(triton.cdiv(n * c, plan.rows), plan.splits)](
+    _backward[(cdiv(n * c, plan.rows), plan.splits)](
         g, x, dx, *p, m, 0 if m.numel() == 1 else 1, n * c, c, h * w, plan.span, float(eps),
         slope, RELU=relu, ROWS=plan.rows, BLOCK=plan.block,
         num_warps=_warps(plan.rows * plan.block), enable_fp_fusion=False,

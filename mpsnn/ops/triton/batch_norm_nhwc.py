@@ -32,7 +32,7 @@ from mpsnn.ops.triton.batch_norm import (
     _through_neuron,
     _warps,
 )
-from mpsnn.ops.triton.launch import fast_kernel
+from mpsnn.ops.triton.launch import cdiv, fast_kernel, next_power_of_2
 
 __all__ = [
     "is_nhwc",
@@ -216,16 +216,16 @@ def _tile(
     n, c, h, w = x.shape
     m = n * h * w
     if tile is None:
-        bc = min(64, triton.next_power_of_2(c))  # 128-byte rows in bfloat16
-        bm = max(1, min(budget_bytes // x.element_size() // bc, triton.next_power_of_2(m)))
+        bc = min(64, next_power_of_2(c))  # 128-byte rows in bfloat16
+        bm = max(1, min(budget_bytes // x.element_size() // bc, next_power_of_2(m)))
     else:
         bm, bc = tile
     if rows is None:
-        blocks = triton.cdiv(c, bc)
-        programs = triton.cdiv(_programs_wanted(x.device), _FEWER_PROGRAMS)
-        want = min(_MAX_PARTS, max(1, triton.cdiv(programs, blocks)))
-        rows = triton.cdiv(m, want)
-    return _Tile(bm, bc, rows, triton.cdiv(m, rows))
+        blocks = cdiv(c, bc)
+        programs = cdiv(_programs_wanted(x.device), _FEWER_PROGRAMS)
+        want = min(_MAX_PARTS, max(1, cdiv(programs, blocks)))
+        rows = cdiv(m, want)
+    return _Tile(bm, bc, rows, cdiv(m, rows))
 
 
 def _per_channel(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -243,14 +243,14 @@ def nhwc_statistics(
     n, c, h, w = x.shape
     t = _tile(x, _STATS_TILE_BYTES, tile, rows)
     part = torch.empty(3, c, t.chunks, dtype=torch.float32, device=x.device)
-    _stats_partial_nhwc[(triton.cdiv(c, t.bc), t.chunks)](
+    _stats_partial_nhwc[(cdiv(c, t.bc), t.chunks)](
         x, part, n * h * w, c, t.rows, BM=t.bm, BC=t.bc, num_warps=_warps(t.bm * t.bc)
     )
     out = torch.empty(2 * c + 1, dtype=torch.float32, device=x.device)
     count, mean, m2 = out[:1], out[1 : c + 1], out[c + 1 :]
     # the shift of channel c is x[0, c, 0, 0], at element c of channels-last memory: "L" = 1
     _stats_combine[(c,)](
-        part, x, count, mean, m2, c, 1, t.chunks, BLOCK_P=triton.next_power_of_2(t.chunks)
+        part, x, count, mean, m2, c, 1, t.chunks, BLOCK_P=next_power_of_2(t.chunks)
     )
     return count, mean, m2
 
@@ -266,7 +266,7 @@ def nhwc_forward(
     t = _tile(x, _EW_TILE_BYTES, tile, 1)
     p = [_per_channel(v, x) for v in (mean, var, gamma, beta)]
     m = n * h * w
-    _forward_nhwc[(triton.cdiv(m, t.bm), triton.cdiv(c, t.bc))](
+    _forward_nhwc[(cdiv(m, t.bm), cdiv(c, t.bc))](
         x, y, *p, m, c, float(eps), slope, RELU=relu, BM=t.bm, BC=t.bc,
         num_warps=_warps(t.bm * t.bc), enable_fp_fusion=False,
     )  # fmt: skip
@@ -284,7 +284,7 @@ def nhwc_gradient_sums(
     t = _tile(x, _SUMS_TILE_BYTES, tile, rows)
     part = torch.empty(2, c, t.chunks, dtype=torch.float32, device=x.device)
     p = [_per_channel(v, x) for v in (mean, var, gamma, beta)]
-    _gradient_sums_partial_nhwc[(triton.cdiv(c, t.bc), t.chunks)](
+    _gradient_sums_partial_nhwc[(cdiv(c, t.bc), t.chunks)](
         g, x, part, *p, n * h * w, c, t.rows, float(eps), slope, RELU=relu, BM=t.bm, BC=t.bc,
         num_warps=_warps(t.bm * t.bc), enable_fp_fusion=False,
     )  # fmt: skip
@@ -307,7 +307,7 @@ def nhwc_backward(
     cnt = torch.as_tensor(count, dtype=torch.float32, device=x.device).reshape(-1).contiguous()
     p = [_per_channel(v, x) for v in (mean, var, gamma, beta, sum_gy, sum_gy_xhat)]
     m = n * h * w
-    _backward_nhwc[(triton.cdiv(m, t.bm), triton.cdiv(c, t.bc))](
+    _backward_nhwc[(cdiv(m, t.bm), cdiv(c, t.bc))](
         g, x, dx, *p, cnt, 0 if cnt.numel() == 1 else 1, m, c, float(eps), slope, RELU=relu,
         BM=t.bm, BC=t.bc, num_warps=_warps(t.bm * t.bc), enable_fp_fusion=False,
     )  # fmt: skip
@@ -324,7 +324,7 @@ def nhwc_channel_sums(
     n, c, h, w = g.shape
     t = _tile(g, _STATS_TILE_BYTES, tile, rows)
     part = torch.empty(c, t.chunks, dtype=torch.float32, device=g.device)
-    _channel_sums_partial[(triton.cdiv(c, t.bc), t.chunks)](
+    _channel_sums_partial[(cdiv(c, t.bc), t.chunks)](
         g, part, n * h * w, c, t.rows, BM=t.bm, BC=t.bc, num_warps=_warps(t.bm * t.bc)
     )
     return part.sum(dim=1)

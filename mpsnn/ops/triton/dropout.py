@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from mpsnn.ops.plans import DropoutGeometry
-from mpsnn.ops.triton.launch import fast_kernel
+from mpsnn.ops.triton.launch import cdiv, fast_kernel, next_power_of_2
 
 __all__ = ["dropout_apply_triton"]
 
@@ -158,14 +158,14 @@ def dropout_apply_triton(
     scale = float(np.float32(geom.scale))  # the float32 the portable path multiplies by
     if (sc, sy, sx) == (1, 1, 1):
         chw = c * h * w
-        block = min(4096, triton.next_power_of_2(chw))
-        _dropout_flat[(n, triton.cdiv(chw, block))](
+        block = min(4096, next_power_of_2(chw))
+        _dropout_flat[(n, cdiv(chw, block))](
             t, out, key, first_image, chw, thr32, scale, seed32, out_key, ticket,
             FROM_COUNTER=from_counter, BLOCK=block,
         )  # fmt: skip
         return out
-    block = min(4096, triton.next_power_of_2(h * w))
-    _dropout_planes[(n * c, triton.cdiv(h * w, block))](
+    block = min(4096, next_power_of_2(h * w))
+    _dropout_planes[(n * c, cdiv(h * w, block))](
         t, out, key, first_image, c, h, w, thr32, scale, seed32, out_key, ticket,
         FROM_COUNTER=from_counter, SC=sc, SY=sy, SX=sx, BLOCK=block,
     )  # fmt: skip

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mpsnn.ops.triton.launch import fast_kernel
+from mpsnn.ops.triton.launch import cdiv, fast_kernel
 
 __all__ = ["add_relu_triton", "relu_times_triton"]
 
@@ -75,5 +75,5 @@ def _launch(kernel: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     layout (the caller checked one shape, strides and dtype)."""
     out = torch.empty_like(a)
     n = a.numel()
-    kernel[(triton.cdiv(n, _BLOCK),)](a, b, out, n, BLOCK=_BLOCK, num_warps=8)
+    kernel[(cdiv(n, _BLOCK),)](a, b, out, n, BLOCK=_BLOCK, num_warps=8)
     return out

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FastKernel", "fast_kernel"]
+__all__ = ["FastKernel", "cdiv", "fast_kernel", "next_power_of_2"]
 
 _I32 = (-(1 << 31), 1 << 31)
 _U64 = 1 << 63
@@ -48,6 +48,18 @@ _get_device: Callable[[], int] = (
     else (lambda: -1)
 )
 _raw_stream: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host-side grid and tile sizes. Triton's own ``triton.cdiv`` is a
+    `constexpr` function whose wrapper unwraps its arguments at every call (microseconds on a
+    slow host, and a normalization layer's step makes a dozen such calls)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 ``>= n`` for ``n >= 1`` (0 for 0), as ``triton.next_power_of_2``."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 def _knobs() -> Any:

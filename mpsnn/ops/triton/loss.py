@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from mpsnn.ops.triton.launch import fast_kernel
+from mpsnn.ops.triton.launch import cdiv, fast_kernel, next_power_of_2
 
 __all__ = ["MAX_CLASSES", "softmax_cross_entropy_triton"]
 
@@ -141,11 +141,11 @@ def softmax_cross_entropy_triton(
     npix = n * h * w
     loss = torch.empty((n, 1, h, w), dtype=torch.float32, device=y.device)
     grad = torch.empty_like(y)  # y's strides where y is dense, else contiguous
-    block_c = triton.next_power_of_2(c)
-    block_p = max(1, min(_TILE // block_c, triton.next_power_of_2(npix)))
+    block_c = next_power_of_2(c)
+    block_p = max(1, min(_TILE // block_c, next_power_of_2(npix)))
     # classes innermost when they are adjacent in memory, else pixels (NCHW planes)
     cls_axis = 1 if y.stride(1) == 1 else 0
-    _softmax_cross_entropy[(triton.cdiv(npix, block_p),)](
+    _softmax_cross_entropy[(cdiv(npix, block_p),)](
         y, labels, loss, grad, npix, c, h * w, w, *y.stride(), *labels.stride(), *grad.stride(),
         float(weight), float(divisor),
         BLOCK_P=block_p, BLOCK_C=block_c, CLS_AXIS=cls_axis,

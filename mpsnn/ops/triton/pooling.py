@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from mpsnn.ops.plans import PoolGeometry
-from mpsnn.ops.triton.launch import fast_kernel
+from mpsnn.ops.triton.launch import cdiv, fast_kernel, next_power_of_2
 
 __all__ = ["max_pool_backward_triton"]
 
@@ -85,10 +85,10 @@ def max_pool_backward_triton(g: torch.Tensor, x: torch.Tensor, geom: PoolGeometr
     g = g.contiguous()
     tiles = y0 == 0 and x0 == 0 and oh * kh == h and ow * kw == w
     dx = torch.empty_like(x) if tiles else torch.zeros_like(x)  # uncovered pixels get 0
-    block_w = min(triton.next_power_of_2(ow), 128)
+    block_w = min(next_power_of_2(ow), 128)
     block_r = max(1, 1024 // block_w)
     rows = n * c * oh
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(ow, block_w))
+    grid = (cdiv(rows, block_r), cdiv(ow, block_w))
     _max_pool_bwd[grid](
         x, g, dx, rows, oh, ow, h, w, y0, x0,
         KH=kh, KW=kw, BLOCK_R=block_r, BLOCK_W=block_w,
