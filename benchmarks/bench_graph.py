@@ -4,7 +4,7 @@ CIFAR-style ResNet-18 step at batch 512 bfloat16 on 32×32×3 synthetic images, 
 graph encoded eagerly and replayed, beside PyTorch eager and ``torch.compile``; step time, peak
 memory and the host time of one eager ``encode_batch``. Then the eager step against PyTorch
 eager once more, in alternating runs in one process (``--pairs``, see
-`mpsnn.cli.bench.compare_eager`): the ratio per pair, robust to a host whose speed drifts.
+`benchmarks.bench_eager_pairs`): the ratio per pair, robust to a host whose speed drifts.
 
     python -m benchmarks.bench_graph --device cuda --json out.json
     python -m benchmarks.bench_graph --device cuda --only lenet
@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from mpsnn.cli.bench import compare_eager, measure
+from benchmarks import bench_eager_pairs
+from mpsnn.cli.bench import measure
 
 CASES = {
     "lenet": {"model": "lenet", "batch": 256, "dtype": "float32", "optimizer": "adam"},
@@ -59,8 +60,7 @@ def main() -> None:
         if "host_encode_ms" in out:
             print(f"host encode_batch {out['host_encode_ms']:.3f} ms; {out['memory_plan']}")
         if args.pairs > 0:
-            pairs = compare_eager(device=args.device, steps=args.steps, pairs=args.pairs,
-                                  **case)  # fmt: skip
+            pairs = bench_eager_pairs.measure(name, args.device, args.pairs, args.steps)
             out["interleaved_eager"] = pairs
             r = sorted(pairs["ratios"])
             print(f"eager vs PyTorch eager, {len(r)} alternating pairs of {args.steps} steps: "

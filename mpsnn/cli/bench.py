@@ -35,7 +35,7 @@ from mpsnn.cli.common import (
     make_optimizer,
 )
 
-__all__ = ["bench", "compare_eager", "measure"]
+__all__ = ["bench", "measure"]
 
 
 def _timed(step: Callable[[], None], sync: Callable[[], None], steps: int, trials: int) -> float:
@@ -198,50 +198,6 @@ def _torch_step(
         last[0] = loss.detach()
 
     return step, last
-
-
-def compare_eager(
-    model: str = "lenet",
-    batch: int = 256,
-    dtype: str = "float32",
-    device: str = "cuda",
-    optimizer: str = "adam",
-    steps: int = 50,
-    pairs: int = 11,
-    input_shape: tuple[int, int, int] | None = None,
-) -> dict[str, Any]:
-    """The eager mpsnn step against PyTorch eager, timed in alternating runs of ``steps``
-    steps in one process (``pairs`` pairs, the order swapped every pair), so that a host whose
-    speed drifts between and within runs (a shared machine) slows both sides of a pair alike.
-
-    Returns ``{"mpsnn_ms": [...], "torch_ms": [...], "ratios": [...], "median_ratio": ...}``:
-    a ratio is PyTorch's step time over mpsnn's in one pair (above 1: mpsnn is faster)."""
-    from mpsnn.cli.common import model_class, parse_device
-
-    dev = parse_device(device)
-    tdev = dev.torch_device
-    sync = torch.cuda.synchronize if tdev.type == "cuda" else (lambda: None)
-    shape = tuple(input_shape or model_class(model).input_shape)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, *shape, generator=gen).to(tdev)
-    y = torch.randint(0, 10, (batch,), generator=gen).to(tdev)
-    mine = _mpsnn_eager(model, dev, optimizer, shape, batch, dtype, x, y)[-1]
-    theirs = _torch_step(model, dev, optimizer, shape, dtype, x, y)[0]
-    for step in (mine, theirs, mine, theirs):  # warm-up: libraries, caches, the template
-        for _ in range(3):
-            step()
-    sync()
-    a: list[float] = []
-    b: list[float] = []
-    for i in range(pairs):
-        order = ((mine, a), (theirs, b)) if i % 2 == 0 else ((theirs, b), (mine, a))
-        for step, out in order:
-            out.append(_timed(step, sync, steps, 1))
-    ratios = [t / m for m, t in zip(a, b, strict=True)]
-    return {"model": model, "batch": batch, "dtype": dtype, "optimizer": optimizer,
-            "device": dev.name, "torch": torch.__version__, "steps": steps, "mpsnn_ms": a,
-            "torch_ms": b, "ratios": ratios,
-            "median_ratio": statistics.median(ratios)}  # fmt: skip
 
 
 def _torch_optimizer(name: str, params: Any, cuda: bool) -> torch.optim.Optimizer:

@@ -117,38 +117,6 @@ def test_bench_runs_on_the_cpu(tmp_path: Path) -> None:
     assert data["host_encode_ms"] > 0
 
 
-def test_compare_eager_alternates_the_two_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The interleaved eager comparison times runs of each side in turn, swapping the order
-    every pair, and reports PyTorch's time over mpsnn's per pair."""
-    from mpsnn.cli import bench
-
-    calls: list[str] = []
-    real_mpsnn = bench._mpsnn_eager
-
-    def mpsnn_eager(*args):  # tags mpsnn's step so that the fake timer can tell them apart
-        *rest, step = real_mpsnn(*args)
-
-        def mine() -> None:
-            step()
-
-        mine.side = "mpsnn"
-        return (*rest, mine)
-
-    def fake_timed(step, sync, steps, trials) -> float:
-        side = getattr(step, "side", "torch")
-        calls.append(side)
-        return {"mpsnn": 2.0, "torch": 3.0}[side] + len(calls) * 1e-3
-
-    monkeypatch.setattr(bench, "_mpsnn_eager", mpsnn_eager)
-    monkeypatch.setattr(bench, "_timed", fake_timed)
-    out = bench.compare_eager("lenet", batch=2, dtype="float32", device="cpu", steps=1, pairs=3)
-    assert calls == ["mpsnn", "torch", "torch", "mpsnn", "mpsnn", "torch"]
-    assert out["mpsnn_ms"] == pytest.approx([2.001, 2.004, 2.005])
-    assert out["torch_ms"] == pytest.approx([3.002, 3.003, 3.006])
-    assert out["ratios"] == pytest.approx([3.002 / 2.001, 3.003 / 2.004, 3.006 / 2.005])
-    assert out["median_ratio"] == pytest.approx(3.006 / 2.005)  # of 1.5002, 1.4985, 1.4993
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [
