@@ -13,9 +13,8 @@ Nothing is guaranteed to have run before `CommandBuffer.commit`.
   garbage-collected.
 
 An encoded CUDA buffer can be *captured* instead of committed (`CommandBuffer.capture`): its work is
-recorded once into a CUDA graph and replayed with `CapturedCommandBuffer.replay`, each replay
-reading the current contents of the buffer's input images (refill them in place) and writing
-the same output storage.
+recorded once into a CUDA graph; each `CapturedCommandBuffer.replay` reads the current contents
+of the input images (refill them in place) and writes the same output storage.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from typing import Any
 
 import torch
 
+from mpsnn.core import replays as _replays
 from mpsnn.core.completion import _WORKERS as _WORKERS
 from mpsnn.core.completion import _CompletionWorker
 from mpsnn.core.completion import _drain_workers as _drain_workers
@@ -425,7 +425,10 @@ class CommandBuffer:
         side = torch.cuda.Stream(device)
         side.wait_stream(q._stream)  # inputs written on the queue's stream are ready
         try:
-            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+            with (
+                _replays.recording(),
+                torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"),
+            ):
                 self._run()
         except Exception as exc:
             if self.error is None:
@@ -441,11 +444,10 @@ class CommandBuffer:
 
     def _allocated_before_capture(self) -> list[torch.Tensor]:
         """The storage of the temporaries this buffer releases that exists already (made at
-        encode time, e.g. an exported weights state). Released during the capture, it would go
-        back to PyTorch's ordinary allocator and be handed to later allocations while every
-        replay still reads and writes it: the captured buffer keeps it. (Storage a command
-        allocates while being captured comes from the graph's private pool, where releasing it
-        lets later commands of the same graph reuse it, as in an eager run.)"""
+        encode time, e.g. an exported weights state). Released during the capture, it would
+        go back to PyTorch's allocator and to later allocations while every replay still uses
+        it: the captured buffer keeps it. (Storage allocated during the capture comes from the
+        graph's private pool, where later commands of the same graph may reuse it.)"""
         resources = list(self._pending_releases)
         for cmd in self._commands:
             resources.extend(cmd.releases or ())
@@ -546,11 +548,9 @@ class CapturedCommandBuffer:
     ``replay()`` launches the whole recorded work on the queue's stream with one call. Input
     images are read where they are: refill them in place (``image.tensor.copy_(...)``) before a
     replay. Output images keep their storage: read them after the replay completed (reading
-    them waits). Host work is not replayed: values a command computed on the host when it was
-    captured are frozen. mpsnn keeps what changes between training steps on the device
-    (dropout keys, accumulator contents, weights, optimizer steps), so replaying a training
-    step is equivalent to encoding it again.
-    """
+    them waits). Host work is not replayed: values computed on the host at capture are frozen.
+    mpsnn keeps what changes between training steps on the device (dropout keys, accumulator
+    contents, weights, optimizer steps): replaying a training step equals encoding it again."""
 
     __slots__ = ("_buffer", "_graph", "_keep_alive", "replays")
 
@@ -583,6 +583,7 @@ class CapturedCommandBuffer:
         cb._event = q._take_event()
         cb._event.record(q._stream)
         self.replays += 1
+        _replays.replayed()  # the recorded kernels rewrote their tensors in place
         if cb._handlers:
             cb._done = threading.Event()
             q._completion_worker().submit(cb)

@@ -134,6 +134,132 @@ def test_a_normalization_between_sub_batches_sees_the_merged_statistics() -> Non
         assert_close(state.variance, var, "state variance")
 
 
+def test_a_replay_invalidates_the_kept_variance() -> None:
+    """A CUDA-graph replay rewrites the statistics in place without moving their version
+    counters; it advances the replay epoch instead. Simulated on the CPU: the statistics are
+    rewritten through a NumPy view (no version change) and a replay is reported."""
+    from mpsnn.core import replays
+
+    dev = m.Device("cpu")
+    x, _, gamma, beta = _data(n=4, seed=4)
+    _, stats, bn, _, _ = _kernels(dev, x.shape[1], gamma, beta)
+    q = dev.new_command_queue()
+    src = m.ImageBatch.from_tensor(x)
+    state = bn.result_state_batch(src)[0]
+    cb = q.command_buffer()
+    stats.encode_batch(cb, src, state)
+    run(cb)
+
+    def forward() -> torch.Tensor:
+        cb = q.command_buffer()
+        y = bn.encode_batch(cb, src, state)
+        run(cb)
+        return torch.cat([t.tensor for t in y])
+
+    first = forward()
+    count, mean, m2 = state._slots[0]
+    m2.numpy()[:] *= 4  # what a replay's kernels do: the same tensors, no version change
+    replays.replayed()
+    var = m2 / count
+    ref = F.batch_norm(x, mean, var, gamma, beta, training=False, eps=1e-5)
+    assert_close(forward(), ref, "after a replay")
+    assert not torch.equal(first, ref)
+
+
+def test_a_capture_neither_reads_nor_keeps_the_variance() -> None:
+    """While a capture is being recorded the variance is computed (so that the capture records
+    it) and not kept (its value exists only at the replays)."""
+    from mpsnn.core import replays
+
+    dev = m.Device("cpu")
+    x, _, gamma, beta = _data(n=4, seed=5)
+    _, stats, bn, _, _ = _kernels(dev, x.shape[1], gamma, beta)
+    q = dev.new_command_queue()
+    src = m.ImageBatch.from_tensor(x)
+    state = bn.result_state_batch(src)[0]
+    cb = q.command_buffer()
+    stats.encode_batch(cb, src, state)
+    run(cb)
+    _, kept = state._mean_variance()
+    with replays.recording():
+        _, during = state._mean_variance()
+        assert during is not kept and torch.equal(during, kept)
+        assert state._mean_variance()[1] is not during
+    assert state._mean_variance()[1] is kept
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_statistics_and_eager_normalizations() -> None:
+    """A permanent state whose statistics a captured buffer writes at every replay: the eager
+    normalization after each replay uses that replay's statistics. And a captured normalization
+    recorded while a variance was kept still follows a later sub-batch's merge."""
+    dev = m.Device("cuda")
+    c = 3
+    gen = torch.Generator().manual_seed(6)
+    xs = [torch.randn(4, c, 5, 5, generator=gen).cuda() * (k + 1) + k for k in range(3)]
+    gamma, beta = torch.rand(c, generator=gen) + 0.5, torch.randn(c, generator=gen)
+    _, stats, bn, _, _ = _kernels(dev, c, gamma, beta)
+    q = dev.new_command_queue()
+    src = m.ImageBatch.from_tensor(xs[0].clone())
+    first, second = (m.ImageBatch.from_tensor(t) for t in torch.cat(xs[:2]).chunk(2))
+    whole = m.ImageBatch.from_tensor(torch.cat(xs[:2]))
+    for batch in (src, whole):  # compiles the kernels for these sizes before any capture
+        warm = bn.result_state_batch(batch)[0]
+        cb = q.command_buffer()
+        stats.encode_batch(cb, batch, warm)
+        bn.encode_batch(cb, batch, warm)
+        run(cb)
+
+    def joined(images: list) -> torch.Tensor:
+        return torch.cat([image.tensor for image in images])
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        mean, var = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)
+        return F.batch_norm(x, mean, var, gamma.cuda(), beta.cuda(), training=False, eps=1e-5)
+
+    state = bn.result_state_batch(src)[0]
+    cb = q.command_buffer()
+    stats.encode_batch(cb, src, state)
+    captured = cb.capture()
+    for x in xs:
+        for i, image in enumerate(src):  # the captured input, refilled in place
+            image.tensor.copy_(x[i : i + 1])
+        captured.replay()
+        captured.wait_until_completed()
+        cb = q.command_buffer()
+        y = bn.encode_batch(cb, src, state)
+        run(cb)
+        assert_close(joined(y), reference(x), "eager normalization after a replay", tol=1e-5)
+
+    # a captured normalization recorded while the variance was kept; then a merge in place
+    state = bn.result_state_batch(whole)[0]
+    cb = q.command_buffer()
+    stats.encode_batch(cb, first, state)
+    bn.encode_batch(cb, whole, state)  # keeps the variance of the first half
+    run(cb)
+    cb = q.command_buffer()
+    y = bn.encode_batch(cb, whole, state)
+    captured = cb.capture()
+    cb = q.command_buffer()
+    stats.encode_batch(cb, second, state)  # merged in place into the same tensors
+    run(cb)
+    captured.replay()
+    captured.wait_until_completed()
+    assert_close(joined(y), reference(torch.cat(xs[:2])), "captured after a merge", tol=1e-5)
+
+
+def test_a_reload_from_parameters_leaves_the_masters_outside_autograd() -> None:
+    dev = m.Device("cpu")
+    ds = m.TensorBatchNormalizationDataSource(4, torch.ones(4), torch.zeros(4))
+    bn = m.BatchNormalization(dev, ds)
+    gamma, beta = torch.nn.Parameter(torch.full((4,), 2.0)), torch.nn.Parameter(torch.ones(4))
+    cb = dev.new_command_queue().command_buffer()
+    bn.reload_gamma_and_beta(cb, m.NormalizationGammaAndBetaState(gamma, beta))
+    run(cb)
+    assert torch.equal(bn.gamma, torch.full((4,), 2.0)) and torch.equal(bn.beta, torch.ones(4))
+    assert not bn.gamma.requires_grad and not bn.beta.requires_grad
+
+
 def test_adjoint_of_the_gradient_in_float64() -> None:
     """<J(x) v, w> = <v, BN-gradient(w)> with J the derivative of the training forward (the
     statistics depend on x), v and w random."""

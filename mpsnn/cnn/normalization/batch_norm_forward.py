@@ -24,6 +24,7 @@ from mpsnn.cnn.normalization.states import (
     NormalizationGammaAndBetaState,
     NormalizationMeanAndVarianceState,
 )
+from mpsnn.core import replays as _replays
 from mpsnn.core.cnn_kernel import CNNKernel, Records
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.encode import Encoding
@@ -58,7 +59,12 @@ class MasterPair:
         self.second = second.to(dev, dtype, copy=True)
 
     def load(self, first: torch.Tensor, second: torch.Tensor) -> None:
-        # one launch for both on a GPU (a training step reloads every normalization layer)
+        # one launch for both on a GPU (a training step reloads every normalization layer);
+        # masters are plain storage: a source that requires grad is copied outside autograd
+        if first.requires_grad or second.requires_grad:
+            with torch.no_grad():
+                torch._foreach_copy_([self.first, self.second], [first, second])
+            return
         torch._foreach_copy_([self.first, self.second], [first, second])
 
     def load_from_data_source(
@@ -195,7 +201,7 @@ class BatchNormalizationState(AccumulatorState):
         self._channels = batch_normalization.number_of_feature_channels
         self._statistics_encoded = False
         self._gradients_encoded = False
-        # (count, m2, their versions, variance): see `_mean_variance`
+        # (count, m2, their versions, the replay epoch, variance): see `_mean_variance`
         self._variance_memo: tuple[Any, ...] | None = None
 
     def _mean_variance(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,8 +211,11 @@ class BatchNormalizationState(AccumulatorState):
         the statistics and kept: in a training step the forward, both gradient kernels and
         the recomputed forward all read it. A change is a new ``count``/``m2`` (a reset, a new
         step) or an in-place write into them (a later sub-batch's merge, a data-parallel
-        exchange), which moves the tensors' version counters. Tensors made under
-        ``torch.inference_mode`` have no version counter: their variance is not kept."""
+        exchange), which moves the tensors' version counters, or a CUDA-graph replay, which
+        does not but advances `mpsnn.core.replays.epoch`. While a capture is being recorded
+        nothing is kept or reused: the capture must record the computation, which its replays
+        run on the statistics of their own time. Tensors made under ``torch.inference_mode``
+        have no version counter: their variance is not kept."""
         count, mean, m2 = self._slots[_STATS]
         memo = self._variance_memo
         if (
@@ -215,12 +224,14 @@ class BatchNormalizationState(AccumulatorState):
             and memo[1] is m2
             and memo[2] == count._version
             and memo[3] == m2._version
+            and memo[4] == _replays.epoch()
+            and not _replays.capturing()
         ):
-            return mean, memo[4]
+            return mean, memo[5]
         var = bn_variance(count, m2)
-        if count.is_inference() or m2.is_inference():  # no version counters: not kept
-            return mean, var
-        self._variance_memo = (count, m2, count._version, m2._version, var)
+        if _replays.capturing() or count.is_inference() or m2.is_inference():
+            return mean, var  # not kept (see above)
+        self._variance_memo = (count, m2, count._version, m2._version, _replays.epoch(), var)
         return mean, var
 
     def _free_storage(self) -> None:
