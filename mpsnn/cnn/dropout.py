@@ -34,7 +34,7 @@ from mpsnn.cnn._pointwise import (
 )
 from mpsnn.core._checks import check_int, check_type
 from mpsnn.core.cnn_kernel import Records
-from mpsnn.core.device import Device
+from mpsnn.core.device import Device, _raw_stream
 from mpsnn.core.geometry import Size, Window
 from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord, GradientState
@@ -229,7 +229,6 @@ class Dropout(_DropoutParameters, PointwiseKernel):
         self._last_stream, self._last_raw = current, raw
 
 
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _NO_KEY = torch.empty(0, dtype=torch.int64)  # a record's key until `_state_records` sets it
 
 

@@ -130,7 +130,8 @@ _ERROR = CommandBufferStatus.ERROR
 
 
 # The current stream's raw handle by device index (None in a build without it): looked up
-# once, not at every commit.
+# once, not at every commit, and shared by every module that compares or passes streams (no
+# Stream object made per call).
 _raw_stream: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 

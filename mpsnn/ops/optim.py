@@ -65,6 +65,7 @@ from typing import Any
 
 import torch
 
+from mpsnn.core.device import _raw_stream
 from mpsnn.ops.optim_hyper import (
     _ADAM_RULES,
     HYPER_SIZE,
@@ -213,11 +214,6 @@ _data_ptr = torch.Tensor.data_ptr
 _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
 _contiguous = torch.Tensor.is_contiguous
-
-
-# the raw handle of a device's current stream, without the Stream object that
-# torch.cuda.current_stream makes at every call (absent from CPU builds of PyTorch)
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _stream(device: torch.device) -> int:

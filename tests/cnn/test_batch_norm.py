@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import mpsnn as m
+from mpsnn.core import replays
 from tests.helpers import DEVICES, TOL, assert_adjoint, assert_close, run
 
 RELU = m.NeuronDescriptor(m.NeuronType.RELU)
@@ -134,14 +135,11 @@ def test_a_normalization_between_sub_batches_sees_the_merged_statistics() -> Non
         assert_close(state.variance, var, "state variance")
 
 
-def test_a_replay_invalidates_the_kept_variance() -> None:
-    """A CUDA-graph replay rewrites the statistics in place without moving their version
-    counters; it advances the replay epoch instead. Simulated on the CPU: the statistics are
-    rewritten through a NumPy view (no version change) and a replay is reported."""
-    from mpsnn.core import replays
-
+def _with_statistics(seed: int):
+    """``(x, gamma, beta, bn, queue, source batch, state)``: a float64 CPU batch whose
+    statistics have run into a permanent state."""
     dev = m.Device("cpu")
-    x, _, gamma, beta = _data(n=4, seed=4)
+    x, _, gamma, beta = _data(n=4, seed=seed)
     _, stats, bn, _, _ = _kernels(dev, x.shape[1], gamma, beta)
     q = dev.new_command_queue()
     src = m.ImageBatch.from_tensor(x)
@@ -149,6 +147,14 @@ def test_a_replay_invalidates_the_kept_variance() -> None:
     cb = q.command_buffer()
     stats.encode_batch(cb, src, state)
     run(cb)
+    return x, gamma, beta, bn, q, src, state
+
+
+def test_a_replay_invalidates_the_kept_variance() -> None:
+    """A CUDA-graph replay rewrites the statistics in place without moving their version
+    counters; it advances the replay epoch instead. Simulated on the CPU: the statistics are
+    rewritten through a NumPy view (no version change) and a replay is reported."""
+    x, gamma, beta, bn, q, src, state = _with_statistics(seed=4)
 
     def forward() -> torch.Tensor:
         cb = q.command_buffer()
@@ -169,17 +175,7 @@ def test_a_replay_invalidates_the_kept_variance() -> None:
 def test_a_capture_neither_reads_nor_keeps_the_variance() -> None:
     """While a capture is being recorded the variance is computed (so that the capture records
     it) and not kept (its value exists only at the replays)."""
-    from mpsnn.core import replays
-
-    dev = m.Device("cpu")
-    x, _, gamma, beta = _data(n=4, seed=5)
-    _, stats, bn, _, _ = _kernels(dev, x.shape[1], gamma, beta)
-    q = dev.new_command_queue()
-    src = m.ImageBatch.from_tensor(x)
-    state = bn.result_state_batch(src)[0]
-    cb = q.command_buffer()
-    stats.encode_batch(cb, src, state)
-    run(cb)
+    state = _with_statistics(seed=5)[-1]
     _, kept = state._mean_variance()
     with replays.recording():
         _, during = state._mean_variance()

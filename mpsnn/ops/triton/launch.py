@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from mpsnn.core.device import _raw_stream
+
 __all__ = ["FastKernel", "cdiv", "fast_kernel", "next_power_of_2"]
 
 _I32 = (-(1 << 31), 1 << 31)
@@ -47,7 +49,6 @@ _get_device: Callable[[], int] = (
     if torch.cuda.is_available()
     else (lambda: -1)
 )
-_raw_stream: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def cdiv(a: int, b: int) -> int:
