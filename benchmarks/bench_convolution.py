@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import mpsnn as m
+from mpsnn.core.precision import describe as describe_precision
 
 _conv_backward = torch.ops.aten.convolution_backward.default
 
@@ -225,7 +226,8 @@ def main() -> None:
         mpsnn=m.__version__,
         cpu=platform.processor() or platform.machine(),
         threads=torch.get_num_threads(),
-        tf32=torch.backends.cudnn.allow_tf32 if device.startswith("cuda") else None,
+        # float32: mpsnn's switch decides mpsnn's side, PyTorch's flags the torch side
+        precision=describe_precision(),
         config=f"3x3 {args.channels}->{args.channels}, {args.size}x{args.size}, batch {args.batch}",
     )
     rows = []
@@ -237,6 +239,7 @@ def main() -> None:
     print(
         f"# {info['device']} | torch {info['torch']} | {info['config']} | threads {info['threads']}"
     )
+    print("# float32 precision: " + ", ".join(f"{k}={v}" for k, v in info["precision"].items()))
     print(f"{'dtype':9} {'case':20} {'torch ms':>10} {'mpsnn ms':>10} {'ratio':>7} {'TFLOP/s':>8}")
     for r in rows:
         print(

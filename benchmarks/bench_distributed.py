@@ -259,16 +259,20 @@ def main() -> None:
         print(f"[{time.perf_counter() - start:.0f} s] {world} "
               f"{'GPU' if args.device == 'cuda' else 'process'}(s) done", flush=True)  # fmt: skip
     table = _table(rows)
+    from mpsnn.core.precision import describe as describe_precision  # the workers' default too
+
     info = {"model": args.model, "device": args.device, "batch_per_gpu": args.batch_per_gpu,
             "warmup": args.warmup, "steps": args.steps, "bucket_mib": args.bucket_mib,
             "torch": torch.__version__, "seconds": time.perf_counter() - start,
-            "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None}  # fmt: skip
+            "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+            "precision": describe_precision()}  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({**info, "rows": rows}, indent=2))
     print(f"\n{args.model}, {args.batch_per_gpu} images per "
           f"{'GPU' if args.device == 'cuda' else 'process'}, {args.steps} timed steps "
           f"after {args.warmup}:")  # fmt: skip
     print(table)
+    print("float32 precision: " + ", ".join(f"{k}={v}" for k, v in info["precision"].items()))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,21 @@ import torch.nn.functional as F
 from mpsnn.cli.bench import _batch, _labels, _torch_optimizer
 from mpsnn.cli.common import DTYPES, build_model, make_optimizer, parse_device
 
+
+def precision_info() -> dict:
+    """Which float32 arithmetic each side ran: mpsnn's switch (TF32 only under "high" or
+    "medium") and PyTorch's flags; an older tree's mpsnn ran under PyTorch's flags."""
+    try:
+        from mpsnn.core.precision import describe
+    except ImportError:
+        return {
+            "mpsnn_float32_matmul_precision": None,
+            "torch_cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+            "torch_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        }
+    return describe()
+
+
 CASES = {
     "lenet": (256, "float32", "adam", (1, 28, 28), 50),
     "resnet18": (512, "bfloat16", "sgd", (3, 32, 32), 10),
@@ -84,7 +99,7 @@ def measure(model: str, device: str, pairs: int, steps: int | None = None) -> di
     ratios = [t / m for m, t in zip(a, b, strict=True)]
     return {"model": model, "batch": batch, "dtype": dtype, "optimizer": opt,
             "device": dev.name, "torch": torch.__version__, "steps": steps, "mpsnn_ms": a,
-            "torch_ms": b, "ratios": ratios,
+            "torch_ms": b, "ratios": ratios, "precision": precision_info(),
             "median_ratio": statistics.median(ratios)}  # fmt: skip
 
 
@@ -117,6 +132,7 @@ def main() -> None:
     r = measure(a.model, a.device, a.pairs, a.steps)
     r["label"] = a.label
     q = sorted(r["ratios"])
+    print("# float32 precision: " + ", ".join(f"{k}={v}" for k, v in r["precision"].items()))
     print(
         f"{a.label:8s} {r['model']:<9} {r['device']}: mpsnn {statistics.median(r['mpsnn_ms']):.3f}"
         f" ms, PyTorch {statistics.median(r['torch_ms']):.3f} ms per step; PyTorch/mpsnn per "

@@ -17,6 +17,7 @@ import json
 
 from benchmarks import bench_eager_pairs
 from mpsnn.cli.bench import measure
+from mpsnn.core.precision import describe as describe_precision
 
 CASES = {
     "lenet": {"model": "lenet", "batch": 256, "dtype": "float32", "optimizer": "adam"},
@@ -48,9 +49,11 @@ def main() -> None:
         case = CASES[name]
         out = measure(device=args.device, steps=args.steps, trials=args.trials,
                       compile_modes=modes, **case)  # fmt: skip
+        out["precision"] = describe_precision()
         results.append(out)
         print(f"# {name}: batch {out['batch']} {out['dtype']} {out['optimizer']}, "
               f"{out['device']}, torch {out['torch']}")  # fmt: skip
+        print("# float32 precision: " + ", ".join(f"{k}={v}" for k, v in out["precision"].items()))
         ref = next(r["ms"] for r in out["rows"] if r["variant"] == "pytorch eager")
         print(f"{'variant':<28}{'ms/step':>10}{'vs eager':>10}{'peak MiB':>10}{'loss':>9}")
         for r in out["rows"]:

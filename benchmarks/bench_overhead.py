@@ -21,6 +21,20 @@ import torch.nn.functional as F
 import mpsnn as m
 
 
+def precision_info() -> dict:
+    """Which float32 arithmetic each side ran: mpsnn's switch (TF32 only under "high" or
+    "medium") and PyTorch's flags; an older tree's mpsnn ran under PyTorch's flags."""
+    try:
+        from mpsnn.core.precision import describe
+    except ImportError:
+        return {
+            "mpsnn_float32_matmul_precision": None,
+            "torch_cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+            "torch_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        }
+    return describe()
+
+
 def _per_call_us(fn, device: str, iters: int, trials: int) -> float:
     for _ in range(50):
         fn()
@@ -83,6 +97,8 @@ def main() -> None:
     a = p.parse_args()
     r = measure(a.device, a.iters, a.trials)
     r["label"] = a.label
+    r["precision"] = precision_info()
+    print("# float32 precision: " + ", ".join(f"{k}={v}" for k, v in r["precision"].items()))
     print(
         f"{a.label:8s} {r['device']}: F.conv2d{' + sync' if a.device == 'cuda' else ''} "
         f"{r['f_conv2d_us']:.1f} us | mpsnn encode+commit+wait {r['mpsnn_us']:.1f} us "

@@ -22,10 +22,14 @@ The sample's structure, reproduced with mpsnn's graph API:
   drawn at random with replacement, the labels being the graph's single state source; at most
   two steps are in flight.
 * Each layer has its own data source (`AdamDataSource`, a `ConvolutionDataSource` subclass)
-  implementing the GPU update path: ``update(command_buffer, gradient_state, source_state)``
-  counts the step and encodes Adam (lr 1e-3, beta1 0.9, beta2 0.999, eps 1e-8, time step from 0)
-  from the gradient state and the weights the kernel used into its own permanent weights state
-  (out of place), and returns that state; ``weights()`` is the memory Adam writes.
+  written as the sample's Objective-C one: it allocates its own weight (OHWI) and bias
+  buffers and wraps them in a ``ConvolutionWeightsAndBiasesState`` (``initWithWeights:biases:``
+  wraps, it does not copy), keeps Adam's momentum and velocity vectors and its own step count
+  ``_t``. The GPU update path, ``update(command_buffer, gradient_state, source_state)``,
+  counts the step, encodes Adam (lr 1e-3, beta1 0.9, beta2 0.999, eps 1e-8, time step from 0)
+  from the gradient state and the weights the kernel used into that wrapping state (out of
+  place), asserts that Adam's ``time_step`` counted the same, and returns the state;
+  ``weights()`` returns the data source's own buffers, which are the memory Adam writes.
 * Inference graph: the same recipe without dropout, ending in softmax, sharing the four data
   sources; ``reload_from_data_sources()`` before each evaluation; prediction = argmax of the 10
   channels (FLOAT16 storage). Evaluation on the test set before iterations 0, 100, 200 and
@@ -78,7 +82,8 @@ def initial_parameters(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 class AdamDataSource(m.ConvolutionDataSource):
-    """A layer's weights and its Adam, updated on the command buffer (the GPU update path)."""
+    """A layer's weights and its Adam, updated on the command buffer (the GPU update path),
+    as the sample's ``ConvDataSource``: its own buffers, wrapped by the state Adam writes."""
 
     def __init__(
         self, device: m.Device, weights: torch.Tensor, biases: torch.Tensor, label: str
@@ -86,24 +91,28 @@ class AdamDataSource(m.ConvolutionDataSource):
         o, kh, kw, i = weights.shape
         self._descriptor = m.ConvolutionDescriptor(kw, kh, i, o)
         self._label = label
-        # the state copies the values into its own storage, which Adam then writes in place
         dev = device.torch_device
-        self._state = m.ConvolutionWeightsAndBiasesState(weights.to(dev), biases.to(dev))
+        # the data source's own buffers (the sample's weight and bias vectors), OHWI and (O,)
+        self._weights = torch.empty((o, kh, kw, i), device=dev)
+        self._weights.copy_(weights)
+        self._biases = torch.empty(o, device=dev)
+        self._biases.copy_(biases)
+        # initWithWeights:biases: wraps the buffers: Adam's result state writes them in place
+        self._state = m.ConvolutionWeightsAndBiasesState(self._weights, self._biases)
         desc = m.OptimizerDescriptor(learning_rate=LR)
         self.adam = m.Adam(device, BETA1, BETA2, EPS, time_step=0, descriptor=desc)
-        params = (self._state.weights, self._state.biases)
-        self._momentum = [torch.zeros_like(p) for p in params]  # OHWI, and (O,)
-        self._velocity = [torch.zeros_like(p) for p in params]
-        self.update_count = 0  # encodes of `update` (a replayed CUDA graph does not call it)
+        self._momentum = [torch.zeros_like(self._weights), torch.zeros_like(self._biases)]
+        self._velocity = [torch.zeros_like(self._weights), torch.zeros_like(self._biases)]
+        self._t = 0  # updates encoded (a replayed CUDA graph does not call `update`)
 
     def descriptor(self) -> m.ConvolutionDescriptor:
         return self._descriptor
 
     def weights(self) -> torch.Tensor:
-        return self._state.weights  # a view of the state Adam writes, not a copy
+        return self._weights  # the data source's own buffer: the memory Adam writes
 
     def bias_terms(self) -> torch.Tensor | None:
-        return self._state.biases
+        return self._biases
 
     @property
     def label(self) -> str | None:
@@ -112,7 +121,7 @@ class AdamDataSource(m.ConvolutionDataSource):
     def update(
         self, command_buffer: m.CommandBuffer, gradient_state: Any, source_state: Any
     ) -> m.ConvolutionWeightsAndBiasesState:
-        self.update_count += 1
+        self._t += 1
         self.adam.encode(
             command_buffer,
             convolution_gradient_state=gradient_state,
@@ -121,6 +130,7 @@ class AdamDataSource(m.ConvolutionDataSource):
             input_velocity_vectors=self._velocity,
             result_state=self._state,
         )
+        assert self._t == self.adam.time_step, (self._label, self._t, self.adam.time_step)
         return self._state
 
 
@@ -329,7 +339,7 @@ def train_loop(
     seconds = time.perf_counter() - start
     for ds in sources:  # Adam's time step (device memory) rose by exactly one per step
         assert ds.adam.time_step == total, (ds.label, ds.adam.time_step)
-        assert args.compile or ds.update_count == total, (ds.label, ds.update_count)
+        assert args.compile or ds._t == total, (ds.label, ds._t)
     result.update(train_s=seconds - eval_time, total_s=seconds)
     return result
 

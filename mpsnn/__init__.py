@@ -21,6 +21,7 @@ from mpsnn.cnn.arithmetic_gradient import (
     MultiplyGradient,
     SubtractGradient,
 )
+from mpsnn.cnn.compare import Compare, ComparisonType
 from mpsnn.cnn.convolution import (
     Convolution,
     ConvolutionAccumulatorPrecisionOption,
@@ -37,7 +38,9 @@ from mpsnn.cnn.convolution import (
     FullyConnectedGradient,
     TensorConvolutionDataSource,
 )
+from mpsnn.cnn.correlation import LocalCorrelation
 from mpsnn.cnn.dropout import Dropout, DropoutGradient, DropoutGradientState
+from mpsnn.cnn.gram import GramMatrixCalculation, GramMatrixCalculationGradient
 from mpsnn.cnn.local_normalization import (
     CrossChannelNormalization,
     CrossChannelNormalizationGradient,
@@ -47,6 +50,7 @@ from mpsnn.cnn.local_normalization import (
     SpatialNormalizationGradient,
 )
 from mpsnn.cnn.loss import Loss, LossDescriptor, LossLabels, LossType, ReductionType
+from mpsnn.cnn.loss_split import ForwardLoss, InitialGradient, LossGradient
 from mpsnn.cnn.neuron import Neuron, NeuronGradient
 from mpsnn.cnn.neuron_descriptor import FusedNeuron, NeuronDescriptor, NeuronType
 from mpsnn.cnn.normalization import (
@@ -81,6 +85,33 @@ from mpsnn.cnn.pooling import (
     PoolingMax,
     PoolingMaxGradient,
 )
+from mpsnn.cnn.reduce import (
+    ReduceBinary,
+    ReduceColumnMax,
+    ReduceColumnMean,
+    ReduceColumnMin,
+    ReduceColumnSum,
+    ReduceFeatureChannelsAndWeightsMean,
+    ReduceFeatureChannelsAndWeightsSum,
+    ReduceFeatureChannelsArgumentMax,
+    ReduceFeatureChannelsArgumentMin,
+    ReduceFeatureChannelsMax,
+    ReduceFeatureChannelsMean,
+    ReduceFeatureChannelsMin,
+    ReduceFeatureChannelsSum,
+    ReduceRowMax,
+    ReduceRowMean,
+    ReduceRowMin,
+    ReduceRowSum,
+    ReduceUnary,
+)
+from mpsnn.cnn.resize import (
+    CropAndResizeBilinear,
+    CropAndResizeBilinearGradient,
+    ResizeBilinear,
+    ResizeBilinearGradient,
+)
+from mpsnn.cnn.scale import ImageTransformProvider, ScaleTransform
 from mpsnn.cnn.shape import Pad, PadGradient, Reshape, ReshapeGradient, Slice, SliceGradient
 from mpsnn.cnn.softmax import LogSoftMax, LogSoftMaxGradient, SoftMax, SoftMaxGradient
 from mpsnn.cnn.upsampling import (
@@ -90,6 +121,7 @@ from mpsnn.cnn.upsampling import (
     UpsamplingNearest,
     UpsamplingNearestGradient,
 )
+from mpsnn.cnn.yolo import YOLOLoss, YOLOLossDescriptor
 from mpsnn.core import (
     RECT_NO_CLIP,
     AccumulatorState,
@@ -130,6 +162,7 @@ from mpsnn.core import (
     gradient_kernels_of,
     gradient_of,
 )
+from mpsnn.core.precision import get_float32_matmul_precision, set_float32_matmul_precision
 from mpsnn.distributed import (
     DataParallel,
     DistributedRun,
@@ -138,6 +171,7 @@ from mpsnn.distributed import (
     launch_local,
 )
 from mpsnn.errors import (
+    AllocationError,
     CheckpointError,
     CommandBufferError,
     DistributedError,
@@ -222,6 +256,37 @@ from mpsnn.graph import (
     UpsamplingBilinearNode,
     UpsamplingNearestGradientNode,
     UpsamplingNearestNode,
+    YOLOLossNode,
+)
+from mpsnn.graph.loss_nodes import ForwardLossNode, InitialGradientNode, LossGradientNode
+from mpsnn.graph.reduction_nodes import (
+    ComparisonNode,
+    GramMatrixCalculationGradientNode,
+    GramMatrixCalculationNode,
+    ReductionColumnMaxNode,
+    ReductionColumnMeanNode,
+    ReductionColumnMinNode,
+    ReductionColumnSumNode,
+    ReductionFeatureChannelsArgumentMaxNode,
+    ReductionFeatureChannelsArgumentMinNode,
+    ReductionFeatureChannelsMaxNode,
+    ReductionFeatureChannelsMeanNode,
+    ReductionFeatureChannelsMinNode,
+    ReductionFeatureChannelsSumNode,
+    ReductionRowMaxNode,
+    ReductionRowMeanNode,
+    ReductionRowMinNode,
+    ReductionRowSumNode,
+    UnaryReductionNode,
+)
+from mpsnn.graph.resize_nodes import (
+    BilinearScaleNode,
+    CropAndResizeBilinearGradientNode,
+    CropAndResizeBilinearNode,
+    LanczosScaleNode,
+    ResizeBilinearGradientNode,
+    ResizeBilinearNode,
+    ScaleNode,
 )
 from mpsnn.io import load, save
 from mpsnn.optim import SGD, Adam, Optimizer, OptimizerDescriptor, RegularizationType, RMSProp
@@ -235,6 +300,7 @@ __all__ = [
     "Add",
     "AddGradient",
     "AdditionNode",
+    "AllocationError",
     "Arithmetic",
     "ArithmeticGradient",
     "ArithmeticGradientNode",
@@ -247,6 +313,7 @@ __all__ = [
     "BatchNormalizationState",
     "BatchNormalizationStatistics",
     "BatchNormalizationStatisticsGradient",
+    "BilinearScaleNode",
     "BinaryGradientState",
     "BinaryKernel",
     "CapturedCommandBuffer",
@@ -256,6 +323,9 @@ __all__ = [
     "CommandBufferError",
     "CommandBufferStatus",
     "CommandQueue",
+    "Compare",
+    "ComparisonNode",
+    "ComparisonType",
     "CompiledGraph",
     "ConcatenationGradientNode",
     "ConcatenationNode",
@@ -278,6 +348,10 @@ __all__ = [
     "CrossChannelNormalizationGradient",
     "CrossChannelNormalizationGradientNode",
     "CrossChannelNormalizationNode",
+    "CropAndResizeBilinear",
+    "CropAndResizeBilinearGradient",
+    "CropAndResizeBilinearGradientNode",
+    "CropAndResizeBilinearNode",
     "DataLayout",
     "DataParallel",
     "DefaultPadding",
@@ -299,6 +373,46 @@ __all__ = [
     "EdgeMode",
     "FeatureChannelFormat",
     "FilterNode",
+    "ForwardLoss",
+    "ForwardLossNode",
+    "GramMatrixCalculation",
+    "GramMatrixCalculationGradient",
+    "GramMatrixCalculationGradientNode",
+    "GramMatrixCalculationNode",
+    "LocalCorrelation",
+    "ReduceBinary",
+    "ReduceColumnMax",
+    "ReduceColumnMean",
+    "ReduceColumnMin",
+    "ReduceColumnSum",
+    "ReduceFeatureChannelsAndWeightsMean",
+    "ReduceFeatureChannelsAndWeightsSum",
+    "ReduceFeatureChannelsArgumentMax",
+    "ReduceFeatureChannelsArgumentMin",
+    "ReduceFeatureChannelsMax",
+    "ReduceFeatureChannelsMean",
+    "ReduceFeatureChannelsMin",
+    "ReduceFeatureChannelsSum",
+    "ReduceRowMax",
+    "ReduceRowMean",
+    "ReduceRowMin",
+    "ReduceRowSum",
+    "ReduceUnary",
+    "ReductionColumnMaxNode",
+    "ReductionColumnMeanNode",
+    "ReductionColumnMinNode",
+    "ReductionColumnSumNode",
+    "ReductionFeatureChannelsArgumentMaxNode",
+    "ReductionFeatureChannelsArgumentMinNode",
+    "ReductionFeatureChannelsMaxNode",
+    "ReductionFeatureChannelsMeanNode",
+    "ReductionFeatureChannelsMinNode",
+    "ReductionFeatureChannelsSumNode",
+    "ReductionRowMaxNode",
+    "ReductionRowMeanNode",
+    "ReductionRowMinNode",
+    "ReductionRowSumNode",
+    "UnaryReductionNode",
     "forward_kernel_of",
     "ForwardRecord",
     "FullyConnected",
@@ -306,6 +420,7 @@ __all__ = [
     "FullyConnectedGradientNode",
     "FullyConnectedNode",
     "FusedNeuron",
+    "get_float32_matmul_precision",
     "gradient_kernels_of",
     "gradient_of",
     "GradientFilterNode",
@@ -320,11 +435,14 @@ __all__ = [
     "GroupNormalizationNode",
     "Image",
     "ImageAllocator",
+    "ImageTransformProvider",
     "ImageBatch",
     "ImageCoordinate",
     "ImageDescriptor",
     "ImageNode",
     "ImageReadWriteParams",
+    "InitialGradient",
+    "InitialGradientNode",
     "init_distributed",
     "InstanceNormalization",
     "InstanceNormalizationDataSource",
@@ -335,6 +453,7 @@ __all__ = [
     "Kernel",
     "KernelOptions",
     "LabelsNode",
+    "LanczosScaleNode",
     "launch_local",
     "load",
     "LocalContrastNormalization",
@@ -347,6 +466,8 @@ __all__ = [
     "LogSoftMaxNode",
     "Loss",
     "LossDescriptor",
+    "LossGradient",
+    "LossGradientNode",
     "LossLabels",
     "LossNode",
     "LossType",
@@ -405,13 +526,20 @@ __all__ = [
     "ReductionType",
     "Region",
     "RegularizationType",
+    "ResizeBilinear",
+    "ResizeBilinearGradient",
+    "ResizeBilinearGradientNode",
+    "ResizeBilinearNode",
     "Reshape",
     "ReshapeGradient",
     "ReshapeGradientNode",
     "ReshapeNode",
     "RMSProp",
     "save",
+    "set_float32_matmul_precision",
     "SGD",
+    "ScaleNode",
+    "ScaleTransform",
     "Size",
     "Slice",
     "SliceGradient",
@@ -450,4 +578,7 @@ __all__ = [
     "UpsamplingNearestGradient",
     "UpsamplingNearestGradientNode",
     "UpsamplingNearestNode",
+    "YOLOLoss",
+    "YOLOLossDescriptor",
+    "YOLOLossNode",
 ]

@@ -7,7 +7,10 @@ catch them the usual way. The classes below cover what the built-ins do not say.
 
 from __future__ import annotations
 
+import torch
+
 __all__ = [
+    "AllocationError",
     "CheckpointError",
     "CommandBufferError",
     "DistributedError",
@@ -19,6 +22,16 @@ __all__ = [
 
 class MpsnnError(Exception):
     """Base class of the exceptions that are specific to mpsnn."""
+
+
+class AllocationError(MpsnnError, MemoryError, torch.cuda.OutOfMemoryError):
+    """Memory for an image or a kernel's result could not be allocated.
+
+    The message names what was being allocated, its sizes and dtype, its byte size and the
+    device, then the allocator's own words (its exception is the ``__cause__``). It is a
+    `MemoryError`, and also PyTorch's ``OutOfMemoryError`` (a `RuntimeError`), so code that
+    catches either keeps working.
+    """
 
 
 class StaleResourceError(MpsnnError, RuntimeError):

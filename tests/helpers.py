@@ -6,6 +6,9 @@ The references in `tests/reference.py` are written from the documented formulas
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -62,6 +65,26 @@ def assert_adjoint(
     scale = max(abs(lhs), abs(rhs), 1e-30)
     assert abs(lhs - rhs) <= tol * scale, f"{what}: <Jv,w>={lhs!r} != <v,J^T w>={rhs!r}"
     assert abs(lhs) > 1e-12, f"{what}: degenerate adjoint test (<Jv,w> = {lhs})"
+
+
+@contextlib.contextmanager
+def float32_reference() -> Iterator[None]:
+    """PyTorch's float32 CUDA convolutions and matrix products in float32 arithmetic (TF32 off)
+    for a reference computed inside the block; PyTorch's flags are restored afterwards. The
+    tests run under PyTorch's defaults, which let cuDNN convolutions use TF32."""
+    with torch_tf32(False):
+        yield
+
+
+@contextlib.contextmanager
+def torch_tf32(allowed: bool) -> Iterator[None]:
+    """PyTorch's own TF32 flags (cuDNN and cuBLAS) set to ``allowed`` inside the block."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = allowed
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def run(cb: m.CommandBuffer) -> None:

@@ -26,7 +26,7 @@ from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import AxisWindow
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
-from mpsnn.core.kernel import resolve_span
+from mpsnn.core.kernel import image_sequences, resolve_span
 from mpsnn.core.state import BinaryGradientState, State, StateBatch
 from mpsnn.ops.arithmetic import (
     ADD,
@@ -58,7 +58,7 @@ class ArithmeticRecord:
     """What an arithmetic encode did, for its gradients (the state's typed record)."""
 
     kernel: Any
-    op: int
+    op: int | Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # or a family's own (Compare)
     scales: tuple[float, float, float]  # primary, secondary, bias
     clamp: tuple[float, float]
     reads: tuple[ReadGeometry, ReadGeometry]  # primary, secondary
@@ -222,6 +222,7 @@ class Arithmetic(BinaryKernel):
             cb, primary_image, secondary_image, destination_image, states, batch=False
         )
 
+    @image_sequences("primary_images", "secondary_images", destinations=("destination_images",))
     def encode_batch(  # type: ignore[override]
         self,
         command_buffer: CommandBuffer,
@@ -386,7 +387,10 @@ def _agree(who: str, what: str, a: int | None, b: int | None) -> int:
 
 
 def apply_op(
-    op: int, x: torch.Tensor, y: torch.Tensor, scales: tuple[float, float, float]
+    op: int | Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    scales: tuple[float, float, float],
 ) -> torch.Tensor:
     """``(ps x) op (ss y) + bias`` (``scales = (ps, ss, bias)``), a new tensor.
 
@@ -396,7 +400,9 @@ def apply_op(
     """
     ps, ss, bias = scales
     a, b = scaled(x, ps), scaled(y, ss)
-    if op == ADD:
+    if callable(op):  # a subclass's own elementwise operation of the scaled operands
+        z = op(a, b)
+    elif op == ADD:
         z = a + b
     elif op == SUBTRACT:
         z = a - b

@@ -28,20 +28,20 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
-from mpsnn.core._checks import check_enum, check_int, check_type
+from mpsnn.cnn.loss_labels import LossLabels
+from mpsnn.core._checks import check_enum, check_type
 from mpsnn.core.cnn_kernel import CNNKernel
 from mpsnn.core.descriptor import FeatureChannelFormat, ImageDescriptor, _result_format
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.encode import Encoding
-from mpsnn.core.geometry import RECT_NO_CLIP, Size
+from mpsnn.core.geometry import Size
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
-from mpsnn.core.state import State
-from mpsnn.errors import UnsupportedError
-from mpsnn.ops.loss import LossParams, loss_forward_backward
+from mpsnn.core.kernel import image_sequences, resolve_images
+from mpsnn.errors import CommandBufferError, UnsupportedError
+from mpsnn.ops.loss import LossParams, loss_forward_backward, read_index_bounds
 
 __all__ = ["Loss", "LossDescriptor", "LossLabels", "LossType", "ReductionType"]
 
@@ -162,207 +162,6 @@ class LossDescriptor:
         )
 
 
-def _as_tensor(who: str, name: str, value: Any) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    try:
-        return torch.as_tensor(np.asarray(value))
-    except Exception as exc:
-        raise TypeError(f"[{who}] {name} must be a tensor or an array, got {type(value)}") from exc
-
-
-class LossLabels(State):
-    """Labels, optional per-element weights and, after the loss ran, the loss (MPS
-    ``MPSCNNLossLabels``).
-
-    Args:
-        device: where the labels live.
-        labels: a float image ``(C, H, W)`` (one image) or ``(N, C, H, W)``; or, for the two
-            cross entropies, int64 class indices ``(H, W)`` or ``(N, H, W)``. Float labels may
-            have more channels than the predictions: the extra ones take no part.
-        weights: per-element weights of the labels' shape (for index labels: one per pixel,
-            ``(H, W)``/``(N, H, W)``, or per class ``(C, H, W)``/``(N, C, H, W)``), or None.
-        loss_image_size: optional check of the loss image's size: the predictions' size for
-            ReductionType.NONE, ``Size(1, 1, 1)`` otherwise (MPS's parameter; mpsnn sizes the
-            loss image from the reduction).
-        command_buffer: given, the labels are temporary on that command buffer.
-        label: a name.
-        max_index: for class-index labels, a bound the indices are known to respect (e.g.
-            classes − 1): the constructor then trusts it instead of scanning the labels for
-            their range — a scan of a GPU tensor waits for the device, which a training loop
-            feeding labels from device memory wants to avoid. Indices outside ``[0, C)`` are
-            then the caller's responsibility.
-
-    After the encode's command buffer completed, `loss_image` holds the loss (including the
-    descriptor's weight).
-    """
-
-    def __init__(
-        self,
-        device: Device,
-        labels: Any,
-        weights: Any = None,
-        loss_image_size: Size | None = None,
-        *,
-        command_buffer: CommandBuffer | None = None,
-        label: str | None = None,
-        max_index: int | None = None,
-    ) -> None:
-        super().__init__(device, command_buffer=command_buffer, label=label)
-        who = "LossLabels"
-        t = _as_tensor(who, "labels", labels)
-        self._index = not t.is_floating_point()
-        single = t.dim() == (2 if self._index else 3)  # one image, without the N axis
-        if self._index:
-            if t.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-                raise TypeError(
-                    f"[{who}] labels must be float or int64 class indices, got {t.dtype}"
-                )
-            if t.dim() == 2:
-                t = t.unsqueeze(0)
-            if t.dim() != 3 or t.numel() == 0:
-                raise ValueError(
-                    f"[{who}] index labels must have shape (H, W) or (N, H, W), "
-                    f"got {tuple(t.shape)}"
-                )
-            if max_index is None:
-                # construction time, so the encode stays sync-free (but a scan of a device
-                # tensor waits for the device: pass max_index to skip it)
-                lo, hi = int(t.min()), int(t.max())
-                if lo < 0:
-                    raise ValueError(f"[{who}] class indices must be >= 0, got {lo}")
-            else:
-                hi = check_int(who, "max_index", max_index, 0)
-            self._max_index = hi
-            t = t.to(device.torch_device, torch.int64)
-        else:
-            if t.dim() == 3:
-                t = t.unsqueeze(0)
-            if t.dim() != 4 or t.numel() == 0:
-                raise ValueError(
-                    f"[{who}] labels must have shape (C, H, W) or (N, C, H, W), "
-                    f"got {tuple(t.shape)}"
-                )
-            self._max_index = -1
-            dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
-            t = t.to(device.torch_device, dtype)
-        self._labels = t
-        self._weights: torch.Tensor | None = None
-        if weights is not None:
-            self._weights = self._check_weights(_as_tensor(who, "weights", weights), single)
-        if loss_image_size is not None:
-            check_type(who, "loss_image_size", loss_image_size, Size)
-        self._loss_size = loss_image_size
-        self._loss: Image | None = None
-        self._classes: int | None = None  # the predictions' channels at the last encode
-
-    def _check_weights(self, wt: torch.Tensor, single: bool) -> torch.Tensor:
-        """Weights as ``(N, C, H, W)`` (or ``(N, H, W)`` per pixel for index labels)."""
-        who = "LossLabels"
-        if not wt.is_floating_point():
-            raise TypeError(f"[{who}] weights must hold floats, got {wt.dtype}")
-        if single:
-            wt = wt.unsqueeze(0)
-        t = self._labels
-        per_class = self._index and wt.dim() == 4 and wt.shape[0] == t.shape[0]
-        if tuple(wt.shape) != tuple(t.shape) and not (per_class and wt.shape[2:] == t.shape[1:]):
-            want = tuple(t.shape[1:] if single else t.shape)
-            extra = " (one per pixel) or (C, H, W) per class" if self._index else ""
-            raise ValueError(
-                f"[{who}] weights must have the labels' shape {want}{extra}, "
-                f"got {tuple(wt.shape[1:] if single else wt.shape)}"
-            )
-        dtype = torch.float64 if wt.dtype == torch.float64 else torch.float32
-        return wt.to(self._device.torch_device, dtype)
-
-    @property
-    def number_of_images(self) -> int:
-        return self._labels.shape[0]
-
-    @property
-    def is_index_labels(self) -> bool:
-        return self._index
-
-    def labels_image(self) -> Image | None:
-        """The float labels as an image (None for class-index labels)."""
-        self._check_live(None)
-        return None if self._index else Image.from_tensor(self._labels)
-
-    def weights_image(self) -> Image | None:
-        """The weights as an image (None without weights)."""
-        self._check_live(None)
-        w = self._weights
-        if w is None:
-            return None
-        return Image.from_tensor(w if w.dim() == 4 else w.unsqueeze(1))
-
-    def loss_image(self) -> Image:
-        """The loss the last encode wrote (read it after its command buffer completed):
-        ``(N, 1, 1, 1)`` per image, or the weighted per-element losses for NONE."""
-        self._check_live(None)
-        if self._loss is None:
-            raise ValueError(
-                "[LossLabels] loss_image needs a Loss encode that used these labels, got none"
-            )
-        return self._loss
-
-    def resources(self) -> list[torch.Tensor]:
-        return [t for t in (self._labels, self._weights) if t is not None]
-
-    # -- refilling in place (what a compiled graph step reads) ----------------------------
-
-    def _static_copy(self) -> LossLabels:
-        """Permanent labels of the same layout (values written by `_refill`)."""
-        copy = LossLabels.__new__(LossLabels)
-        State.__init__(copy, self._device, label=self.label)
-        copy._index = self._index
-        copy._max_index = self._max_index
-        copy._labels = torch.empty_like(self._labels)
-        copy._weights = None if self._weights is None else torch.empty_like(self._weights)
-        copy._loss_size = self._loss_size
-        copy._loss = None
-        copy._classes = None
-        return copy
-
-    def _check_refill(self, who: str, other: Any) -> None:
-        """Raise unless ``other``'s values can be copied into these labels."""
-        if not isinstance(other, LossLabels):
-            raise TypeError(f"[{who}] labels must be LossLabels, got {type(other).__name__}")
-        other._check_live(who)
-        if (
-            other._index != self._index
-            or other._labels.shape != self._labels.shape
-            or (other._weights is None) != (self._weights is None)
-            or (other._weights is not None and other._weights.shape != self._weights.shape)
-        ):
-            raise ValueError(
-                f"[{who}] labels must have the recorded step's layout ({self._layout()}), "
-                f"got {other._layout()}"
-            )
-        classes = getattr(self, "_classes", None)
-        if self._index and classes is not None and other._max_index >= classes:
-            raise ValueError(
-                f"[{who}] class indices must be < the {classes} channels of the predictions, "
-                f"got {other._max_index}"
-            )
-
-    def _layout(self) -> str:
-        kind = "class indices" if self._index else "float labels"
-        weights = "no weights" if self._weights is None else f"weights {tuple(self._weights.shape)}"
-        return f"{kind} {tuple(self._labels.shape)}, {weights}"
-
-    def _refill(self, other: LossLabels) -> None:
-        """Copy ``other``'s labels and weights into this state's tensors (on the current
-        stream)."""
-        self._labels.copy_(other._labels, non_blocking=True)
-        if self._weights is not None:
-            self._weights.copy_(other._weights, non_blocking=True)
-        self._max_index = max(self._max_index, other._max_index)
-
-    def _free_storage(self) -> None:
-        self._weights = None
-
-
 class Loss(CNNKernel):
     """A loss and its gradient in one encode (MPS ``MPSCNNLoss``).
 
@@ -373,7 +172,22 @@ class Loss(CNNKernel):
     ``encode(command_buffer, source_image, labels, destination_image=None)`` returns the
     gradient of the loss with respect to ``source_image`` (the predictions; for the softmax and
     sigmoid cross entropies, logits) and writes the loss into ``labels``. The loss reads whole
-    images: ``offset``, ``clip_rect`` and the channel offsets keep their defaults.
+    images: ``offset.x/y``, the clip rect's x and y range (it may cover the image exactly) and
+    the channel offsets keep their defaults.
+
+    **Images.** As every kernel, ``encode`` on a multi-image `Image` covers ``k = min(
+    clip_rect.size.depth, source images - offset.z, destination images - clip_rect.origin.z)``
+    images: source image ``offset.z + i`` gives destination image ``clip_rect.origin.z + i``
+    (a returned destination holds the source's images from ``offset.z`` on; the ones outside
+    the clip rect are zeros). ``labels`` then holds exactly ``k`` images, its image ``i``
+    labelling source image ``offset.z + i``, and its loss image gets ``k`` images.
+    ``encode_batch`` covers every image of the batch (``offset.z`` and the clip rect's z range
+    do not apply), with one `LossLabels` for the batch or one per image.
+
+    **Class indices** outside ``[0, C)`` (a trusted ``max_index``, labels changed in place)
+    are found on the device, without a wait at encode: the command never addresses memory
+    with them, and the command buffer fails with a `CommandBufferError` naming this kernel
+    and the indices' range once its work completed (``wait_until_completed`` raises it).
     """
 
     def __init__(self, device: Device, loss_descriptor: LossDescriptor) -> None:
@@ -427,6 +241,7 @@ class Loss(CNNKernel):
         lab = [self._check_state(command_buffer, labels, "labels", LossLabels)]
         return self._encode_loss(command_buffer, source_image, lab, destination_image, False)
 
+    @image_sequences("source_images", destinations=("destination_images",))
     def encode_batch(  # type: ignore[override]
         self,
         command_buffer: CommandBuffer,
@@ -463,28 +278,39 @@ class Loss(CNNKernel):
         batch: bool,
     ) -> Image:
         who = "Loss"
+        n, c, h, w = src._shape
+        clip = self._clip
         if (
             self._offset[:2] != (0, 0)
-            or self._clip != RECT_NO_CLIP
+            or clip.origin[:2] != (0, 0)
+            or clip.size.width < w
+            or clip.size.height < h
             or self._sco != 0
             or self._dco != 0
         ):
             raise UnsupportedError(
-                "[Loss] a loss reads whole images: offset, clip_rect and the channel offsets "
-                "must keep their defaults, got "
-                f"offset={self._offset} clip_rect={self._clip} "
+                "[Loss] a loss reads whole images: offset.x/y, the clip rect's x and y range "
+                "and the channel offsets must keep their defaults, got "
+                f"offset={self._offset} clip_rect={clip} "
                 f"channel offsets {self._sco}/{self._dco}"
             )
-        n, c, h, w = src._shape
-        first = 0 if batch else self._offset.z
-        count = n - first if batch else 1
-        if not 0 <= first < n:
-            raise ValueError(f"[{who}] offset.z must select an image of the {n}, got {first}")
+        if batch:
+            first, dz, count = 0, 0, n
+        else:  # the images the clip rect covers, as every kernel (`resolve_images`)
+            dst_n = dst._shape[0] if dst is not None else max(1, n - self._offset.z)
+            first, dz, count = resolve_images(who, n, dst_n, self._offset.z, clip, False)
         kinds = {lab._index for lab in labels}
         total = sum(lab.number_of_images for lab in labels)
         if total != count:
+            covers = (
+                ""
+                if batch
+                else f" the encode covers ({count}: images {first}..{first + count - 1} of the "
+                f"{n}-image source)"
+            )
             raise ValueError(
-                f"[{who}] the labels must hold one image per source image ({count}), got {total}"
+                f"[{who}] the labels must hold one image per source image"
+                f"{covers or f' ({count})'}, got {total}"
             )
         if len(kinds) != 1:
             raise ValueError(f"[{who}] labels must all be float or all class indices, got both")
@@ -530,21 +356,23 @@ class Loss(CNNKernel):
                 )
         if dst is not None:
             self._check_destination(cb, dst, "destination_image", src)
-            if dst._shape[1:] != (c, h, w) or dst._shape[0] < (count if batch else 1):
+            if dst._shape[1:] != (c, h, w) or dst._shape[0] < dz + count:
                 raise ValueError(
                     f"[{who}] the destination must be {w}x{h}x{c} like the source, got "
                     f"{dst.width}x{dst.height}x{dst.feature_channels}"
                 )
         gfmt = _result_format(src._fmt)
-        grad_out = dst if dst is not None else ImageDescriptor._make(gfmt, w, h, c, count)
+        images = count if batch else max(1, n - first)  # a returned destination: every kernel's
+        grad_out = dst if dst is not None else ImageDescriptor._make(gfmt, w, h, c, images)
         fmt = src._fmt if src._fmt is FeatureChannelFormat.FLOAT64 else FeatureChannelFormat.FLOAT32
         loss_desc = ImageDescriptor._make(fmt, lshape[2], lshape[1], lshape[0], count)
         params = self._params
         several = len(labels) > 1
         has_weights = weighted.pop() is not None
-        dz = 0 if batch else self._clip.origin.z
-
         whole = first == 0 and count == n  # no slice to make (a batch encode)
+        # class indices: their range, written by the command on the device and read by the
+        # command buffer's completion check (`_index_check`)
+        written: list[torch.Tensor | None] = [None]
 
         def run(grad: Image, loss: Image) -> None:
             y = src._read()
@@ -555,7 +383,11 @@ class Loss(CNNKernel):
                 wt = torch.cat([lab._weights for lab in labels]) if has_weights else None
             else:
                 t, wt = labels[0]._labels, labels[0]._weights
-            value, g = loss_forward_backward(y, t, wt, params)
+            bounds = None
+            if index:
+                bounds = torch.empty(2, dtype=torch.int64, device=t.device)
+                written[0] = bounds
+            value, g = loss_forward_backward(y, t, wt, params, index_bounds=bounds)
             grad._write_block(g, dz, 0, 0, 0, y)
             loss._write_block(value, 0, 0, 0, 0)
 
@@ -564,9 +396,30 @@ class Loss(CNNKernel):
         outs = self._apply(
             cb, Encoding(run, (grad_out, loss_image), (src, *labels), (), None, batch)
         )
+        if index:
+            cb._check_after_last(_index_check(written, c))
         for lab, view in zip(labels, views, strict=True):
             lab._loss = view
         return outs[0]  # type: ignore[return-value]
+
+
+def _index_check(written: list[torch.Tensor | None], classes: int) -> Any:
+    """The completion check of a loss command with class indices: the range the command wrote
+    (read once the work completed) must lie in ``[0, classes)``."""
+
+    def check() -> CommandBufferError | None:
+        bounds = written[0]
+        if bounds is None:
+            return None
+        lo, hi = read_index_bounds(bounds)
+        if lo >= 0 and hi < classes:
+            return None
+        return CommandBufferError(
+            f"[Loss] class indices must lie in [0, {classes}) (the predictions' channels), "
+            f"got {lo} to {hi}"
+        )
+
+    return check
 
 
 def _split(image: Image, counts: list[int]) -> list[Image]:

@@ -6,6 +6,10 @@ Windows follow the MPS window model: output ``x`` is centred at
 to ZERO edges (graph pooling nodes will default to CLAMP, as in MPS). Gradient kernels take
 their geometry from the forward's state and must be made with the same kernel size, strides,
 dilation and zero pad; ``source_size`` limits which part of the incoming gradient contributes.
+
+Every pooling takes dilation rates (``dilation_rate_x/y`` keywords; `DilatedPoolingMax` takes
+them in MPS's argument order): the taps are ``c - E // 2 + d j`` with ``E = d (k - 1) + 1``,
+as in `DilatedPoolingMax`, forward and gradient alike.
 """
 
 from __future__ import annotations
@@ -154,7 +158,9 @@ class DilatedPoolingMax(_DilatedArguments, _Pooling):
 
 
 class PoolingL2Norm(_Pooling):
-    """``sqrt(sum x^2)`` over each window (MPS ``MPSCNNPoolingL2Norm``)."""
+    """``sqrt(sum x^2)`` over each window (MPS ``MPSCNNPoolingL2Norm``), computed scaled by a
+    power of two near the window's largest ``|x|`` (as ``hypot``): finite and accurate for every
+    finite input, e.g. four values of 3e19 give 6e19 and a gradient of 0.5 each in float32."""
 
     _forward_op = staticmethod(l2_pool_forward)
 
@@ -186,9 +192,10 @@ class _ZeroPad:
 
 class PoolingAverage(_ZeroPad, _Pooling):
     """Mean over each window (MPS ``MPSCNNPoolingAverage``); the divisor rules are in
-    `mpsnn.ops.pooling`: ZERO divides by the whole window, CLAMP shrinks the window to the image
-    grown by ``zero_pad_size_x/y``, and ZERO with the EXCLUDE_EDGES padding flag counts only
-    the image and the padding the policy adds (Caffe)."""
+    `mpsnn.ops.pooling`: ZERO divides by the whole window (its ``k_x k_y`` taps, dilated or
+    not), CLAMP shrinks the window to its taps inside the image grown by
+    ``zero_pad_size_x/y``, and ZERO with the EXCLUDE_EDGES padding flag counts only the image
+    and the padding the policy adds (Caffe)."""
 
     def _valid(self, window: Window, size_y: int, size_x: int) -> tuple[Any, Any]:
         if self._edge_mode is EdgeMode.CLAMP:
@@ -316,7 +323,8 @@ class DilatedPoolingMaxGradient(_DilatedArguments, PoolingGradient):
 
 @gradient_of(PoolingL2Norm)
 class PoolingL2NormGradient(PoolingGradient):
-    """Gradient of `PoolingL2Norm`: ``g x / y``, and 0 for an all-zero window."""
+    """Gradient of `PoolingL2Norm`: ``g x / y`` (computed from the scaled taps, so it is finite
+    wherever the norm is), and 0 for an all-zero window."""
 
     _backward_op = staticmethod(l2_pool_backward)
 

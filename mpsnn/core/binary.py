@@ -40,7 +40,7 @@ from mpsnn.core.gradient_command import Backward, _backward_command
 from mpsnn.core.gradient_command import _covers as _covers
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
-from mpsnn.core.kernel import Kernel, SharedProperties, resolve_span
+from mpsnn.core.kernel import Kernel, SharedProperties, image_sequences, resolve_span
 from mpsnn.core.state import ForwardRecord, GradientState, State, _unique
 from mpsnn.errors import UnsupportedError
 
@@ -379,6 +379,7 @@ class GradientKernel(BinaryKernel):
             batch=False,
         )
 
+    @image_sequences("source_gradients", "source_images", destinations=("destination_gradients",))
     def encode_batch(  # type: ignore[override]
         self,
         command_buffer: CommandBuffer,
@@ -387,8 +388,22 @@ class GradientKernel(BinaryKernel):
         gradient_states: Sequence[GradientState],
         destination_gradients: ImageBatch | None = None,
     ) -> ImageBatch | None:
-        """Batch form of `encode`: one state per image (a shared state may repeat)."""
+        """Batch form of `encode`: one state per image (a shared state may repeat). The
+        batches may be sequences of `Image` s (see `image_sequences`)."""
         self._check_command_buffer(command_buffer)
+        return self._encode_batch(
+            command_buffer, source_gradients, source_images, gradient_states,
+            destination_gradients,
+        )  # fmt: skip
+
+    def _encode_batch(
+        self,
+        command_buffer: CommandBuffer,
+        source_gradients: ImageBatch,
+        source_images: ImageBatch,
+        gradient_states: Sequence[GradientState],
+        destination_gradients: ImageBatch | None,
+    ) -> ImageBatch | None:
         g = self._check_batch(command_buffer, source_gradients, "source_gradients")
         x = self._check_batch(command_buffer, source_images, "source_images")
         if len(source_gradients) != len(source_images):

@@ -47,7 +47,13 @@ from mpsnn.core.geometry import (
 )
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
-from mpsnn.core.kernel import Kernel, SharedProperties, resolve_images, resolve_span
+from mpsnn.core.kernel import (
+    Kernel,
+    SharedProperties,
+    image_sequences,
+    resolve_images,
+    resolve_span,
+)
 from mpsnn.core.state import ForwardRecord, GradientState, State, StateBatch, _unique
 
 __all__ = ["DEFAULT_PADDING_METHOD", "CNNKernel", "Forward", "Records"]
@@ -361,6 +367,7 @@ class CNNKernel(SharedProperties, Kernel):
             ]
         return self._encode(command_buffer, source_image, destination_image, states, batch=False)
 
+    @image_sequences("source_images", destinations=("destination_images",))
     def encode_batch(
         self,
         command_buffer: CommandBuffer,
@@ -368,8 +375,19 @@ class CNNKernel(SharedProperties, Kernel):
         destination_images: ImageBatch | None = None,
         destination_states: Sequence[State] | None = None,
     ) -> ImageBatch:
-        """Encode a whole batch as one operation; returns the destination batch."""
+        """Encode a whole batch as one operation; returns the destination batch. The batches
+        may be sequences of `Image` s (see `image_sequences`)."""
         self._check_command_buffer(command_buffer)
+        return self._encode_batch(command_buffer, source_images, destination_images,
+                                  destination_states)  # fmt: skip
+
+    def _encode_batch(
+        self,
+        command_buffer: CommandBuffer,
+        source_images: ImageBatch,
+        destination_images: ImageBatch | None,
+        destination_states: Sequence[State] | None,
+    ) -> ImageBatch:
         src = self._check_batch(command_buffer, source_images, "source_images")
         dst = None
         if destination_images is not None:

@@ -226,12 +226,13 @@ class CommandQueue:
 
 
 class _Command:
-    __slots__ = ("fn", "name", "releases")
+    __slots__ = ("check", "fn", "name", "releases")
 
     def __init__(self, name: str, fn: Callable[[], Any]) -> None:
         self.name = name
         self.fn = fn
         self.releases: list[Any] | None = None
+        self.check: Callable[[], BaseException | None] | None = None
 
 
 class CommandBuffer:
@@ -245,6 +246,7 @@ class CommandBuffer:
 
     __slots__ = (
         "_captured",
+        "_checks",
         "_commands",
         "_done",
         "_event",
@@ -271,6 +273,7 @@ class CommandBuffer:
         self._done: threading.Event | None = None  # only when a worker runs the handlers
         self._event: torch.cuda.Event | None = None
         self._captured = False
+        self._checks: list[_Command] | None = None  # commands that ran and have a check
 
     @property
     def command_queue(self) -> CommandQueue:
@@ -343,6 +346,12 @@ class CommandBuffer:
             last.releases.append(resource)
         else:
             self._pending_releases.append(resource)
+
+    def _check_after_last(self, check: Callable[[], BaseException | None]) -> None:
+        """Once the work completed (before the completed handlers), ``check()`` reads what the
+        last recorded command wrote on the device (an error flag) and returns the exception to
+        record as its error, or None; after every run of the command (replays too)."""
+        self._commands[-1].check = check
 
     def _mark(self) -> tuple[Any, ...]:
         """Where the recorded work stands now (for `_rollback`)."""
@@ -478,6 +487,9 @@ class CommandBuffer:
                     cmd.fn()
                 except Exception as exc:  # kept for wait_until_completed(), like Metal errors
                     self._record_error(exc, cmd.name)
+                else:
+                    if cmd.check is not None:
+                        self._checks = [*(self._checks or ()), cmd]
             if cmd.releases:
                 for res in cmd.releases:
                     res._free_storage()
@@ -502,7 +514,9 @@ class CommandBuffer:
             self._queue._spare_events.append(event)
 
     def _complete(self) -> None:
-        """The device work is done: set the status and run the completed handlers."""
+        """The device work is done: run the checks, set the status, run the handlers."""
+        if self._checks is not None:
+            self._run_checks()
         self._status = _ERROR if self.error is not None else _COMPLETED
         for handler in self._handlers:
             try:
@@ -513,6 +527,19 @@ class CommandBuffer:
                     self.error = exc
                     self.failed_command = "(completed handler)"
                 self._status = _ERROR
+
+    def _run_checks(self) -> None:
+        """`_check_after_last`'s checks of the commands that ran; the first error wins."""
+        checks = self._checks or []
+        if not self._captured:  # a replay runs the same commands again: keep theirs
+            self._checks = None
+        for cmd in checks:
+            try:
+                exc = cmd.check() if self.error is None else None  # type: ignore[misc]
+            except Exception as raised:
+                exc = raised
+            if exc is not None:
+                self._record_error(exc, cmd.name)
 
     def wait_until_completed(self) -> None:
         """Block until the work and the completed handlers are done; re-raise their error."""

@@ -12,7 +12,8 @@ An encode is three steps:
    the kernel properties and drops the read counts, in that order.
 
 Validation and planning may raise; application does not. A failed encode therefore leaves the
-command buffer, images, states and kernel as they were.
+command buffer, images, states and kernel as they were. A command whose memory runs out raises
+`mpsnn.AllocationError` naming the kernel and the sizes of the results it was making.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mpsnn.core.allocation import allocation_error, is_allocation_failure
 from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.device import CommandBuffer
 from mpsnn.core.image import Image
@@ -65,13 +67,33 @@ def apply_encoding(kernel: Any, cb: CommandBuffer, enc: Encoding) -> list[Image 
         if out is not None and not isinstance(out, Image):
             out = _allocate(kernel, cb, out, enc.batch)
         outs = [out]
-        cb.record(who, lambda: run(out))
+
+        def command() -> None:
+            try:
+                run(out)
+            except (RuntimeError, MemoryError) as exc:  # (a try costs nothing when not raised)
+                err = _results_error(who, outs, exc)
+                if err is exc:
+                    raise
+                raise err from exc
+
+        cb.record(who, command)
     else:
         outs = [
             o if (o is None or isinstance(o, Image)) else _allocate(kernel, cb, o, enc.batch)
             for o in outputs
         ]
-        cb.record(who, (lambda: run(*outs)) if outs else run)
+
+        def commands() -> None:
+            try:
+                run(*outs)
+            except (RuntimeError, MemoryError) as exc:  # (a try costs nothing when not raised)
+                err = _results_error(who, outs, exc)
+                if err is exc:
+                    raise
+                raise err from exc
+
+        cb.record(who, commands)
     for o in outs:
         if o is not None:
             o._root()._writer = cb
@@ -93,6 +115,18 @@ def apply_encoding(kernel: Any, cb: CommandBuffer, enc: Encoding) -> list[Image 
     if enc.after is not None:
         enc.after()
     return outs
+
+
+def _results_error(who: str, outs: list[Image | None], exc: Exception) -> Exception:
+    """``exc`` raised by a command: an allocator's failure becomes the `AllocationError` that
+    names the kernel and its results; anything else is returned as is."""
+    images = [o for o in outs if o is not None]
+    if not images or not is_allocation_failure(exc):
+        return exc
+    first = images[0]
+    what = "its results, " if len(images) > 1 else "its result, "
+    shapes = [o._shape for o in images]
+    return allocation_error(who, shapes, first._dtype, first._device.torch_device, exc, what)
 
 
 def _read_root(r: Any) -> Any:

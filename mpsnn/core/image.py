@@ -18,6 +18,9 @@ A UNORM8 image stores uint8 bytes ``k`` that read as ``k/255``: kernels read it 
 ``tensor`` and `Image.read_bytes` give the raw bytes (as MPS's ``readBytes``), `Image.numpy` the
 float32 values ``k/255``. The region checks and conversions of byte I/O live in
 `mpsnn.core.image_bytes`.
+
+Storage that cannot be allocated raises `mpsnn.AllocationError` naming the sizes, dtype, byte
+size and device (`mpsnn.core.allocation`), instead of the allocator's bare error.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from mpsnn.core.allocation import allocation_error, is_allocation_failure
 from mpsnn.core.descriptor import (
     _FORMAT_TO_DTYPE,
     DataLayout,
@@ -39,7 +43,7 @@ from mpsnn.core.device import CommandBuffer, CommandBufferStatus, Device
 from mpsnn.core.geometry import Region
 from mpsnn.core.image_bytes import _bytes_to_write, _io_index, _to_numpy, _to_unorm8
 from mpsnn.core.layout import storage_layout
-from mpsnn.errors import CommandBufferError, StaleResourceError
+from mpsnn.errors import AllocationError, CommandBufferError, StaleResourceError
 
 __all__ = ["Image", "ImageAllocator", "TemporaryImage"]
 
@@ -221,13 +225,24 @@ class Image:
         if self._storage is None:
             device = self._device.torch_device
             layout = storage_layout(self._dtype, device)
-            if layout is torch.preserve_format:  # new zeros: NCHW
-                self._storage = torch.zeros(self._shape, dtype=self._dtype, device=device)
-            else:
-                self._storage = torch.empty(
-                    self._shape, dtype=self._dtype, device=device, memory_format=layout
-                ).zero_()
+            try:
+                if layout is torch.preserve_format:  # new zeros: NCHW
+                    self._storage = torch.zeros(self._shape, dtype=self._dtype, device=device)
+                else:
+                    self._storage = torch.empty(
+                        self._shape, dtype=self._dtype, device=device, memory_format=layout
+                    ).zero_()
+            except (RuntimeError, MemoryError) as exc:
+                if is_allocation_failure(exc):
+                    raise self._allocation_error(exc) from exc
+                raise
         return self._storage
+
+    def _allocation_error(self, exc: BaseException) -> AllocationError:
+        what = f"{self.label!r}, " if self.label else ""
+        return allocation_error(
+            type(self).__name__, [self._shape], self._dtype, self._device.torch_device, exc, what
+        )
 
     def _read(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The contents as kernels read a source, at execution: the storage, or for UNORM8 a new
@@ -396,7 +411,12 @@ class Image:
             # The whole image from a block it must not adopt (a view, the source itself, or
             # another dtype): one copy into new storage, not a zero fill and then a copy.
             layout = storage_layout(root._dtype, block.device)  # (mpsnn.core.layout)
-            root._storage = block.to(root._dtype, memory_format=layout, copy=True)
+            try:
+                root._storage = block.to(root._dtype, memory_format=layout, copy=True)
+            except (RuntimeError, MemoryError) as exc:
+                if is_allocation_failure(exc):
+                    raise root._allocation_error(exc) from exc
+                raise
             return
         bn, bc, bh, bw = block.shape
         root._data()[z : z + bn, c : c + bc, y : y + bh, x : x + bw].copy_(block)

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import overload
+from typing import Any, overload
 
 import numpy as np
 import torch
 
 from mpsnn.core.descriptor import FeatureChannelFormat, ImageDescriptor
-from mpsnn.core.device import Device
-from mpsnn.core.image import Image
+from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.image import Image, _check_usable
 
 __all__ = ["ImageBatch"]
 
@@ -61,6 +61,90 @@ class ImageBatch(Sequence[Image]):
                     f"got {first!r} and images[{i}] = {im!r}"
                 )
         return cls(Image.from_tensor(torch.cat([im.tensor for im in images]), label=label))
+
+    @classmethod
+    def _of(
+        cls, cb: CommandBuffer, who: str, name: str, value: Any, *, destination: bool = False
+    ) -> Any:
+        """``value`` as a batch for an ``encode_batch``: an `ImageBatch` as it is (anything
+        else that is not a sequence: as it is, for the caller's type check), or a sequence
+        of `Image` s (an MPS ``MPSImageBatch`` is an array of images) of one shape, format
+        and device. Without a copy when they are one image, or views of one batch's
+        consecutive images in order (``list(batch)``, ``batch[2:5]``); sources held in
+        separate permanent images are stacked into a new image by a command recorded on ``cb``
+        (read when the work runs; the caller rolls it back if its encode fails); destinations
+        must need no copy, since the results are written where they are.
+
+        Raises:
+            TypeError: an element is not an `Image`.
+            ValueError: no image; images of different shapes, formats or devices; separate
+                destination images, or separate temporary source images.
+        """
+        if isinstance(value, ImageBatch | Image):
+            return value
+        if not isinstance(value, Sequence) or isinstance(value, str | bytes):
+            return value
+        images = list(value)
+        if not images:
+            raise ValueError(f"[{who}] {name} must hold at least one image, got 0")
+        for i, im in enumerate(images):
+            if not isinstance(im, Image):
+                raise TypeError(f"[{who}] {name}[{i}] must be an Image, got {type(im).__name__}")
+        first = images[0]
+        for i, im in enumerate(images):
+            if (
+                im._shape[1:] != first._shape[1:]
+                or im._fmt is not first._fmt
+                or im._device != first._device
+            ):
+                raise ValueError(
+                    f"[{who}] {name} must hold images of one shape, format and device "
+                    f"({first._describe()} on {first._device}), got {name}[{i}] = "
+                    f"{im._describe()} on {im._device}"
+                )
+        if len(images) == 1:
+            return cls(first)
+        n = sum(im._shape[0] for im in images)
+        _, c, h, w = first._shape
+        desc = ImageDescriptor(first._fmt, w, h, c, n)
+        base, start = first._base, first._index
+        if base is not None and all(im._base is base for im in images):
+            at = start
+            for im in images:
+                if im._index != at:
+                    break
+                at += im._shape[0]
+            else:  # consecutive views of one batch: a view of that range, no copy
+                if start == 0 and n == base._shape[0]:
+                    return cls(base)
+                view = Image._make(first._device, desc)
+                view._base, view._index = base, start
+                return cls(view)
+        if destination:
+            raise ValueError(
+                f"[{who}] {name} must be an ImageBatch, one image, or views of one batch's "
+                f"consecutive images (the results are written in place), got {len(images)} "
+                "separate images"
+            )
+        for i, im in enumerate(images):
+            _check_usable(who, f"{name}[{i}]", im, cb)
+            if im._root().is_temporary:  # its read count would count the copy's read only
+                raise ValueError(
+                    f"[{who}] {name}[{i}] must be a permanent image to be stacked with separate "
+                    "images, got a temporary one (pass an ImageBatch, or views of one batch)"
+                )
+        out = Image._make(first._device, desc)
+
+        def stack() -> None:
+            dst, at = out._data(), 0
+            for im in images:
+                k = im._shape[0]
+                dst[at : at + k].copy_(im._data())
+                at += k
+
+        cb.record(f"{who}.stack {name}", stack)
+        out._writer = cb
+        return cls(out)
 
     @property
     def image(self) -> Image:

@@ -12,8 +12,10 @@ part of every plan key, so a cached plan never outlives the configuration it was
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from typing import Any
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from mpsnn.core._checks import check_int, check_type
 from mpsnn.core.device import CommandBuffer, Device
@@ -23,7 +25,64 @@ from mpsnn.core.image import Image, _check_usable
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.state import StateBatch
 
-__all__ = ["Kernel", "KernelOptions", "TrainingStyle", "resolve_images", "resolve_span"]
+__all__ = [
+    "Kernel",
+    "KernelOptions",
+    "TrainingStyle",
+    "image_sequences",
+    "resolve_images",
+    "resolve_span",
+]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def image_sequences(*sources: str, destinations: tuple[str, ...] = ()) -> Callable[[_F], _F]:
+    """Decorate an ``encode_batch(self, command_buffer, ...)`` so that its parameters
+    ``sources`` and ``destinations`` take any sequence of `Image` s as well as an `ImageBatch`
+    (MPS's ``MPSImageBatch`` is an array of images).
+
+    A sequence becomes a batch through `ImageBatch._of`: one image, or views of one batch's
+    consecutive images, without a copy; separate permanent source images stacked into a new
+    image by a command recorded on the command buffer first (rolled back, with whatever the
+    encode recorded, if the encode then fails: a failed encode leaves the buffer as it was).
+    Destinations must need no copy, since the results are written where they are. Calls whose
+    batches are all `ImageBatch` es (or None) go straight through.
+    """
+    names = sources + destinations
+
+    def wrap(fn: _F) -> _F:
+        sig = inspect.signature(fn)
+        params = list(sig.parameters)
+        where = [(n, params.index(n) - 1) for n in names]  # positions after ``self``
+
+        @functools.wraps(fn)
+        def encode_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
+            for n, i in where:
+                v = args[i] if i < len(args) else kwargs.get(n)
+                if v is not None and not isinstance(v, ImageBatch):
+                    break
+            else:
+                return fn(self, *args, **kwargs)
+            bound = sig.bind(self, *args, **kwargs)
+            cb = bound.arguments["command_buffer"]
+            self._check_command_buffer(cb)
+            who, mark = type(self).__name__, cb._mark()
+            try:
+                for n in names:
+                    v = bound.arguments.get(n)
+                    if v is not None:
+                        bound.arguments[n] = ImageBatch._of(
+                            cb, who, n, v, destination=n in destinations
+                        )
+                return fn(*bound.args, **bound.kwargs)
+            except BaseException:
+                cb._rollback(mark)
+                raise
+
+        return encode_batch  # type: ignore[return-value]
+
+    return wrap
 
 
 class KernelOptions(enum.IntFlag):

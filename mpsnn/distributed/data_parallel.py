@@ -238,7 +238,8 @@ class _Bucket:
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.states: list[tuple[AccumulatorState, int]] = []  # (state, slot summed)
+        # (state, slot summed, further per-image states folded into it before the exchange)
+        self.states: list[tuple[AccumulatorState, int, list[AccumulatorState]]] = []
         self.labels: list[str] = []
         self.nbytes = 0
         self.pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
@@ -299,7 +300,8 @@ class _StepCollectives:
     def weight_gradient_ready(self, node: Any, kernel: Any, states: Any) -> None:
         if self.single:
             return
-        state = StateBatch(states if isinstance(states, list) else [states]).unique()[0]
+        unique = StateBatch(states if isinstance(states, list) else [states]).unique()
+        state, extras = unique[0], list(unique[1:])
         slot = 0
         if isinstance(state, BatchNormalizationState):
             if self.dp.sync_batch_norm:
@@ -308,7 +310,7 @@ class _StepCollectives:
         elif not isinstance(state, AccumulatorState):
             return
         bucket = self.open
-        bucket.states.append((state, slot))
+        bucket.states.append((state, slot, extras))
         bucket.labels.append(_name(node))
         bucket.nbytes += _gradient_bytes(state, kernel)
         if bucket.nbytes >= self.dp.bucket_bytes:
@@ -322,7 +324,9 @@ class _StepCollectives:
 
         def launch() -> None:
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for st, slot in bucket.states:
+            for st, slot, extras in bucket.states:
+                if extras:  # per-image states (instance/group normalization): one exchange
+                    _fold(st, extras, slot)
                 for t in _sums(st, slot):
                     by_dtype.setdefault(t.dtype, []).append(t)
             for tensors in by_dtype.values():
@@ -419,6 +423,17 @@ def _sums(state: AccumulatorState, slot: int = 0) -> list[torch.Tensor]:
     if state._slots.get(slot) is None:
         state._sum(0, slot)  # a convolution state makes its zeros; others must have run
     return state._slots[slot]
+
+
+def _fold(state: AccumulatorState, extras: list[AccumulatorState], slot: int) -> None:
+    """Add the sums of ``extras`` (the batch's other per-image states) into ``state``'s and
+    zero theirs, on the device: the all-reduce then moves one layer's sums, not one per image,
+    and the data source's update, which sums the batch of states, still sees the total."""
+    into = _sums(state, slot)
+    for other in extras:
+        sums = _sums(other, slot)
+        torch._foreach_add_(into, sums)
+        torch._foreach_zero_(sums)
 
 
 def _gradient_bytes(state: Any, kernel: Any) -> int:

@@ -13,13 +13,18 @@ from mpsnn.graph.nodes import LabelsNode as LabelsNode
 from mpsnn.graph.nodes import StateNode as StateNode
 from mpsnn.graph.normalization_nodes import *  # noqa: F403
 from mpsnn.graph.normalization_nodes import __all__ as _normalization
+from mpsnn.graph.reduction_nodes import *  # noqa: F403
+from mpsnn.graph.reduction_nodes import __all__ as _reduction
+from mpsnn.graph.resize_nodes import *  # noqa: F403
+from mpsnn.graph.resize_nodes import __all__ as _resize
 from mpsnn.graph.step import StepCollectives as StepCollectives
 from mpsnn.graph.training import training_graph as training_graph
+from mpsnn.graph.yolo_nodes import YOLOLossNode as YOLOLossNode
 
 __all__ = sorted(
     {
         "CompiledGraph", "FilterNode", "Graph", "GradientFilterNode", "ImageNode", "LabelsNode",
-        "StateNode", "StepCollectives",
-        *_forward, *_gradient, *_normalization,
+        "StateNode", "StepCollectives", "YOLOLossNode",
+        *_forward, *_gradient, *_normalization, *_reduction, *_resize,
     }
 )  # fmt: skip

@@ -15,11 +15,12 @@ How a call runs:
 3. Later calls: the new batch is copied into the static inputs in place (on the queue's
    stream) and the recording is replayed.
 
-Every call is exactly one training step, so eager and compiled training give the same
-weights: everything that changes between steps is kept on the device — dropout keys, the
-optimizers' step counts and learning rates, the master weights and their low-precision
-copies, the gradient accumulators — and advances at each replay. The result image and the
-loss images are the same storage at every replay: read (or copy) them before the next call.
+Every call is exactly one training step, so eager and compiled training give the same weights:
+everything that changes between steps is kept on the device — dropout keys, the optimizers'
+step counts (Adam's ``time_step``, counted at encode, also counts each replay) and learning
+rates, the master weights and their low-precision copies, the gradient accumulators — and
+advances at each replay. The result image and the loss images are the same storage at every
+replay: read (or copy) them before the next call.
 
 A graph with ``data_parallel`` hooks (`mpsnn.DataParallel`) is recorded with its collectives
 when the hooks say ``capturable`` (NCCL): each rank records and replays its own step, and after
@@ -46,6 +47,7 @@ from mpsnn.core.device import CapturedCommandBuffer, CommandQueue
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.state import State
+from mpsnn.optim.base import journal
 
 __all__ = ["CompiledGraph"]
 
@@ -85,6 +87,7 @@ class CompiledGraph:
         self._result: ImageBatch | None = None
         self._last_states: list[list[State]] = []
         self._last_eager: Any = None
+        self._encodes: list[Any] = []  # (optimizer, encode) the recorded step counted
         self.steps = 0
 
     @property
@@ -130,6 +133,8 @@ class CompiledGraph:
         if self._captured is not None:
             self._refill(source_images, source_states)
             self._captured.replay()
+            for opt, encode in self._encodes:  # a replay is one more encode of the step
+                opt._recount(encode)
             self.steps += 1
             self._replayed(new_step=True)
             return self._result
@@ -157,7 +162,9 @@ class CompiledGraph:
         self._states = states
         cb = self._queue.command_buffer()
         cb.label = "compiled step"
-        self._result = graph.encode_batch(cb, self._images, self._states)
+        with journal() as encodes:
+            self._result = graph.encode_batch(cb, self._images, self._states)
+        self._encodes = encodes
         self._captured = cb.capture()
         self._last_states = self._states
         self._captured.replay()

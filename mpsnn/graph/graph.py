@@ -24,7 +24,7 @@ from mpsnn.core.descriptor import FeatureChannelFormat, ImageDescriptor
 from mpsnn.core.device import CommandBuffer, CommandQueue, Device
 from mpsnn.core.image import Image, TemporaryImage, _check_usable
 from mpsnn.core.image_batch import ImageBatch
-from mpsnn.core.state import State
+from mpsnn.core.state import State, StateBatch
 from mpsnn.graph import template
 from mpsnn.graph.nodes import ImageNode
 from mpsnn.graph.step import _HELD, _Step, nbytes
@@ -117,6 +117,8 @@ class Graph:
         self.data_parallel: Any = None
         self.recompute_normalization_results = True
         self.reuse_step = True
+        self._output_state_is_temporary = False
+        self._result_states: list[Any] = []
         self._templates: list[Any] = []
         self._template_refusals = 0  # recordings in a row not kept (mpsnn.graph.template)
         plan_graph(self)  # sets _order, _sources, _state_sources, _kernels, _training, ...
@@ -155,6 +157,34 @@ class Graph:
     def intermediate_images(self) -> list[Any]:
         """The exported images (and extra results) of the last encode."""
         return list(self._intermediates)
+
+    @property
+    def result_state_handles(self) -> list[Any]:
+        """The handles of the result states (MPS ``resultStateHandles``): the state nodes of
+        the graph's forward filters marked ``export_from_graph``, in the order
+        ``result_states`` lists them. A filter with an exported state runs in training mode
+        (it makes its state)."""
+        return [st.handle for st in self._exported_states]
+
+    @property
+    def result_states(self) -> list[Any]:
+        """The result states of the last encode: one `StateBatch` per result state handle."""
+        return list(self._result_states)
+
+    @property
+    def output_state_is_temporary(self) -> bool:
+        """Whether the result states an encode returns are temporary (MPS
+        ``outputStateIsTemporary``, default False): False, permanent states that live as long
+        as they are referenced; True, temporary states of the encode's command buffer, handed
+        over with ``read_count`` 1 (a gradient encode that reads them consumes it; raise it to
+        read them more, set it to 0 to release them)."""
+        return self._output_state_is_temporary
+
+    @output_state_is_temporary.setter
+    def output_state_is_temporary(self, value: bool) -> None:
+        if type(value) is not bool:
+            raise TypeError(f"[Graph] output_state_is_temporary must be a bool, got {value!r}")
+        self._output_state_is_temporary = value
 
     def read_count_for_source_image(self, index: int) -> int:
         """How many times one encode reads source image ``index`` (MPS
@@ -246,9 +276,11 @@ class Graph:
         source_images: Sequence[ImageBatch],
         source_states: Sequence[Any] | None = None,
     ) -> ImageBatch | None:
-        """Encode one step: one `ImageBatch` per source image handle, one `StateBatch` (one
-        `LossLabels` per image, or one for the batch) per source state handle. Returns the
-        result batch (None when the result is not needed). Trainable layers are updated."""
+        """Encode one step: one `ImageBatch` per source image handle (or a sequence of
+        `Image` s of one shape: views of one batch are wrapped, separate images stacked by a
+        recorded copy), one `StateBatch` (one `LossLabels` per image, or one for the batch) per
+        source state handle. Returns the result batch (None when the result is not needed).
+        Trainable layers are updated."""
         who = "Graph"
         if not isinstance(command_buffer, CommandBuffer):
             raise TypeError(
@@ -262,7 +294,46 @@ class Graph:
                 f"{command_buffer.device}"
             )
         self._check_formats(who)
-        images = list(source_images)
+        mark = command_buffer._mark()
+        try:  # a sequence of images may record a stacking copy before the checks
+            images, checked = self._inputs(command_buffer, source_images, source_states)
+        except BaseException:
+            command_buffer._rollback(mark)
+            raise
+        n = len(images[0]) if images else 0
+        key = template.key_of(images, checked) if template.eligible(self) else None
+        if key is None and self._templates and not self.reuse_step:
+            self._templates = []  # turned off: let go of the recorded steps
+        if key is not None:
+            found = template.find(self, key, checked)
+            if found is not None:
+                self._last_plan_report = found.report
+                return found.use(self, command_buffer, images, [s[0] for s in checked])
+        try:
+            if key is None:
+                return self._encode_step(command_buffer, images, checked, n)
+            return template.record(
+                self, command_buffer, key, images, checked,
+                lambda cb, im, st: self._encode_step(cb, im, st, n),
+            )  # fmt: skip
+        except BaseException:
+            # a shape only known at run time (e.g. a concatenation of mismatched inputs)
+            # raised halfway: the buffer is left as it was before this encode
+            command_buffer._rollback(mark)
+            raise
+
+    def _inputs(
+        self,
+        command_buffer: CommandBuffer,
+        source_images: Sequence[Any],
+        source_states: Sequence[Any] | None,
+    ) -> tuple[list[ImageBatch], list[Any]]:
+        """The checked inputs of `encode_batch`: the source batches and the label batches."""
+        who = "Graph"
+        images = [
+            ImageBatch._of(command_buffer, who, f"source_images[{i}]", b)
+            for i, b in enumerate(source_images)
+        ]
         if len(images) != len(self._sources):
             raise ValueError(
                 f"[{who}] encode_batch needs one ImageBatch per source image handle "
@@ -294,27 +365,7 @@ class Graph:
                 f"({len(self._state_sources)}), got {len(states)}"
             )
         checked = [_labels_batch(self, value, n, i) for i, value in enumerate(states)]
-        key = template.key_of(images, checked) if template.eligible(self) else None
-        if key is None and self._templates and not self.reuse_step:
-            self._templates = []  # turned off: let go of the recorded steps
-        if key is not None:
-            found = template.find(self, key, checked)
-            if found is not None:
-                self._last_plan_report = found.report
-                return found.use(self, command_buffer, images, [s[0] for s in checked])
-        mark = command_buffer._mark()
-        try:
-            if key is None:
-                return self._encode_step(command_buffer, images, checked, n)
-            return template.record(
-                self, command_buffer, key, images, checked,
-                lambda cb, im, st: self._encode_step(cb, im, st, n),
-            )  # fmt: skip
-        except BaseException:
-            # a shape only known at run time (e.g. a concatenation of mismatched inputs)
-            # raised halfway: the buffer is left as it was before this encode
-            command_buffer._rollback(mark)
-            raise
+        return images, checked
 
     def _encode_step(
         self, command_buffer: CommandBuffer, images: list[ImageBatch], checked: list[Any], n: int
@@ -340,6 +391,13 @@ class Graph:
                 step.collectives.after_updates()
         finally:
             self._current = None
+        for batch in step.result_states:  # the graph's reads dropped: the client's one left
+            for st in batch.unique():
+                if st._released_by is None:
+                    st._read_count = 1
+        self._result_states = [
+            StateBatch(step.states.get(st._id) or []) for st in self._exported_states
+        ]
         self._intermediates = [step.images.get(x._id) for x in self._exported]
         # the total is computed when asked for (debug_description), not at every step
         self._last_plan_report = {

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from mpsnn.core.descriptor import FeatureChannelFormat
-from mpsnn.core.kernel import Kernel
+from mpsnn.core.kernel import Kernel, TrainingStyle
 
 if TYPE_CHECKING:
     from mpsnn.core.device import Device
@@ -297,6 +297,7 @@ class GradientFilterNode(FilterNode):
         super().__init__(sources)
         self._forward = forward
         self._state = state
+        self._training_style: TrainingStyle | None = None  # None: the data source's
 
     @property
     def trainable(self) -> bool:
@@ -308,6 +309,32 @@ class GradientFilterNode(FilterNode):
     def inference_node(self) -> FilterNode:
         """The forward filter this node differentiates."""
         return self._forward
+
+    @property
+    def training_style(self) -> TrainingStyle:
+        """Where a graph runs this layer's update (MPS ``MPSNNTrainingStyle`` of a trainable
+        gradient node): `TrainingStyle.UPDATE_ON_GPU` encodes the data source's ``update`` on
+        the step's command buffer; `TrainingStyle.UPDATE_ON_CPU` calls its ``update_on_cpu``
+        after completion, then reloads the layer from the data source.
+
+        Precedence: a style set on this node wins; unset, it is the forward node's data
+        source's ``training_style`` (as MPS copies the forward node's style onto the gradient
+        nodes made from it), and `TrainingStyle.UPDATE_ON_GPU` when the data source has none.
+        A `Graph` reads it when it is made: set it before."""
+        own = self._training_style
+        if own is not None:
+            return own
+        style = getattr(getattr(self._forward, "data_source", None), "training_style", None)
+        return style if isinstance(style, TrainingStyle) else TrainingStyle.UPDATE_ON_GPU
+
+    @training_style.setter
+    def training_style(self, value: TrainingStyle | None) -> None:
+        if value is not None and not isinstance(value, TrainingStyle):
+            raise TypeError(
+                f"[{type(self).__name__}] training_style must be a TrainingStyle (or None: the "
+                f"data source's), got {type(value).__name__} {value!r}"
+            )
+        self._training_style = value
 
     @property
     def source_states(self) -> list[StateNode]:

@@ -190,6 +190,16 @@ def plan_graph(graph: Any) -> None:
         for st in n.source_states
         if isinstance(st.producer, ConvolutionNode) and st.producer._id in in_graph
     }
+    # result states (MPS ``resultStateHandles``): exported state nodes of forward filters,
+    # which then run in training mode to make them; the graph never releases them
+    graph._exported_states = [
+        n.result_state
+        for n in order
+        if not isinstance(n, GradientFilterNode)
+        and n.result_state is not None
+        and n.result_state.export_from_graph
+    ]
+    graph._training |= {st.producer._id for st in graph._exported_states}
     exported = [n.result_image for n in order if n.result_image.export_from_graph]
     graph._exported = [r for r in graph._results[1:]] + [
         e for e in exported if all(e is not r for r in graph._results)
@@ -261,7 +271,7 @@ def plan_graph(graph: Any) -> None:
     graph._alloc_nodes = {
         n.result_image._id: shown.get(key(n.result_image._id), n.result_image) for n in order
     }
-    keep = {key(k) for k in keep}
+    keep = {key(k) for k in keep} | {key(st._id) for st in graph._exported_states}
     graph._reads_by = {}
     graph._readers = {}
     graph._last_reader = {}
@@ -353,7 +363,7 @@ def plan_graph(graph: Any) -> None:
         for n in order
         if isinstance(n, GradientFilterNode)
         and getattr(n, "trainable", False)
-        and getattr(n.inference_node, "training_style", None) is TrainingStyle.UPDATE_ON_CPU
+        and n.training_style is TrainingStyle.UPDATE_ON_CPU
     }
     graph._recompute, graph._recompute_reads = _plan_recompute(graph, order, key)
 

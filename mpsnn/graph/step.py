@@ -79,6 +79,7 @@ class _Step:
         self.states: dict[int, Any] = {}
         self.updates: list[tuple[Any, Any, Any]] = []  # (gradient node, kernel, state batch)
         self.gamma_beta_reloads: list[tuple[Any, Any]] = []
+        self.result_states: list[StateBatch] = []  # temporary result states made
         self.remaining = dict(graph._readers)  # node id -> consumers still to run
         # normalization results recomputed for the backward: freed after the forward readers
         self.recompute = graph._recompute if graph.recompute_normalization_results else {}
@@ -120,9 +121,19 @@ class _Step:
 
     def states_for(self, node: _Node, kernel: Any, source: ImageBatch) -> StateBatch:
         """States for a training forward: temporary and held by the graph until it releases
-        them; permanent for a layer updated on the CPU after completion."""
-        if node._id in self.graph._cpu_updates:
+        them; permanent for a layer updated on the CPU after completion. A result state
+        (exported) is permanent, or temporary with ``graph.output_state_is_temporary`` (the
+        graph hands it over with one read, the client's, at the end of the encode)."""
+        graph = self.graph
+        exported = getattr(node, "result_state", None) in graph._exported_states
+        if node._id in graph._cpu_updates or (exported and not graph.output_state_is_temporary):
             return kernel.result_state_batch(source)
+        if exported:
+            batch = kernel.temporary_result_state_batch(self.cb, source)
+            for st in batch.unique():
+                st._read_count = _HELD
+            self.result_states.append(batch)
+            return batch
         if getattr(kernel, "_gradient_state_class", None) is GradientState:
             # A plain gradient state holds only the forward record, which one batch encode
             # makes identical for every image: one state repeated serves the batch (and saves

@@ -28,14 +28,15 @@ kinds of objects in the same order (tested over several steps, models, optimizer
 against the graph with the template off).
 
 When an encode does not use it (it runs the ordinary way, and records a template when it can):
-the first encode; a graph with ``data_parallel`` hooks, updates on the CPU, an allocator of
-the user's (nodes, result), a data source or optimizer defined outside mpsnn (its ``update``
-may do host work at every step); sources that are not whole permanent images, labels that are
-not one permanent `LossLabels` per state source; a changed input layout, graph setting, Triton
-switch, kernel configuration (any public assignment), or attribute of a node, data source (and
-the weights state it holds), optimizer or optimizer descriptor (the learning rate aside: it
-lives in device memory); and a template still in use by a command buffer not yet committed
-(two steps encoded before either is committed record a second template).
+the first encode; a graph with ``data_parallel`` hooks, result states, updates on the CPU, an
+allocator of the user's (nodes, result), a scale node's transform provider (asked at every
+encode), a data source or optimizer defined outside mpsnn (its
+``update`` may do host work at every step); sources that are not whole permanent images, labels
+that are not one permanent `LossLabels` per state source; a changed input layout, graph
+setting, Triton switch, kernel configuration (any public assignment), or attribute of a node,
+data source (and the weights state it holds), optimizer or optimizer descriptor (the learning
+rate aside: it lives in device memory); and a template still in use by a command buffer not yet
+committed (two steps encoded before either is committed record a second template).
 ``Graph.reuse_step = False`` turns it off.
 """
 
@@ -52,6 +53,7 @@ from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.state import State
 from mpsnn.ops import triton as fast_paths
+from mpsnn.optim.base import journal
 
 __all__ = ["eligible", "find", "key_of", "record"]
 
@@ -69,6 +71,7 @@ def eligible(graph: Any) -> bool:
         and graph.data_parallel is None
         and not graph._cpu_updates
         and graph.destination_image_allocator is None
+        and not graph._exported_states  # result states: made for the client at each encode
         and graph._template_refusals < _REFUSALS
         # tensors an encode makes under inference mode cannot be updated outside it
         and not torch.is_inference_mode_enabled()
@@ -83,6 +86,10 @@ def _recordable(graph: Any) -> bool:
             return False
         policy = getattr(node, "padding_policy", None)  # a user's is called at every encode
         if policy is not None and not type(policy).__module__.startswith("mpsnn."):
+            return False
+        if getattr(node, "transform_provider", None) is not None:  # a scale node's, likewise
+            return False
+        if getattr(node, "property_call_back", None) is not None:  # asked at every encode
             return False
         ds = getattr(getattr(node, "inference_node", node), "data_source", None)
         if ds is not None and not type(ds).__module__.startswith("mpsnn."):
@@ -179,8 +186,9 @@ def _signature(image: Image) -> tuple[Any, ...] | None:
 
 
 # attributes an encode does not read: the learning rate lives in device memory (the host
-# value mirrors it), so a schedule that sets it at every step keeps the template
-_NOT_READ = frozenset({"learning_rate"})
+# value mirrors it), so a schedule that sets it at every step keeps the template; Adam's
+# ``time_step`` is counted again at each use (the work runs with its use's count)
+_NOT_READ = frozenset({"learning_rate", "_time_step"})
 
 
 def _watched(graph: Any) -> list[Any]:
@@ -268,6 +276,7 @@ class _Template:
         self.exports: list[Any] = []  # the recorded exported batches (or None each)
         self.report: Any = None
         self.last_cb: CommandBuffer | None = None
+        self.encodes: list[Any] = []  # (optimizer, its encode) of each update counting a step
         self.uses = 0  # encodes that re-armed it (for tests and reports)
 
     # -- checks at each use ------------------------------------------------------------------
@@ -312,6 +321,8 @@ class _Template:
         """Encode the recorded step on ``cb`` for these inputs (checked by the caller)."""
         for m in self.mementos:
             m.restore(cb)
+        for opt, encode in self.encodes:  # Adam counts this step at encode, as when recorded
+            opt._recount(encode)
         cmds = cb._commands
         cmds.append(_Command("Graph.bind", self._binder(images, labels)))
         cmds.extend(self.commands)
@@ -457,7 +468,9 @@ def record(
     handlers, last = len(cb._handlers), cb._commands[-1] if cb._commands else None
     last_releases = len(last.releases or ()) if last is not None else 0
     proxy_batches = [ImageBatch(p) for p in proxies]
-    out = encode(cb, proxy_batches, [[p] for p in label_proxies])
+    with journal() as encodes:
+        out = encode(cb, proxy_batches, [[p] for p in label_proxies])
+    t.encodes = encodes
     users = {id(p): b for p, b in zip(proxy_batches, images, strict=True)}
     if len(cb._commands) == start:  # no work (a pass-through graph): nothing to bind or keep
         graph._intermediates = [_user_batch(e, users) for e in graph._intermediates]

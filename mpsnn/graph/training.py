@@ -1,9 +1,10 @@
 """The automatic training graph (MPS ``trainingGraphWithSourceGradient:nodeHandler:``).
 
-From a loss node (whose result image is the gradient of the loss with respect to its source)
-or from any node given the gradient of its result, walk back over the forward graph and ask
-each forward filter for its gradient node(s) (``gradient_filters``, which the forward →
-gradient registry backs):
+From a loss node (whose result image is the gradient of the loss with respect to its source),
+from an initial-gradient node (whose result, ones, is the gradient of its source with respect
+to itself) or from any node given the gradient of its result, walk back over the forward
+graph and ask each forward filter for its gradient node(s) (``gradient_filters``, which the
+forward → gradient registry backs):
 
 * where an image feeds several filters, the gradients of its readers are summed by inserted
   `AdditionNode` s;
@@ -81,10 +82,13 @@ def training_graph(
     if not callable(handler):
         raise TypeError(f"[training_graph] node_handler must be callable, got {handler!r}")
     grads: dict[int, list[ImageNode]] = {}  # image id -> gradients flowing into it
-    if isinstance(node, LossNode):
+    if isinstance(node, LossNode) or getattr(node, "_supplies_gradient", False):
+        # a loss node's result is its source's gradient; an initial gradient's result (ones)
+        # is its source's gradient with respect to itself
         start = node.source_images[0]
         if start.producer is None:
-            raise ValueError("[training_graph] the loss node's source must be made by a filter")
+            what = "loss" if isinstance(node, LossNode) else "initial gradient"
+            raise ValueError(f"[training_graph] the {what} node's source must be made by a filter")
         grads[start._id] = [node.result_image]
         forward = _forward_order(start.producer)
     else:
@@ -125,6 +129,8 @@ def training_graph(
 def _differentiated(fnode: FilterNode, gnode: Any, index: int) -> ImageNode | None:
     """The forward input whose gradient ``gnode`` computes."""
     sources = fnode.source_images
+    if hasattr(gnode, "is_labels_gradient_filter"):  # a forward loss: predictions or labels
+        return sources[int(gnode.is_labels_gradient_filter)]
     if hasattr(gnode, "is_secondary_source_filter"):
         return sources[int(gnode.is_secondary_source_filter)]
     if hasattr(gnode, "index"):  # a concatenation's slice

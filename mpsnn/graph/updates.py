@@ -12,7 +12,10 @@ and every data gradient used the pre-update weights), each trainable layer is up
   again updated together: CPU and GPU styles give the same weights).
 
 Batch normalization also updates its running statistics (``update_mean_and_variance``). The
-graph owns the gradient states and releases them after the updates.
+graph owns the gradient states and drops its own reads of them after the updates: a state no
+one else reads is released; reads a data source added inside its update (to read the state
+after completion, as MPS clients do) keep it alive until the data source sets ``read_count``
+back to 0.
 """
 
 from __future__ import annotations
@@ -26,9 +29,12 @@ __all__ = ["encode_updates"]
 
 def encode_updates(graph: Any, step: Any) -> None:
     from mpsnn.cnn.convolution.kernels import reload_weights_and_biases
-    from mpsnn.graph.normalization_nodes import BatchNormalizationNode
+    from mpsnn.graph.normalization_nodes import BatchNormalizationNode, InstanceNormalizationNode
 
     cb = step.cb
+    # the graph's own reads of the temporary states the updates get: a data source may add
+    # reads of its own (to read a state after completion), which the graph leaves to it
+    held = _held_states(graph, step)
     groups: dict[int, tuple[Any, list[Any]]] = {}  # optimizer -> [(ds, lists), ...]
     reloads: list[tuple[Any, Any]] = []
     cpu: list[tuple[Any, Any, Any]] = []
@@ -36,12 +42,16 @@ def encode_updates(graph: Any, step: Any) -> None:
         fnode = gnode.inference_node
         ds = fnode.data_source
         state = StateBatch(states).unique()[0]
+        if isinstance(fnode, InstanceNormalizationNode):  # and group: one state per image,
+            state = StateBatch(states)  # the data source sums the batch of them
         if fnode._id in graph._cpu_updates:
             cpu.append((fnode, fkernel, state))
             continue
         if isinstance(fnode, BatchNormalizationNode):
             bn = fkernel[1]
             _gamma_beta(step, ds, bn, state, groups)
+            if step.collectives is not None:  # statistics merged in place after the kernels
+                state._encode_refresh(cb)  # read them: the variance a data source reads
             mv = ds.update_mean_and_variance(cb, state)
             if mv is not None:
                 bn.reload_mean_and_variance(cb, mv)
@@ -65,12 +75,43 @@ def encode_updates(graph: Any, step: Any) -> None:
         kernel.reload_gamma_and_beta(cb, ds._gb)
     if cpu:
         cb.add_completed_handler(_cpu_updates(cpu))
-    for gnode, _, states in step.updates:  # the graph owns the states: release them
+    _release(cb, held)
+
+
+def _held_states(graph: Any, step: Any) -> list[tuple[State, int]]:
+    """The distinct temporary states the updates read (a `StateBatch` repeating one state
+    counts it once), with their read counts before the updates: all the graph's."""
+    held: dict[int, tuple[State, int]] = {}
+    results = {id(st) for batch in step.result_states for st in batch}  # the client's
+    for gnode, _, states in step.updates:
         if gnode.inference_node._id in graph._cpu_updates:
-            continue
+            continue  # permanent states
         for st in StateBatch(states).unique():
-            if isinstance(st, State) and st.is_temporary and st._released_by is None:
-                st.read_count = 0
+            if (
+                isinstance(st, State)
+                and st.is_temporary
+                and st._released_by is None
+                and id(st) not in results
+            ):
+                held.setdefault(id(st), (st, st._read_count))
+    return list(held.values())
+
+
+def _release(cb: Any, held: list[tuple[State, int]]) -> None:
+    """Drop the graph's own reads of the update states: a state nobody else reads is released
+    (freed after the last command that reads it); one whose data source raised its read count
+    keeps those reads, outlives the command buffer, and is released when the data source sets
+    its count back to 0."""
+    for st, own in held:
+        if st._released_by is not None:
+            continue
+        extra = st._read_count - own
+        if extra <= 0:
+            st.read_count = 0
+            continue
+        st._read_count = extra
+        # the state would otherwise be freed once the buffer's work is enqueued
+        cb._hooks[:] = [h for h in cb._hooks if getattr(h, "resource", None) is not st]
 
 
 def _grouped(ds: Any) -> bool:

@@ -21,7 +21,7 @@ from mpsnn.cnn.normalization.data_sources import (
 )
 from mpsnn.core.kernel import KernelOptions, TrainingStyle
 from mpsnn.io.codec import FLOATS, Encoder, Fields, fail, per_class, register_codec, show
-from mpsnn.ops.optim import RegularizationType
+from mpsnn.ops.optim import RegularizationType, make_step
 from mpsnn.optim.optimizers import SGD, Adam, Optimizer, OptimizerDescriptor, RMSProp
 
 __all__: list[str] = []  # the codecs are registered at import
@@ -132,7 +132,9 @@ def _enc_optimizer(opt: Optimizer, enc: Encoder) -> dict[str, Any]:
     elif isinstance(opt, Adam):
         out["beta1"], out["beta2"], out["epsilon"] = opt.beta1, opt.beta2, opt.epsilon
         out["amsgrad"] = opt._amsgrad
-        out["step"] = enc.tensor(opt._step, "step")
+        # the count the client sees (advanced at encode), not the device copy, which lags it
+        # while encoded work has not run
+        out["step"] = enc.tensor(make_step(opt._step.device, opt.time_step), "step")
     out["hyper"] = enc.tensor(opt._hyper, "hyper")  # the device copy, exactly
     return out
 
@@ -152,7 +154,10 @@ def _dec_optimizer(f: Fields, kind: type) -> Optimizer:
         )  # fmt: skip
         assert opt._step is not None  # made by Adam
         step = f.get_tensor("step", shape=opt._step.shape, dtypes=(opt._step.dtype,))
+        if int(step[0]) < 0:
+            raise fail(f"{f.who} field 'step' must hold a time step >= 0, got {int(step[0])}")
         opt._step.copy_(step)
+        opt._time_step = int(step[0])
     hyper = f.get_tensor("hyper", shape=opt._hyper.shape, dtypes=(opt._hyper.dtype,))
     opt._hyper.copy_(hyper)
     opt.label = f.get_str("label", optional=True)
@@ -261,6 +266,9 @@ def _dec_conv_data_source(f: Fields) -> TensorConvolutionDataSource:
         "biases", shape=(desc.output_feature_channels,), dtypes=(w.dtype,), optional=True
     )
     opt = f.get_object("optimizer", Optimizer, optional=True)
+    # the data source wraps what it is given: an OHWI view of OIHW memory keeps the optimizer's
+    # one-launch path (its gradient sums are OIHW)
+    w = w.permute(0, 3, 1, 2).contiguous().permute(0, 2, 3, 1)
     ds = TensorConvolutionDataSource(desc, w, b, opt, f.get_str("label", optional=True))
     ds._descriptor = desc  # the loaded object itself (the constructor keeps a copy)
     _dec_training_style(f, ds)

@@ -162,6 +162,7 @@ def _enc_graph(graph: Graph, enc: Encoder) -> dict[str, Any]:
         "recompute_normalization_results": attr(
             graph, "recompute_normalization_results", (bool,), enc
         ),
+        "output_state_is_temporary": graph.output_state_is_temporary,
         "results": [enc.object(r) for r in graph._results],
         "results_are_needed": list(graph._needed),
         "nodes": [enc.object(n) for n in graph._order],
@@ -194,6 +195,8 @@ def _dec_graph(f: Fields) -> Graph:
     # absent from files written before the option existed: its default
     if f.has("recompute_normalization_results"):
         graph.recompute_normalization_results = f.get_bool("recompute_normalization_results")
+    if f.has("output_state_is_temporary"):
+        graph.output_state_is_temporary = f.get_bool("output_state_is_temporary")
     order = graph._order
     if len(order) != len(nodes) or any(a is not b for a, b in zip(order, nodes, strict=False)):
         planned = [type(n).__name__ for n in order]

@@ -20,6 +20,10 @@ Gradients (the exact adjoint of the forward, derived as in ``jax/_src/lax/convol
 computed with ``aten.convolution_backward`` over the same extracted source the forward read.
 Weight and bias gradients are returned in float32 (accumulations run in at least float32).
 
+Every cuDNN/cuBLAS call here goes through `mpsnn.core.precision` (`float32_conv_call`,
+`float32_call`): float32 on CUDA is float32 arithmetic (no TF32) unless
+`mpsnn.set_float32_matmul_precision` allows TF32.
+
 The convolution transpose is defined as MPS defines it: insert ``stride - 1``
 zeros between source pixels, then correlate with the weights *as given*.
 """
@@ -33,6 +37,7 @@ import torch.nn.functional as F
 
 from mpsnn.core.geometry import AxisWindow, EdgeMode
 from mpsnn.core.layout import channels_last_preferred
+from mpsnn.core.precision import float32_call, float32_conv_call
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops._dtypes import acc_dtype
 from mpsnn.ops.window import (
@@ -136,7 +141,8 @@ def conv_forward(
     plan = geom.plan
     # The identity test is apply_extract's first, made here: no call for the common case.
     t = x if plan.identity else apply_extract(x, plan)
-    out = F.conv2d(_channels_last(t), weight, bias, *geom.conv_args)
+    t = _channels_last(t)
+    out = float32_conv_call(F.conv2d, t, t, weight, bias, *geom.conv_args)
     if geom.crop:
         out = out[:, :, : geom.y.count, : geom.x.count]
     return out
@@ -178,7 +184,9 @@ def conv_backward(
     # Narrower dtypes sum in float32 below, a channels-last ``g`` through the Triton channel
     # sums; the CPU keeps the explicit sum (oneDNN's operator sums in an order of its own).
     with_bias = need_bias and g.is_cuda and g.dtype is acc and g.is_contiguous()
-    dt, dw, db = _conv_backward(
+    dt, dw, db = float32_conv_call(
+        _conv_backward,
+        g,
         g,
         t,
         weight,
@@ -235,7 +243,7 @@ def fc_forward(
     # F.linear is one addmm (mm without a bias) of the (N, O) product; resized in place to
     # (N, O, 1, 1) rather than viewed, it stays a new tensor (no base) that an image adopts
     # as its storage. One call from Python for what took four (out=, t, view, addmm).
-    return F.linear(_pixels(x, kh, kw), w2, bias).resize_(n, o, 1, 1)
+    return float32_call(F.linear, x, _pixels(x, kh, kw), w2, bias).resize_(n, o, 1, 1)
 
 
 def fc_backward(
@@ -254,11 +262,12 @@ def fc_backward(
     dx = dw = None
     if need_data:
         w2 = fc_matrix(weight) if matrix is None else matrix
-        dx = torch.mm(g2, w2).resize_(n, c, kh, kw)  # a new tensor, not a view (fc_forward)
+        # a new tensor, not a view (fc_forward)
+        dx = float32_call(torch.mm, g2, g2, w2).resize_(n, c, kh, kw)
         if (kh, kw) != (h, w):
             dx = F.pad(dx, (0, w - kw, 0, h - kh))
     if need_weights:
-        dw = (g2.t() @ _pixels(x, kh, kw)).view(o, c, kh, kw)
+        dw = float32_call(torch.mm, g2, g2.t(), _pixels(x, kh, kw)).view(o, c, kh, kw)
     return dx, dw, g2.sum(0, dtype=acc_dtype(grad.dtype))
 
 
@@ -323,7 +332,9 @@ def conv_transpose_forward(
     else:
         py, opy, cy0, cy1 = _transpose_axis_plan(geom.y, x.shape[2], sy)
         px, opx, cx0, cx1 = _transpose_axis_plan(geom.x, x.shape[3], sx)
-        y = F.conv_transpose2d(
+        y = float32_conv_call(
+            F.conv_transpose2d,
+            x,
             x,
             _regroup(weight, geom.groups),
             None,
@@ -365,7 +376,9 @@ def conv_transpose_backward(
     py, opy, cy0, cy1 = _transpose_axis_plan(geom.y, x.shape[2], sy)
     px, opx, cx0, cx1 = _transpose_axis_plan(geom.x, x.shape[3], sx)
     g = pad_axis(pad_axis(grad, -2, -cy0, -cy1), -1, -cx0, -cx1)  # adjoint of the crop
-    dx, dwr, _ = _conv_backward(
+    dx, dwr, _ = float32_conv_call(
+        _conv_backward,
+        g,
         g,
         x,
         _regroup(weight, geom.groups),

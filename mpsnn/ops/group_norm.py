@@ -112,6 +112,7 @@ def group_norm_backward(
     var: torch.Tensor,
     gamma: torch.Tensor | None,
     eps: float,
+    per_image: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The exact vector-Jacobian product of `group_norm_forward` for the cotangent ``g``.
 
@@ -121,10 +122,12 @@ def group_norm_backward(
         mean, var: (N, G) the forward's statistics of ``x`` (``mean`` is used as the pivot of
             the recentring described in the module docstring; ``var`` is used as it is).
         gamma: (C,) the forward's scale (None: 1).
+        per_image: keep ``dgamma`` and ``dbeta`` per image, (N, C), instead of summed.
 
     Returns:
         ``(dx, dgamma, dbeta)``: ``dx`` (N, C, H, W) in ``g``'s dtype; ``dgamma`` and ``dbeta``
-        (C,) summed over the batch and the pixels, in the accumulation dtype of ``x``.
+        (C,) summed over the batch and the pixels (``per_image``: (N, C), summed over the
+        pixels of each image), in the accumulation dtype of ``x``.
 
     Derivation, for one group of ``m`` values ``x_i`` (channel ``c(i)``), ``mu = mean``,
     ``r = (var + eps)^(-1/2)``, ``xhat_i = (x_i - mu) r``, ``y_i = gamma_c(i) xhat_i + beta_c(i)``:
@@ -153,8 +156,9 @@ def group_norm_backward(
     r = _rstd(var.to(acc), eps).unsqueeze(-1)
     xhat = dev * r  # (N, G, m)
     gc = g.to(acc).reshape(n, c, h * w)
-    dbeta = gc.sum((0, 2))
-    dgamma = (gc * xhat.reshape(n, c, h * w)).sum((0, 2))
+    dims = 2 if per_image else (0, 2)
+    dbeta = gc.sum(dims)
+    dgamma = (gc * xhat.reshape(n, c, h * w)).sum(dims)
     gam = _per_channel(gamma, c, acc, x.device, "gamma")
     dxhat = (gc if gam is None else gc * gam).reshape(n, groups, m)
     inner = dxhat - dxhat.mean(-1, keepdim=True) - xhat * (dxhat * xhat).mean(-1, keepdim=True)

@@ -56,12 +56,18 @@ distance: ``w_bar`` as above.
 
 **Class-index labels** (int64 (N, H, W), cross entropies only): ``t`` is one-hot, built by a
 scatter into the (N, C, H, W) class-term tensor ``a`` (no int64 one-hot). Indices must lie in
-``[0, C)``; they are not checked here (a check would wait for the device).
+``[0, C)`` (there is no "ignore" index); a check on the host would wait for the device, so
+they are checked on the device instead: an index is never used as an address outside the
+tensors (the scatter takes it clamped into ``[0, C)``; the Triton pass only compares it), and
+with ``index_bounds`` the call writes the indices' range into a small int64 tensor, which
+`read_index_bounds` decodes once the work has completed (`mpsnn.cnn.loss.Loss` turns a bad
+range into an error of its command buffer). A pixel with a bad index gets meaningless values
+(those of the clamped index on the portable path, NaN on the Triton pass).
 
 **CUDA fast path.** SOFTMAX_CROSS_ENTROPY with class indices, no weights, no label smoothing
 and ``0 < weight <= float32 max`` on float16/bfloat16/float32 CUDA predictions runs as one
 Triton kernel (`mpsnn.ops.triton.loss`): the same formulas, ``log_softmax`` within an ulp or so
-of ATen's; an index outside ``[0, C)`` gives a NaN pixel there instead of a device assertion.
+of ATen's.
 
 **Reductions**, per image ``n`` (a reduction never crosses images), ``S_n`` the sum of ``l_w``
 over the image:
@@ -90,6 +96,7 @@ for float64); the loss image comes back in that dtype, the gradient in ``y``'s d
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -100,6 +107,7 @@ from mpsnn.ops._dtypes import acc_dtype
 __all__ = [
     "LossParams",
     "loss_forward_backward",
+    "read_index_bounds",
     "MEAN_ABSOLUTE_ERROR",
     "MEAN_SQUARED_ERROR",
     "SOFTMAX_CROSS_ENTROPY",
@@ -145,6 +153,8 @@ def loss_forward_backward(
     labels: torch.Tensor,
     weights: torch.Tensor | None,
     params: LossParams,
+    *,
+    index_bounds: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss image, gradient) for predictions ``y`` (N, C, H, W): see the module docstring.
 
@@ -152,13 +162,19 @@ def loss_forward_backward(
     indices (N, H, W). ``weights``: None, or float with the labels' shape; with index labels
     (N, H, W) (one weight per pixel) or (N, Cw, H, W) with Cw >= C (one per class). Returns the
     loss image in the accumulation dtype and ``d sum(loss image) / dy`` in ``y``'s dtype.
+    ``index_bounds``: with class-index labels, an int64 tensor of 2 elements on the labels'
+    device that receives their range (decoded by `read_index_bounds` after the work ran).
     """
     kind, reduction = int(params.kind), int(params.reduction)
     _check(y, labels, weights, kind, reduction)
+    if index_bounds is not None:
+        _check_bounds(index_bounds, labels)
     if kind == SOFTMAX_CROSS_ENTROPY and weights is None:
-        fused = _fused_softmax_cross_entropy(y, labels, params, reduction)
+        fused = _fused_softmax_cross_entropy(y, labels, params, reduction, index_bounds)
         if fused is not None:
             return fused
+    if index_bounds is not None:
+        _index_range(labels, index_bounds)
     _, c, h, w = y.shape
     acc = acc_dtype(y.dtype)
     yw = y.to(acc)
@@ -194,6 +210,48 @@ def loss_forward_backward(
         if not (isinstance(divisor, int) and divisor == 1):
             loss, grad = loss / divisor, grad / divisor
     return loss, grad.to(y.dtype)
+
+
+_I64_MIN = -(2**63)
+
+
+def _index_range(labels: torch.Tensor, out: torch.Tensor) -> None:
+    """Write ``(~min, max)`` of the class indices into ``out`` (on the device, no wait); the
+    first is stored complemented so that both are maxima, as the Triton pass computes them
+    (``~k = -1 - k`` never overflows)."""
+    if labels.numel() == 0:
+        out.fill_(_I64_MIN)  # decodes to an empty range
+        return
+    torch.aminmax(labels, out=(out[0], out[1]))
+    out[0].bitwise_not_()
+
+
+def read_index_bounds(bounds: torch.Tensor) -> tuple[int, int]:
+    """``(lowest, highest)`` class index from an ``index_bounds`` tensor that a
+    `loss_forward_backward` call filled. Call it once that work completed: a CUDA tensor is
+    read on a side stream of its own, which waits for nothing queued after the work (a read on
+    the work's stream would wait for every later commit too)."""
+    if bounds.is_cuda:
+        with torch.cuda.stream(_side_stream(bounds.device)):
+            lo_complement, hi = bounds.tolist()
+    else:
+        lo_complement, hi = bounds.tolist()
+    return ~lo_complement, hi
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def _check_bounds(bounds: torch.Tensor, labels: torch.Tensor) -> None:
+    if labels.is_floating_point():
+        raise ValueError("[loss] index_bounds needs class-index labels, got float labels")
+    if bounds.dtype != torch.int64 or bounds.shape != (2,) or bounds.device != labels.device:
+        raise ValueError(
+            f"[loss] index_bounds must be an int64 tensor of 2 elements on {labels.device}, "
+            f"got {bounds.dtype} {tuple(bounds.shape)} on {bounds.device}"
+        )
 
 
 def _divisor(
@@ -268,11 +326,14 @@ def _class_terms(
         if ls:
             a = a * (1 - ls) + ls / k
     else:  # one-hot (1 - ls) at the class index, plus ls / K everywhere
+        # clamped: an index outside [0, C) must not address memory (`loss_forward_backward`
+        # reports it through ``index_bounds``); a no-op for good indices
+        index = labels.clamp(0, c - 1).unsqueeze(1)
         if _one_hot_sum(labels, wt, p, y) is not None:
             # ``weight`` scattered directly: the bits of ``1.0 * weight`` at the class and of
             # ``0.0 * weight`` (+0.0, weight > 0) elsewhere, without the product's pass
-            return torch.zeros_like(y).scatter_(1, labels.unsqueeze(1), p.weight)
-        a = torch.zeros_like(y).scatter_(1, labels.unsqueeze(1), 1 - ls)
+            return torch.zeros_like(y).scatter_(1, index, p.weight)
+        a = torch.zeros_like(y).scatter_(1, index, 1 - ls)
         if ls:
             a += ls / k
     if wt is not None:
@@ -299,7 +360,11 @@ def _one_hot_sum(
 
 
 def _fused_softmax_cross_entropy(
-    y: torch.Tensor, labels: torch.Tensor, p: LossParams, reduction: int
+    y: torch.Tensor,
+    labels: torch.Tensor,
+    p: LossParams,
+    reduction: int,
+    index_bounds: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """SOFTMAX_CROSS_ENTROPY with one-hot class terms (`_one_hot_sum`) on CUDA: one Triton
     launch for `_class_terms` and `_cross_entropy`, its gradient already divided by the
@@ -307,7 +372,9 @@ def _fused_softmax_cross_entropy(
     reduction as in `loss_forward_backward`; None where that launch does not apply."""
     # no per-element weights: SUM_BY_NON_ZERO_WEIGHTS counts every pixel, as MEAN
     divisor = _divisor(reduction, y.shape[2] * y.shape[3], None, torch.float32)
-    fused = fast_paths.softmax_cross_entropy(y, labels, None, p.weight, p.label_smoothing, divisor)
+    fused = fast_paths.softmax_cross_entropy(
+        y, labels, None, p.weight, p.label_smoothing, divisor, index_bounds=index_bounds
+    )
     if fused is None:
         return None
     loss, grad = fused

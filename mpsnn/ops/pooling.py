@@ -10,11 +10,22 @@ edge pixel for CLAMP. Per output ``o`` with window taps ``T(o)``:
 * average:  ``y = sum_{t in T(o), t in image} x_t / N(o)``. ``N`` counts the taps inside a
   per-axis interval: the whole window for ZERO edges (``k_x k_y``); the image grown by
   ``zero_pad_size`` on each side for CLAMP (MPS: CLAMP shrinks the window); the image plus the
-  padding the policy adds for ZERO with EXCLUDE_EDGES (Caffe). ``N = 0`` gives 0.
-* L2 norm:  ``y = sqrt(sum_{t in T(o)} x_t^2)``; gradient ``g x_t / y``, and 0 where ``y = 0``
-  (an all-zero window has a zero gradient, not NaN).
+  padding the policy adds for ZERO with EXCLUDE_EDGES (Caffe). ``N = 0`` gives 0. With
+  dilation the taps are the dilated ones (``c - E // 2 + d j``) and ``N`` counts those of them
+  inside the interval: ZERO divides by the ``k_x k_y`` taps, not by the ``E_x E_y`` span.
+* L2 norm:  ``y = sqrt(sum_{t in T(o)} x_t^2)``, computed scaled (as ``hypot`` and BLAS
+  ``nrm2``): with ``m`` the window's largest ``|x_t|`` and ``p = 2^(e - 1)`` for
+  ``m = f 2^e``, ``1/2 <= f < 1``, the taps are ``r_t = x_t / p`` (``1 <= max |r_t| < 2``) and
+  ``y = p sqrt(sum r_t^2)``. Scaling by a power of two is exact, so ``y`` is the unscaled
+  formula's value wherever that one neither overflows nor underflows, and finite and accurate
+  where it would (a window of four 3e19 is 6e19 in float32, four 1e-30 are 2e-30). Gradient
+  ``g x_t / y = g r_t / sqrt(sum r^2)`` (bounded by ``|g|``), and 0 where ``y = 0`` (an
+  all-zero window has a zero gradient, not NaN). A window with an infinite tap has ``y = inf``
+  (``p = 1``); a NaN tap gives NaN.
 
-Sums and norms of float16/bfloat16 data are computed in float32.
+Average pooling without dilation uses PyTorch's pooling; dilated average pooling and L2
+pooling read every window's taps with one ``unfold`` (the gradient: ``fold``, a deterministic
+gather), in float32 for float16/bfloat16 data.
 """
 
 from __future__ import annotations
@@ -209,13 +220,36 @@ def _divide(total: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
     return torch.where(div > 0, total / div.clamp(min=1), 0.0)
 
 
+def _windows(t: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
+    """Every window's taps, ``(N, C, ky kx, OH, OW)`` with the taps in raster order: one copy
+    (``unfold``; the prepared source holds exactly the windows' span, so there are ``count``
+    outputs per axis)."""
+    (ky, kx), s, d = _kernel(geom)
+    n, c = t.shape[:2]
+    cols = F.unfold(t, (ky, kx), dilation=d, stride=s)
+    return cols.view(n, c, ky * kx, geom.y.count, geom.x.count)
+
+
+def _windows_adjoint(dw: torch.Tensor, shape: tuple[int, ...], geom: PoolGeometry) -> torch.Tensor:
+    """Adjoint of `_windows`: each tap's value summed back onto its source pixel (``fold``)."""
+    k, s, d = _kernel(geom)
+    n, c, kk, oh, ow = dw.shape
+    return F.fold(dw.reshape(n, c * kk, oh * ow), tuple(shape[-2:]), k, dilation=d, stride=s)
+
+
 def _sum_pool(t: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
-    k, s, _ = _kernel(geom)
+    k, s, d = _kernel(geom)
+    if d != (1, 1):  # PyTorch's average pooling has no dilation
+        return _windows(t, geom).sum(2)
     return F.avg_pool2d(t, k, s, 0, False, True, 1)  # divisor_override=1: a sum
 
 
 def _sum_pool_backward(g: torch.Tensor, t: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
-    k, s, _ = _kernel(geom)
+    """Adjoint of `_sum_pool`; reads only ``t``'s shape."""
+    k, s, d = _kernel(geom)
+    if d != (1, 1):
+        n, c, oh, ow = g.shape
+        return _windows_adjoint(g.unsqueeze(2).expand(n, c, k[0] * k[1], oh, ow), t.shape, geom)
     return _avg_pool_backward(g.contiguous(), t, list(k), list(s), [0, 0], False, True, 1)
 
 
@@ -260,15 +294,35 @@ def _spread(v: torch.Tensor, k: tuple[int, int], shape: tuple[int, int, int, int
 # -- L2 norm --------------------------------------------------------------------------------
 
 
-def l2_pool_forward(x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
+def _l2_terms(
+    x: torch.Tensor, geom: PoolGeometry
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """``(r, q, p, shape)`` of the scaled norm (module docstring): the scaled taps ``r``
+    ``(N, C, K, OH, OW)``, ``q = sqrt(sum r^2)`` and the scales ``p`` ``(N, C, OH, OW)``, and
+    the prepared source's shape."""
     t = widen(apply_extract(x, geom.plan))
-    return torch.sqrt(_sum_pool(t * t, geom)).to(x.dtype)
+    taps = _windows(t, geom)
+    m = taps.abs().amax(2)
+    f, _ = torch.frexp(m)  # m = f 2^e, 1/2 <= f < 1
+    # m / 2f = 2^(e - 1): an exact quotient, representable down to the subnormals and up to
+    # the largest finite m (2^e itself would overflow there). Windows of zeros, infinities
+    # or NaN keep p = 1 (0 / 0 or inf / inf in the unused branch).
+    p = torch.where((m > 0) & (m < torch.inf), m / (f * 2), 1.0)
+    r = taps / p.unsqueeze(2)
+    q = torch.sqrt((r * r).sum(2))
+    return r, q, p, tuple(t.shape)
+
+
+def l2_pool_forward(x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
+    """``y = p sqrt(sum r_t^2)``: the L2 norm of each window, scaled (module docstring)."""
+    _, q, p, _ = _l2_terms(x, geom)
+    return (p * q).to(x.dtype)
 
 
 def l2_pool_backward(g: torch.Tensor, x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
-    """``dx_t = sum_o g_o x_t / y_o``, with ``y_o = 0`` contributing nothing (no NaN)."""
-    t = widen(apply_extract(x, geom.plan))
-    y = torch.sqrt(_sum_pool(t * t, geom))
-    gy = torch.where(y > 0, widen(g) / torch.where(y > 0, y, 1.0), 0.0)
-    dt = _sum_pool_backward(gy, t, geom) * t
+    """``dx_t = sum_o g_o x_t / y_o = sum_o g_o r_t / q_o``, with ``y_o = 0`` contributing
+    nothing (no NaN)."""
+    r, q, _, shape = _l2_terms(x, geom)
+    coef = torch.where(q > 0, widen(g) / torch.where(q > 0, q, 1.0), 0.0)
+    dt = _windows_adjoint(coef.unsqueeze(2) * r, shape, geom)
     return apply_extract_adjoint(dt.to(g.dtype), geom.plan)

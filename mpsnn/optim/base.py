@@ -6,10 +6,12 @@ are subclasses in `mpsnn.optim.rules`; `mpsnn.optim.optimizers` gathers both.
 Every gradient goes through, in order: clipping (when on), rescaling, regularization (L1 adds
 ``scale·sign(w)``, L2 ``scale·w``), then the rule; the math is `mpsnn.ops.optim`.
 
-The hyperparameters and Adam's step count live in device memory: `learning_rate` can be
-changed between steps (also between replays of a captured step), and ``t`` advances on the
-device. One encode updates all its tensors with one launch on the GPU (a multi-tensor Triton
-kernel), few ``torch._foreach`` operations elsewhere.
+The hyperparameters live in device memory: `learning_rate` can be changed between steps (also
+between replays of a captured step). Adam counts its updates twice: ``time_step``, what a client
+reads, advances at each encode (as MPS's ``timeStep``); its device copy, which the bias
+correction reads, is written by the recorded work when it runs (and advances at each replay of
+a captured step). One encode updates all its tensors with one launch on the GPU (a
+multi-tensor Triton kernel), few ``torch._foreach`` operations elsewhere.
 
 An encode is **out of place**, as in MPS: it reads the input values and writes the results
 (which may be the same tensors). Encode forms, selected by the keywords given:
@@ -23,14 +25,18 @@ An encode is **out of place**, as in MPS: it reads the input values and writes t
   gradient state: an mpsnn extension), lists of state vectors (0 gamma, 1 beta),
   ``result_state`` (a `NormalizationGammaAndBetaState`).
 
-State vectors are tensors shaped like their parameter (OHWI for convolution weights), on the
-optimizer's device, updated in place.
+State vectors are tensors shaped like their parameter (OHWI for convolution weights), or flat
+(an ``MPSVector``: one dimension holding the parameter's element count, in that order), on the
+optimizer's device and in the values' dtype, updated in place (a flat vector through a view of
+it: the client's buffer is what the update writes). Shapes, lengths and dtypes are checked at
+encode.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -41,6 +47,7 @@ from mpsnn.core.kernel import Kernel
 from mpsnn.ops.optim import (
     RegularizationType,
     UpdateRule,
+    _capturing,
     apply_update,
     init_state,
     make_hyper,
@@ -50,6 +57,8 @@ from mpsnn.ops.optim import (
 __all__ = ["Optimizer", "OptimizerDescriptor"]
 
 Grads = Callable[[], Sequence[torch.Tensor]]
+_FLOATING = (torch.float32, torch.float64)
+_GRADIENT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _number(who: str, name: str, value: Any) -> float:
@@ -58,6 +67,63 @@ def _number(who: str, name: str, value: Any) -> float:
     if not math.isfinite(value):
         raise ValueError(f"[{who}] {name} must be finite, got {value}")
     return float(value)
+
+
+def _ranged(
+    who: str, name: str, value: Any, high: float | None = None, *, open_high: bool = False
+) -> float:
+    """A finite number >= 0 (and <= ``high``, or < it with ``open_high``): torch.optim's
+    checks of the same hyperparameters."""
+    x = _number(who, name, value)
+    if high is None:
+        if x < 0:
+            raise ValueError(f"[{who}] {name} must be >= 0, got {value}")
+    elif x < 0 or x > high or (open_high and x == high):
+        bracket = ")" if open_high else "]"
+        raise ValueError(f"[{who}] {name} must be in [0, {high:g}{bracket}, got {value}")
+    return x
+
+
+def _descriptor(
+    who: str, descriptor: OptimizerDescriptor | None, learning_rate: float | None
+) -> OptimizerDescriptor | None:
+    """The descriptor of MPS's two initializers: ``initWithDevice:learningRate:`` (the other
+    options at their defaults) or the descriptor form; both at once is ambiguous."""
+    if learning_rate is None:
+        return descriptor
+    if descriptor is not None:
+        raise ValueError(
+            f"[{who}] learning_rate and descriptor must not both be given (the descriptor "
+            f"holds the learning rate), got both"
+        )
+    return OptimizerDescriptor(learning_rate=_number(who, "learning_rate", learning_rate))
+
+
+class _Encode:
+    """One encode of an Adam update: the time step its work runs with. Rewritten when a
+    recorded step is re-armed (`mpsnn.graph.template`): the re-armed commands are the
+    recorded ones."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: int) -> None:
+        self.t = t
+
+
+# Open journals (`journal`): each encode that counts a time step is appended to every one.
+_JOURNALS: list[list[tuple[Any, _Encode]]] = []
+
+
+@contextmanager
+def journal() -> Iterator[list[tuple[Any, _Encode]]]:
+    """The time-step-counting encodes made inside the ``with`` block, as ``(optimizer,
+    encode)``: what a recorded step must count again each time it runs without encoding."""
+    log: list[tuple[Any, _Encode]] = []
+    _JOURNALS.append(log)
+    try:
+        yield log
+    finally:
+        _JOURNALS.remove(log)
 
 
 class OptimizerDescriptor:
@@ -239,14 +305,22 @@ class Optimizer(Kernel):
                     f"[{who}] tensors must be on the optimizer's device {dev}, got one on "
                     f"{t.device}"
                 )
+        _check_dtypes(who, values, results, states)
+        if cb is not None:
+            self._check_command_buffer(cb)
         hyper, clip = self._hyper, self._desc.apply_gradient_clipping
         reg = self._desc.regularization_type
         step = self._adam_step() if rule.name.startswith("ADAM") else None
         values, results = list(values), list(results)
         states = [list(s) for s in states]
+        encode = self._count_encode()  # Adam: time_step advances now, at encode (as MPS)
 
         def run() -> None:
             g = list(grads())
+            if encode is not None and not _capturing(hyper):
+                # the device copy takes this encode's count (the update adds one); captured
+                # work only adds one, so each replay advances it
+                step[:1].fill_(encode.t - 1)  # type: ignore[index]
             apply_update(
                 rule, values, g, results, states, hyper, step, clip=clip, regularization=reg
             )
@@ -254,10 +328,18 @@ class Optimizer(Kernel):
         if cb is None:
             run()
         else:
-            self._check_command_buffer(cb)
             cb.record(f"{who}.update", run)
 
     def _adam_step(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _count_encode(self) -> _Encode | None:
+        """Count one encode (Adam's ``time_step``); None for rules without a step."""
+        return None
+
+    def _recount(self, encode: _Encode) -> None:
+        """Count ``encode`` again: its recorded work is re-armed or replayed as a new encode
+        (Adam: ``time_step`` advances and the work runs with the new count)."""
         raise NotImplementedError
 
     # -- encode forms -----------------------------------------------------------------------
@@ -286,9 +368,19 @@ class Optimizer(Kernel):
                 f"(with result_state), got {sorted(given)}"
             )
 
-    def _vectors(self, vectors: dict[str, Any], count: int, *, lists: bool) -> list[list[Any]]:
-        """The state vectors given, per state keyword (the rule's ones, in order)."""
+    def _vectors(
+        self,
+        vectors: dict[str, Any],
+        params: Sequence[torch.Tensor],
+        *,
+        lists: bool,
+        ohwi: bool = False,
+    ) -> list[list[Any]]:
+        """The state vectors given, per state keyword (the rule's ones, in order), shaped
+        like ``params`` (see `_shaped`; ``ohwi``: 4-D params are OIHW convolution weights
+        whose vectors clients pass OHWI); one per parameter."""
         who = type(self).__name__
+        count = len(params)
         out = []
         for key in self._state_keywords:
             v = vectors.get(key + ("s" if lists else ""))
@@ -300,9 +392,12 @@ class Optimizer(Kernel):
                     f"[{who}] {key}{'s' if lists else ''} must hold {count} tensors (one per "
                     f"updated parameter), got {len(v)}"
                 )
-            for t in v[:count]:
-                check_type(who, key, t, torch.Tensor)
-            out.append(v[:count])
+            shaped = []
+            for i, (t, p) in enumerate(zip(v[:count], params, strict=True)):
+                name = f"{key}s[{i}]" if lists else key
+                t = check_type(who, name, t, torch.Tensor)
+                shaped.append(_shaped(who, name, t, p, ohwi))
+            out.append(shaped)
         return out
 
     def _encode_vectors(self, cb: CommandBuffer, form: dict[str, Any], vectors: dict) -> None:
@@ -310,19 +405,14 @@ class Optimizer(Kernel):
         g = check_type(who, "input_gradient_vector", form["input_gradient_vector"], torch.Tensor)
         w = check_type(who, "input_values_vector", form["input_values_vector"], torch.Tensor)
         r = check_type(who, "result_values_vector", form["result_values_vector"], torch.Tensor)
-        states = self._vectors(vectors, 1, lists=False)
         for name, t in (("input_gradient_vector", g), ("result_values_vector", r)):
             if t.shape != w.shape:
                 raise ValueError(
                     f"[{who}] {name} must have the values' shape {tuple(w.shape)}, "
                     f"got {tuple(t.shape)}"
                 )
-        for s in states:
-            if s[0].shape != w.shape:
-                raise ValueError(
-                    f"[{who}] state vectors must have the values' shape {tuple(w.shape)}, got "
-                    f"{tuple(s[0].shape)}"
-                )
+        _check_gradient_dtype(who, "input_gradient_vector", g, w.dtype)
+        states = self._vectors(vectors, [w], lists=False)
         self._update(cb, [w], lambda: [g], [r], states)
 
     def _encode_convolution(self, cb: CommandBuffer, form: dict[str, Any], vectors: dict) -> None:
@@ -350,9 +440,9 @@ class Optimizer(Kernel):
                 )
         count = 2 if (src._biases is not None and res._biases is not None) else 1
         count = min(count, _given_length(vectors, self._state_keywords, count))
-        states = [[_oihw(t) for t in s] for s in self._vectors(vectors, count, lists=True)]
         values = [src._oihw, src._biases][:count]
         results = [res._oihw, res._biases][:count]
+        states = self._vectors(vectors, values, lists=True, ohwi=True)
         self._update(cb, values, lambda: [gs._sum(0), gs._sum(1)][:count], results, states)
 
     def _encode_normalization(self, cb: CommandBuffer, form: dict, vectors: dict) -> None:
@@ -369,10 +459,10 @@ class Optimizer(Kernel):
                 f"got {type(res).__name__}"
             )
         count = _given_length(vectors, self._state_keywords, 2)
-        states = self._vectors(vectors, count, lists=True)
         grads = st._gamma_beta_gradients(who)
         values = [st.gamma, st.beta][:count]
         results = [res.gamma, res.beta][:count]
+        states = self._vectors(vectors, values, lists=True)
         self._update(cb, values, lambda: list(grads())[:count], results, states)
 
 
@@ -386,6 +476,74 @@ def _given_length(vectors: dict[str, Any], keys: tuple[str, ...], default: int) 
     return default
 
 
-def _oihw(t: torch.Tensor) -> torch.Tensor:
-    """An OHWI state vector as the OIHW view the update works on (biases stay as they are)."""
-    return t.permute(0, 3, 1, 2) if t.dim() == 4 else t
+def _shaped(who: str, name: str, t: torch.Tensor, value: torch.Tensor, ohwi: bool) -> torch.Tensor:
+    """State vector ``t`` as a view shaped like ``value``, the parameter it updates: ``t``
+    shaped like it (with ``ohwi``, 4-D values are convolution weights held OIHW, whose
+    vectors clients pass OHWI); or flat (an ``MPSVector``), holding the parameter's elements
+    in that same order. A view, never a copy: the update writes the client's memory."""
+    shape = value.shape
+    ohwi = ohwi and value.dim() == 4
+    if ohwi:
+        o, i, kh, kw = shape
+        public = (o, kh, kw, i)  # OHWI, the layout of MPS's weights and of the state vectors
+    else:
+        public = tuple(shape)
+    if tuple(t.shape) == public:
+        return t.permute(0, 3, 1, 2) if ohwi else t
+    if t.dim() == 1 and value.dim() != 1:
+        if t.numel() != value.numel():
+            raise ValueError(
+                f"[{who}] {name} must hold {value.numel()} elements (the parameter's count, "
+                f"shape {public}) when flat, got {t.numel()}"
+            )
+        try:
+            view = t.view(public)
+        except RuntimeError:
+            raise ValueError(
+                f"[{who}] {name} must be viewable as {public} (a flat vector with one stride), "
+                f"got stride {t.stride()}"
+            ) from None
+        return view.permute(0, 3, 1, 2) if ohwi else view
+    if t.dim() == 1 and value.dim() == 1:
+        raise ValueError(
+            f"[{who}] {name} must hold {value.numel()} elements (the parameter's count), got "
+            f"{t.numel()}"
+        )
+    raise ValueError(
+        f"[{who}] {name} must have the parameter's shape {public} or be flat with "
+        f"{value.numel()} elements, got shape {tuple(t.shape)}"
+    )
+
+
+def _check_dtypes(
+    who: str,
+    values: Sequence[torch.Tensor],
+    results: Sequence[torch.Tensor],
+    states: Sequence[Sequence[torch.Tensor]],
+) -> None:
+    """Values float32 or float64; results and state vectors in the values' dtype (checked
+    at encode: the update would fail only when it runs)."""
+    if not values:
+        return
+    dt = values[0].dtype
+    if dt not in _FLOATING:
+        raise TypeError(f"[{who}] values must be float32 or float64, got {dt}")
+    for name, group in (("values", values), ("result_values_vector", results)):
+        for t in group:
+            if t.dtype != dt:
+                raise TypeError(f"[{who}] {name} must have the values' dtype {dt}, got {t.dtype}")
+    for s in states:
+        for t in s:
+            if t.dtype != dt:
+                raise TypeError(
+                    f"[{who}] state vectors must have the values' dtype {dt}, got {t.dtype}"
+                )
+
+
+def _check_gradient_dtype(who: str, name: str, g: torch.Tensor, dt: torch.dtype) -> None:
+    """Gradients: float16, bfloat16, float32, or the values' dtype."""
+    if g.dtype not in _GRADIENT_DTYPES and g.dtype != dt:
+        raise TypeError(
+            f"[{who}] {name} must be float16, bfloat16, float32 or the values' dtype {dt}, "
+            f"got {g.dtype}"
+        )

@@ -9,7 +9,8 @@ clipping, rescaling and regularization, the math of `mpsnn.ops.optim`:
   two differ when the learning rate changes between steps.)
 * RMSProp: ``s = d·s + (1 - d)g², w -= lr·g/(sqrt(s) + ε)`` (torch.optim.RMSprop with
   ``alpha = d``, not centered, no momentum, computes the same).
-* Adam: per encode ``t += 1``, ``lr_t = lr·sqrt(1 - β2^t)/(1 - β1^t)``, ``m = β1m + (1 - β1)g``,
+* Adam: per encode ``t += 1`` (``time_step``; `Adam` has its device copy),
+  ``lr_t = lr·sqrt(1 - β2^t)/(1 - β1^t)``, ``m = β1m + (1 - β1)g``,
   ``v = β2v + (1 - β2)g²``, ``w -= lr_t·m/(sqrt(v) + ε)``; with maximum-velocity vectors,
   AMSGrad (``v̂ = max(v̂, v)`` under the root). torch.optim.Adam puts ε after the bias
   correction: MPS's ε equals torch's ``ε/sqrt(1 - β2^t)``.
@@ -25,7 +26,14 @@ import torch
 from mpsnn.core._checks import check_type
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.ops.optim import UpdateRule, make_step, set_step
-from mpsnn.optim.base import Optimizer, OptimizerDescriptor, _number
+from mpsnn.optim.base import (
+    _JOURNALS,
+    Optimizer,
+    OptimizerDescriptor,
+    _descriptor,
+    _Encode,
+    _ranged,
+)
 
 __all__ = ["SGD", "Adam", "RMSProp"]
 
@@ -35,9 +43,11 @@ class SGD(Optimizer):
 
     Args:
         device: the optimizer's device.
-        momentum_scale: μ (0: plain SGD when no momentum vectors are passed).
+        momentum_scale: μ >= 0 (0: plain SGD when no momentum vectors are passed).
         use_nesterov_momentum: Nesterov's update (needs momentum vectors).
         descriptor: the common options (None: `OptimizerDescriptor()` defaults).
+        learning_rate: MPS's ``initWithDevice:learningRate:``: the common options at their
+            defaults with this learning rate (give it or ``descriptor``, not both).
     """
 
     _state_keywords = ("input_momentum_vector",)
@@ -48,10 +58,12 @@ class SGD(Optimizer):
         momentum_scale: float = 0.0,
         use_nesterov_momentum: bool = False,
         descriptor: OptimizerDescriptor | None = None,
+        *,
+        learning_rate: float | None = None,
     ) -> None:
-        self._momentum = _number("SGD", "momentum_scale", momentum_scale)
+        self._momentum = _ranged("SGD", "momentum_scale", momentum_scale)
         self._nesterov = check_type("SGD", "use_nesterov_momentum", use_nesterov_momentum, bool)
-        super().__init__(device, descriptor)
+        super().__init__(device, _descriptor("SGD", descriptor, learning_rate))
 
     @property
     def momentum_scale(self) -> float:
@@ -128,8 +140,9 @@ class RMSProp(Optimizer):
     Args:
         device: the optimizer's device.
         decay: d, in [0, 1].
-        epsilon: ε (outside the square root).
+        epsilon: ε >= 0 (outside the square root).
         descriptor: the common options.
+        learning_rate: ``initWithDevice:learningRate:`` (give it or ``descriptor``).
     """
 
     _state_keywords = ("input_sum_of_squares_vector",)
@@ -140,10 +153,12 @@ class RMSProp(Optimizer):
         decay: float = 0.9,
         epsilon: float = 1e-8,
         descriptor: OptimizerDescriptor | None = None,
+        *,
+        learning_rate: float | None = None,
     ) -> None:
-        self._decay = _number("RMSProp", "decay", decay)
-        self._epsilon = _number("RMSProp", "epsilon", epsilon)
-        super().__init__(device, descriptor)
+        self._decay = _ranged("RMSProp", "decay", decay, 1.0)
+        self._epsilon = _ranged("RMSProp", "epsilon", epsilon)
+        super().__init__(device, _descriptor("RMSProp", descriptor, learning_rate))
 
     @property
     def decay(self) -> float:
@@ -203,10 +218,26 @@ class Adam(Optimizer):
     Args:
         device: the optimizer's device.
         beta1, beta2: the moment decays, in [0, 1).
-        epsilon: ε (outside the square root, before the bias correction: see the module).
-        time_step: updates done so far (the next encode uses ``time_step + 1``).
+        epsilon: ε >= 0 (outside the square root, before the bias correction: see the module).
+        time_step: updates encoded so far (the next encode uses ``time_step + 1``).
         descriptor: the common options.
         amsgrad: the state vectors a data source keeps include maximum velocities.
+        learning_rate: ``initWithDevice:learningRate:`` (give it or ``descriptor``).
+
+    Two counters, as MPS counts at encode while the work runs later:
+
+    * ``time_step`` (what a client reads and sets, MPS ``timeStep``) advances when an update
+      is **encoded**: once per ``encode`` (a convolution state's weights and biases together
+      count once) and once per update a graph step encodes for all the layers sharing this
+      optimizer. An encode on a command buffer that is never committed still counts. Setting
+      it between encodes sets the base of the next encode (which uses ``time_step + 1``).
+      A graph step re-armed from its recording (`Graph.reuse_step`) and a replay of a
+      `CompiledGraph` count as encodes.
+    * its device copy, which the bias correction reads, is written by the recorded work when
+      it runs: each update runs with the count of its own encode, whatever the commit order;
+      work captured into a CUDA graph adds one at every replay instead (a
+      `CapturedCommandBuffer` you replay yourself advances the device copy only: add its
+      replays to ``time_step`` before encoding Adam updates eagerly again).
     """
 
     _state_keywords = ("input_momentum_vector", "input_velocity_vector", "maximum_velocity_vector")
@@ -221,16 +252,17 @@ class Adam(Optimizer):
         descriptor: OptimizerDescriptor | None = None,
         *,
         amsgrad: bool = False,
+        learning_rate: float | None = None,
     ) -> None:
         who = "Adam"
-        self._beta1 = _number(who, "beta1", beta1)
-        self._beta2 = _number(who, "beta2", beta2)
-        self._epsilon = _number(who, "epsilon", epsilon)
-        if isinstance(time_step, bool) or not isinstance(time_step, int) or time_step < 0:
-            raise ValueError(f"[{who}] time_step must be an int >= 0, got {time_step!r}")
+        self._beta1 = _ranged(who, "beta1", beta1, 1.0, open_high=True)
+        self._beta2 = _ranged(who, "beta2", beta2, 1.0, open_high=True)
+        self._epsilon = _ranged(who, "epsilon", epsilon)
+        _check_time_step(time_step)
         self._amsgrad = check_type(who, "amsgrad", amsgrad, bool)
-        super().__init__(device, descriptor)
-        self._step = make_step(device.torch_device, time_step)
+        super().__init__(device, _descriptor(who, descriptor, learning_rate))
+        self._step = make_step(device.torch_device, time_step)  # the device copy
+        self._time_step = time_step  # the count at encode
 
     @property
     def beta1(self) -> float:
@@ -246,14 +278,16 @@ class Adam(Optimizer):
 
     @property
     def time_step(self) -> int:
-        """Updates done so far (reads device memory: waits for the updates in flight)."""
-        return int(self._step[0].item())
+        """Updates encoded so far (MPS ``timeStep``): advanced at encode, not when the work
+        runs (a host value: reading it waits for nothing)."""
+        return self._time_step
 
     @time_step.setter
     def time_step(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"[Adam] time_step must be an int >= 0, got {value!r}")
-        set_step(self._step, value)
+        """The next encode uses ``value + 1`` (work encoded before keeps its own count)."""
+        _check_time_step(value)
+        self._time_step = value
+        set_step(self._step, value)  # for readers of the device copy before the next encode
 
     def _rule_hyper(self) -> dict[str, float]:
         return {"beta1": self._beta1, "beta2": self._beta2, "epsilon": self._epsilon}
@@ -271,6 +305,17 @@ class Adam(Optimizer):
     def _adam_step(self) -> torch.Tensor:
         assert self._step is not None  # made by __init__
         return self._step
+
+    def _count_encode(self) -> _Encode:
+        encode = _Encode(0)
+        self._recount(encode)
+        return encode
+
+    def _recount(self, encode: _Encode) -> None:
+        self._time_step += 1
+        encode.t = self._time_step
+        for log in _JOURNALS:
+            log.append((self, encode))
 
     def encode(
         self,
@@ -290,7 +335,8 @@ class Adam(Optimizer):
         maximum_velocity_vectors: Sequence[torch.Tensor] | None = None,
         result_state: Any = None,
     ) -> None:
-        """One update: ``time_step`` advances by one (weights and biases together count once)."""
+        """One update: ``time_step`` advances by one now, at encode (weights and biases
+        together count once); the work runs with that count."""
         single = (input_momentum_vector, input_velocity_vector)
         lists = (input_momentum_vectors, input_velocity_vectors)
         if any(v is None for v in single) and any(v is None for v in lists):
@@ -325,3 +371,8 @@ class Adam(Optimizer):
             f"Adam(beta1={self._beta1}, beta2={self._beta2}, epsilon={self._epsilon}, "
             f"amsgrad={self._amsgrad}, {self._desc!r})"
         )
+
+
+def _check_time_step(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"[Adam] time_step must be an int >= 0, got {value!r}")

@@ -1,6 +1,6 @@
 """Instance and group normalization kernels: against PyTorch autograd in float64 (gradients
-of x, gamma and beta, summed over the batch into one state), the adjoint identity, the
-1x1-window geometry, a data source with an optimizer, and the errors."""
+of x, and of gamma and beta summed over the batch's per-image states), the adjoint identity,
+the 1x1-window geometry, a data source with an optimizer, and the errors."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _run(dev, kind, x, g, gamma, beta, groups):
     y = fwd.encode_batch(cb, xb, destination_states=st)
     dx = grad.encode_batch(cb, gb, xb, st)
     run(cb)
-    return y.tensor, dx.tensor, st[0]
+    return y.tensor, dx.tensor, st
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -42,15 +42,16 @@ def _run(dev, kind, x, g, gamma, beta, groups):
 def test_against_pytorch(device, kind, groups) -> None:
     dev = m.Device(device)
     x, g, gamma, beta = _data(device=device)
-    y, dx, state = _run(dev, kind, x, g, gamma, beta, groups)
+    y, dx, states = _run(dev, kind, x, g, gamma, beta, groups)
+    dgamma, dbeta = type(states[0]).summed_gradients(states)
     xr = x.cpu().requires_grad_()
     ga, be = gamma.clone().requires_grad_(), beta.clone().requires_grad_()
     ref = F.group_norm(xr, groups, ga, be, eps=1e-5)
     rdx, rdg, rdb = torch.autograd.grad(ref, (xr, ga, be), g.cpu())
     assert_close(y, ref.detach(), f"{kind} forward")
     assert_close(dx, rdx, f"{kind} dL/dx")
-    assert_close(state.gradient_for_gamma, rdg, f"{kind} dL/dgamma summed over the batch")
-    assert_close(state.gradient_for_beta, rdb, f"{kind} dL/dbeta")
+    assert_close(dgamma, rdg, f"{kind} dL/dgamma summed over the batch")
+    assert_close(dbeta, rdb, f"{kind} dL/dbeta")
     if kind == "instance":
         assert_close(y, F.instance_norm(x.cpu(), weight=gamma, bias=beta, eps=1e-5), "instance")
 
@@ -93,12 +94,13 @@ def test_data_source_optimizer_updates_gamma_and_beta() -> None:
     st = fwd.result_state_batch(xb)
     fwd.encode_batch(cb, xb, destination_states=st)
     grad.encode_batch(cb, gb, xb, st)
-    new = ds.update_gamma_and_beta(cb, st[0])
+    new = ds.update_gamma_and_beta(cb, st)  # the batch of per-image states
     fwd.reload_gamma_and_beta(cb, new)
     run(cb)
-    assert_close(ds.gamma(), gamma - 0.5 * st[0].gradient_for_gamma, "gamma after SGD")
+    dgamma, dbeta = m.GroupNormalizationGradientState.summed_gradients(st)
+    assert_close(ds.gamma(), gamma - 0.5 * dgamma, "gamma after SGD")
     assert_close(fwd.gamma, ds.gamma(), "reloaded")
-    assert_close(fwd.beta, beta - 0.5 * st[0].gradient_for_beta, "beta after SGD")
+    assert_close(fwd.beta, beta - 0.5 * dbeta, "beta after SGD")
 
 
 def test_group_normalization_errors() -> None:

@@ -122,6 +122,18 @@ CASES: dict[type, Callable] = {
     m.UpsamplingBilinear: _unary(
         m.UpsamplingBilinear(DEV, 2, 2), m.UpsamplingBilinearGradient(DEV, 2, 2), (2, 3, 4, 4)
     ),
+    # the source's size and the whole region: the identity, where a view could slip through
+    m.ResizeBilinear: _unary(
+        m.ResizeBilinear(DEV, 4, 4), m.ResizeBilinearGradient(DEV, 4, 4), (2, 3, 4, 4)
+    ),
+    m.GramMatrixCalculation: _unary(
+        m.GramMatrixCalculation(DEV, 0.5), m.GramMatrixCalculationGradient(DEV, 0.5), (2, 3, 4, 4)
+    ),
+    m.CropAndResizeBilinear: _unary(
+        m.CropAndResizeBilinear(DEV, 4, 4, 1, [(0, 0, 1, 1)]),
+        m.CropAndResizeBilinearGradient(DEV, 4, 4, 1, [(0, 0, 1, 1)]),
+        (2, 3, 4, 4),
+    ),
     m.Add: _binary(m.Add, m.AddGradient, False),
     m.Subtract: _binary(m.Subtract, m.SubtractGradient, False),
     m.Multiply: _binary(m.Multiply, m.MultiplyGradient, True),

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import mpsnn as m
+from tests.helpers import float32_reference
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
@@ -161,7 +162,8 @@ def test_replay_reads_new_inputs_and_keeps_output_storage() -> None:
         x.tensor.copy_(new)
         captured.replay()
         got = y.numpy()  # reading waits for the replay
-        ref = torch.nn.functional.conv2d(
-            new, ds.weights().permute(0, 3, 1, 2).cuda(), ds.bias_terms().cuda(), padding=1
-        )
+        with float32_reference():  # mpsnn's float32 is float32: no TF32 in the reference
+            ref = torch.nn.functional.conv2d(
+                new, ds.weights().permute(0, 3, 1, 2).cuda(), ds.bias_terms().cuda(), padding=1
+            )
         torch.testing.assert_close(torch.from_numpy(got).cuda(), ref, rtol=1e-5, atol=1e-5)

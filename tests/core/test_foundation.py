@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import mpsnn as m
-from tests.helpers import DEVICES, assert_close, run
+from tests.helpers import DEVICES, assert_close, float32_reference, run
 
 _conv_backward = torch.ops.aten.convolution_backward.default
 
@@ -170,7 +170,8 @@ def test_in_place_weight_changes_reach_every_storage_format(device, dtype) -> No
     run(cb)
     assert conv.weights.data_ptr() == master
     assert torch.equal(conv.weights.cpu(), new_w.cpu())
-    ref = F.conv2d(x.tensor.float(), new_w.permute(0, 3, 1, 2).float(), None, padding=1)
+    with float32_reference():  # on CUDA, PyTorch's default would be TF32
+        ref = F.conv2d(x.tensor.float(), new_w.permute(0, 3, 1, 2).float(), None, padding=1)
     assert_close(reloaded.tensor.float(), ref, "after a command-buffer reload", dtype=dtype)
 
 

@@ -96,7 +96,7 @@ def test_convolution_data_source_continues_training_exactly(tmp_path, kind, dtyp
     b = torch.randn(3, generator=gen, dtype=torch.float64).to(dtype) if bias else None
     opt = _make_optimizer(kind)
     opt.learning_rate = 0.02  # changed during training: the current rate is saved
-    ds = m.TensorConvolutionDataSource(desc, w, b, optimizer=opt, label="conv1")
+    ds = m.TensorConvolutionDataSource(desc, w.clone(), b, optimizer=opt, label="conv1")
     conv, grad = m.Convolution(CPU, ds), m.ConvolutionGradient(CPU, ds)
     for _ in range(3):
         _conv_step(ds, conv, grad, gen, path)

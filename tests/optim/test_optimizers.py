@@ -115,8 +115,8 @@ def test_encoding_an_update_leaves_the_gradient_state_untouched() -> None:
     _, _, cb, st, source = _encoded_gradient(seed=4)
     for opt in (m.SGD(CPU), m.Adam(CPU)):
         vectors = {} if isinstance(opt, m.SGD) else {
-            "input_momentum_vectors": [torch.zeros_like(source.weights), torch.zeros(2)],
-            "input_velocity_vectors": [torch.zeros_like(source.weights), torch.zeros(2)],
+            "input_momentum_vectors": [torch.zeros_like(source.weights), torch.zeros_like(source.biases)],
+            "input_velocity_vectors": [torch.zeros_like(source.weights), torch.zeros_like(source.biases)],
         }  # fmt: skip
         opt.encode(cb, convolution_gradient_state=st[0], convolution_source_state=source,
                    result_state=source, **vectors)  # fmt: skip

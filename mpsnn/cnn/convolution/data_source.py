@@ -1,13 +1,24 @@
 """Convolution data sources, weight states, and the master weights kernels encode with.
 
 Weights cross the data-source boundary in the MPS OHWI layout, float32 (float64 is kept as
-float64, for verification). Each kernel keeps OIHW master tensors (`ConvWeights`) on its
-device and updates them in place.
+float64, for verification), as a 4-D tensor or array or as a flat buffer of
+O·kH·kW·I/groups values (MPS's weights pointer) that the descriptor shapes. Each kernel keeps
+OIHW master tensors (`ConvWeights`) on its device and updates them in place.
+
+Storage. A `ConvolutionWeightsAndBiasesState` built from tensors, and a
+`TensorConvolutionDataSource` built from tensors or writable arrays, *wrap* them (MPS
+``initWithWeights:biases:``): the client's memory is what optimizers and
+``set_weights_and_biases`` write. A contiguous OHWI tensor read as OIHW
+(``w.permute(0, 3, 1, 2)``) is a channels-last OIHW tensor, and that view is what the state
+keeps; every reader (reloads, optimizers) works on it in place. They copy only what cannot be
+wrapped (see each constructor). A kernel's masters are always its own copy: it sees new
+values when it reloads them, as in MPS.
 """
 
 from __future__ import annotations
 
 import abc
+import math
 from typing import Any
 
 import numpy as np
@@ -29,12 +40,35 @@ __all__ = [
 ]
 
 
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one block of memory exactly once each, in some order of
+    its dimensions (no gaps, no overlaps): its storage can be read flat, element by element,
+    whatever the order (contiguous and channels-last tensors are; slices with steps and
+    expanded tensors are not)."""
+    if t.numel() == 0:
+        return True
+    expected = 1
+    for stride, size in sorted(
+        (st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n != 1
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _as_float_tensor(who: str, name: str, value: Any) -> torch.Tensor:
+    """``value`` as a floating-point tensor: a tensor's own memory (detached), or a writable
+    array's (shared); a read-only array is copied (nothing may write through it);
+    float16/bfloat16 are widened to float32 (a copy)."""
     if isinstance(value, torch.Tensor):
         t = value.detach()
     else:
         try:
-            t = torch.as_tensor(np.asarray(value))
+            a = np.asarray(value)
+            if not a.flags.writeable:
+                a = a.copy()
+            t = torch.as_tensor(a)
         except Exception as exc:
             raise TypeError(
                 f"[{who}] {name} must be a tensor or an array, got {type(value).__name__}"
@@ -47,9 +81,20 @@ def _as_float_tensor(who: str, name: str, value: Any) -> torch.Tensor:
 def check_weights(
     who: str, descriptor: ConvolutionDescriptor, weights: Any, biases: Any
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Validate OHWI weights and (O,) biases against ``descriptor``; returns float tensors."""
+    """Validate OHWI weights and (O,) biases against ``descriptor``; returns float tensors
+    (the given memory where `_as_float_tensor` keeps it). Flat weights (1-D, as MPS's weights
+    pointer) must hold O·kH·kW·I/groups values and are viewed as OHWI (copied only when a 1-D
+    tensor with a step cannot be viewed so)."""
     w = _as_float_tensor(who, "weights", weights)
     want = descriptor.weights_shape
+    if w.dim() == 1:
+        n = math.prod(want)
+        if w.numel() != n:
+            raise ValueError(
+                f"[{who}] weights given flat must hold O·kH·kW·I/groups = {n} values "
+                f"(the OHWI shape {want}), got {w.numel()}"
+            )
+        w = w.reshape(want)
     if tuple(w.shape) != want:
         raise ValueError(
             f"[{who}] weights must have the OHWI shape {want} "
@@ -67,11 +112,14 @@ def check_weights(
 class ConvolutionDataSource(abc.ABC):
     """Where a convolution gets its weights (MPS ``MPSCNNConvolutionDataSource``).
 
-    Required: `descriptor`, `weights` (OHWI float32 array or tensor), `bias_terms` (``(O,)`` or
-    None). Optional: `load`/`purge` (balanced around reads), `label`, and the update hooks
-    `update` (GPU style: encode an update into the command buffer and return the new
-    `ConvolutionWeightsAndBiasesState`, or None) and `update_on_cpu` (after completion; return
-    True when the weights changed, and the kernels then reload from the data source).
+    Required: `descriptor`, `weights` (OHWI float32 array or tensor, or a flat one of the
+    O·kH·kW·I/groups values, which the descriptor shapes as OHWI: MPS's weights pointer),
+    `bias_terms` (``(O,)`` or None). Kernels copy what these return (a flat buffer of another
+    length is refused, naming both lengths). Optional: `load`/`purge` (balanced around
+    reads), `label`, and the update hooks `update` (GPU style: encode an update into the
+    command buffer and return the new `ConvolutionWeightsAndBiasesState`, or None) and
+    `update_on_cpu` (after completion; return True when the weights changed, and the kernels
+    then reload from the data source).
     """
 
     @abc.abstractmethod
@@ -111,20 +159,32 @@ class TensorConvolutionDataSource(ConvolutionDataSource):
 
     Args:
         descriptor: the convolution's shape.
-        weights: OHWI ``(O, kH, kW, I / groups)`` weights, array or tensor (float32; float64
-            is kept for verification).
+        weights: OHWI ``(O, kH, kW, I / groups)`` weights, or a flat buffer of those
+            O·kH·kW·I/groups values; tensor or array (float32; float64 is kept for
+            verification).
         biases: ``(O,)`` biases, or None for no bias.
         optimizer: an mpsnn optimizer (`SGD`, `RMSProp`, `Adam`) applied by `update` and
             `update_on_cpu`; None: no update (the layer is frozen unless you update it yourself).
         label: a name.
 
-    The values live in a permanent `ConvolutionWeightsAndBiasesState` (`state`); ``weights()``
-    and ``bias_terms()`` are views of it: the same memory the optimizer writes. On the first
-    update the state moves to the device of the gradient state, once. The optimizer's vectors
-    (momentum, velocity, ...) live here too (`optimizer_state`).
+    The values live in a permanent `ConvolutionWeightsAndBiasesState` (`state`) that **wraps**
+    the given memory: a float32 (or float64) tensor, or a writable NumPy array, is what the
+    optimizer and `set_weights_and_biases` write, and ``weights()`` / ``bias_terms()`` return
+    views of it (OHWI; a flat buffer is viewed as OHWI). Copied instead: float16/bfloat16
+    values (widened to float32), read-only arrays, other array-likes (lists), and what the
+    state itself copies (weights with gaps or overlaps; biases in another dtype or on another
+    device than the weights, see `ConvolutionWeightsAndBiasesState`). On the first update the
+    state moves to the device of the gradient state, once: a copy on that device, which the
+    data source holds from then on (the given tensor no longer changes). The optimizer's
+    vectors (momentum, velocity, ...) live here too (`optimizer_state`).
+
+    The one-launch GPU optimizer (`mpsnn.ops.optim`) reads contiguous OIHW memory: give the
+    weights as an OHWI view of OIHW storage (``oihw.permute(0, 2, 3, 1)``, as `mpsnn.models`
+    does) for it; a contiguous OHWI tensor (channels-last OIHW) is updated by the portable
+    multi-tensor path, with the same result.
 
     Raises:
-        ValueError: weights or biases of the wrong shape.
+        ValueError: weights or biases of the wrong shape (flat weights of the wrong length).
     """
 
     training_style = TrainingStyle.UPDATE_ON_GPU
@@ -160,7 +220,8 @@ class TensorConvolutionDataSource(ConvolutionDataSource):
         return self._descriptor
 
     def weights(self) -> torch.Tensor:
-        """The OHWI weights (a view of the held state, not a copy)."""
+        """The OHWI weights (a view of the held state, not a copy: the given memory, where
+        it was wrapped)."""
         return self._state.weights
 
     def bias_terms(self) -> torch.Tensor | None:
@@ -192,7 +253,8 @@ class TensorConvolutionDataSource(ConvolutionDataSource):
         }
 
     def set_weights_and_biases(self, weights: Any, biases: Any = None) -> None:
-        """Write new values into the held state, in place (then reload the kernels)."""
+        """Write new values into the held state, in place: into the wrapped memory (then
+        reload the kernels). Weights may be OHWI or flat, as for the constructor."""
         w, b = check_weights("TensorConvolutionDataSource", self._descriptor, weights, biases)
         st = self._state
         st._oihw.copy_(w.permute(0, 3, 1, 2))  # type: ignore[union-attr]
@@ -368,13 +430,34 @@ class ConvolutionWeightsAndBiasesState(State):
 
     Used to reload a convolution on the command buffer (`Convolution.reload_weights_and_biases`),
     as the result of `Convolution.export_weights_and_biases`, and as an optimizer's result.
-    The state keeps its weights in the OIHW layout, contiguous (what the kernels and the
-    optimizers read); ``weights`` is an OHWI view of that storage.
+    The state keeps its weights as an OIHW tensor (what reloads and optimizers read and write,
+    in place); ``weights`` is its OHWI view.
+
+    Built from tensors, the state **wraps** them (MPS ``initWithWeights:biases:``): its
+    ``weights`` and ``biases`` are the given memory, so an optimizer encoded with
+    ``result_state=`` this state writes the caller's tensors. A contiguous OHWI tensor becomes
+    a channels-last OIHW tensor (``weights.permute(0, 3, 1, 2)``), an OHWI view of contiguous
+    OIHW memory a contiguous one; both are read and written where they are. Copied, because
+    they cannot be wrapped:
+
+    * weights whose memory has gaps or overlaps (a slice with a step, an expanded tensor):
+      into fresh contiguous OIHW storage; likewise inference tensors (PyTorch refuses writes
+      to them outside inference mode);
+    * biases on another device or in another dtype than the weights, or with gaps: into fresh
+      storage on the weights' device, in their dtype.
+
+    A tensor that requires grad is wrapped through ``detach()`` (same memory; the state's
+    writes are not recorded by autograd). `from_descriptor`, `temporary` and
+    `Convolution.export_weights_and_biases` make states with fresh contiguous storage.
 
     Args:
-        weights: OHWI tensor ``(O, kH, kW, I / groups)`` (copied into the state's storage).
-        biases: ``(O,)`` tensor or None (copied, in the weights' dtype).
+        weights: OHWI tensor ``(O, kH, kW, I / groups)``, floating point.
+        biases: ``(O,)`` tensor or None.
         command_buffer: given, the state is temporary.
+
+    Raises:
+        TypeError: weights not a 4-D floating-point tensor.
+        ValueError: biases not an ``(O,)`` tensor.
     """
 
     def __init__(
@@ -390,6 +473,8 @@ class ConvolutionWeightsAndBiasesState(State):
             raise TypeError(
                 f"[{who}] weights must be a 4-D OHWI tensor, got {type(weights).__name__}"
             )
+        if not weights.is_floating_point():
+            raise TypeError(f"[{who}] weights must hold floating-point values, got {weights.dtype}")
         if biases is not None and (
             not isinstance(biases, torch.Tensor) or tuple(biases.shape) != (weights.shape[0],)
         ):
@@ -397,15 +482,18 @@ class ConvolutionWeightsAndBiasesState(State):
                 f"[{who}] biases must be a ({weights.shape[0]},) tensor, got {biases!r}"
             )
         super().__init__(Device(weights.device), command_buffer=command_buffer, label=label)
-        # The state owns its storage (optimizers and reloads write it in place): copies, also
-        # when the OIHW view happens to be contiguous already (one input channel, 1x1 kernels).
+        # The caller's memory, read and written in place (see the class docstring for what
+        # is copied instead).
         oihw = weights.detach().permute(0, 3, 1, 2)
-        self._oihw: torch.Tensor | None = torch.empty(
-            oihw.shape, dtype=oihw.dtype, device=oihw.device
-        ).copy_(oihw)
-        self._biases: torch.Tensor | None = (
-            None if biases is None else biases.detach().to(weights.device, weights.dtype, copy=True)
-        )
+        if not is_dense(oihw) or oihw.is_inference():
+            oihw = _fresh(oihw, oihw.dtype, oihw.device)
+        self._oihw: torch.Tensor | None = oihw
+        b = None if biases is None else biases.detach()
+        if b is not None and (
+            b.device != oihw.device or b.dtype != oihw.dtype or not is_dense(b) or b.is_inference()
+        ):
+            b = _fresh(b, oihw.dtype, oihw.device)
+        self._biases: torch.Tensor | None = b
 
     @classmethod
     def from_descriptor(
@@ -417,11 +505,13 @@ class ConvolutionWeightsAndBiasesState(State):
         dtype: torch.dtype = torch.float32,
         command_buffer: CommandBuffer | None = None,
     ) -> ConvolutionWeightsAndBiasesState:
-        """Zero weights (and biases) of the descriptor's shape (MPS
-        ``initWithDevice:cnnConvolutionDescriptor:``)."""
+        """Zero weights (and biases) of the descriptor's shape, in fresh contiguous OIHW
+        storage (MPS ``initWithDevice:cnnConvolutionDescriptor:``)."""
         dev = device.torch_device
-        w = torch.zeros(descriptor.weights_shape, device=dev, dtype=dtype)
-        o = descriptor.output_feature_channels
+        o, kh, kw, ig = descriptor.weights_shape
+        # contiguous OIHW storage, wrapped through its OHWI view: what the one-launch GPU
+        # optimizer and the reloads read fastest
+        w = torch.zeros((o, ig, kh, kw), device=dev, dtype=dtype).permute(0, 2, 3, 1)
         b = torch.zeros(o, device=dev, dtype=dtype) if with_biases else None
         return cls(w, b, command_buffer=command_buffer)
 
@@ -448,5 +538,11 @@ class ConvolutionWeightsAndBiasesState(State):
         return [t for t in (self._oihw, self._biases) if t is not None]
 
     def _free_storage(self) -> None:
+        # drops the references only: wrapped memory stays the caller's
         self._oihw = None
         self._biases = None
+
+
+def _fresh(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A contiguous copy of ``t`` in ``dtype`` on ``device`` (storage of the state's own)."""
+    return torch.empty(t.shape, dtype=dtype, device=device).copy_(t)

@@ -14,8 +14,14 @@ the derivation of the gradient are in `mpsnn.ops.batch_norm`)::
     input gradient   BatchNormalizationGradient.encode_batch(cb, g_k, x_k, state):
                      dx = gamma/sqrt(var + eps) (gy - Σgy/m - xhat Σgy·xhat/m).
 
+The forward is optional for the gradients (as in MPS): on a state only the statistics ran
+into, the two gradient kernels use the geometry, epsilon, fused neuron and gamma/beta of the
+state's `BatchNormalization` (what its forward would have recorded).
+
 The sums are decided when the work runs (`AccumulatorState`): sub-batches accumulate in any
-order and any commit order, and are finalized when read. Without statistics in the state (or
+order and any commit order, and are finalized when read. The state's fields are stable storage
+written in place (`mpsnn.cnn.normalization.batch_norm_state`): read at encode time, client
+work encoded after the kernels reads this batch's values. Without statistics in the state (or
 without a state) the forward runs in inference mode on the data source's running mean and
 variance, which the data source updates from the state (`TensorBatchNormalizationDataSource`).
 The state is the third positional argument of every encode, as in MPS's selectors.
@@ -24,7 +30,8 @@ On CUDA, float32/float16/bfloat16 NCHW images with no neuron or a ReLU take Trit
 one pass for the statistics, one for normalize + ReLU, one for the gradient sums (the ReLU mask
 recomputed from ``x``), one for ``dx``.
 
-The forward side (state, statistics, forward kernel, `read_normalization_vectors`) is in
+The state is in `mpsnn.cnn.normalization.batch_norm_state`, the forward side (statistics,
+forward kernel, `read_normalization_vectors`) in
 `mpsnn.cnn.normalization.batch_norm_forward`, the gradient kernels in
 `mpsnn.cnn.normalization.batch_norm_gradient`; this module gathers them under the import path
 they have always had (`mpsnn.cnn.normalization` re-exports them from here).

@@ -1,9 +1,9 @@
 """The batch-normalization forward side (MPS ``MPSCNNBatchNormalization``,
-``MPSCNNBatchNormalizationStatistics``, ``MPSCNNBatchNormalizationState``): the state that
-accumulates a batch's statistics and their gradient sums, the statistics kernel, the forward
-kernel (training mode on the state's statistics, inference mode on the running ones), the
-record the gradients read, and the helpers the group/instance normalization kernels share
-(`MasterPair`, `read_normalization_vectors`).
+``MPSCNNBatchNormalizationStatistics``): the statistics kernel, the forward kernel (training
+mode on the state's statistics, inference mode on the running ones), the record the gradients
+read, and the helpers the group/instance normalization kernels share (`MasterPair`,
+`read_normalization_vectors`). The state (``MPSCNNBatchNormalizationState``) is in
+`mpsnn.cnn.normalization.batch_norm_state` and re-exported here.
 
 The gradient kernels are in `mpsnn.cnn.normalization.batch_norm_gradient`; the training step
 as a whole is described in `mpsnn.cnn.normalization.batch_norm`, which re-exports both.
@@ -11,7 +11,7 @@ as a whole is described in `mpsnn.cnn.normalization.batch_norm`, which re-export
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,20 +19,23 @@ import torch
 
 from mpsnn.cnn._pointwise import Pointwise, PointwiseKernel, PointwiseRecord
 from mpsnn.cnn.neuron_descriptor import FusedNeuron
+from mpsnn.cnn.normalization.batch_norm_state import _GRADS as _GRADS
+from mpsnn.cnn.normalization.batch_norm_state import _STATS as _STATS
+from mpsnn.cnn.normalization.batch_norm_state import BatchNormalizationState
 from mpsnn.cnn.normalization.data_sources import BatchNormalizationDataSource
 from mpsnn.cnn.normalization.states import (
     NormalizationGammaAndBetaState,
     NormalizationMeanAndVarianceState,
 )
-from mpsnn.core import replays as _replays
 from mpsnn.core.cnn_kernel import CNNKernel, Records
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import Window
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
-from mpsnn.core.state import AccumulatorState, StateBatch
-from mpsnn.ops.batch_norm import bn_forward, bn_merge, bn_statistics, bn_variance
+from mpsnn.core.kernel import image_sequences
+from mpsnn.core.state import StateBatch
+from mpsnn.ops.batch_norm import bn_forward, bn_merge, bn_statistics
 
 __all__ = [
     "AffineChannels",
@@ -42,8 +45,6 @@ __all__ = [
     "BatchNormalizationStatistics",
     "read_normalization_vectors",
 ]
-
-_STATS, _GRADS = 0, 1  # the state's slots
 
 
 class MasterPair:
@@ -175,142 +176,17 @@ class BatchNormalizationRecord(PointwiseRecord):
     affine: MasterPair
 
 
-class BatchNormalizationState(AccumulatorState):
-    """Statistics of one batch and their gradients (MPS ``MPSCNNBatchNormalizationState``).
-
-    Written by: `BatchNormalizationStatistics` (sums of the batch: count, mean, m2, slot 0),
-    `BatchNormalization` (its record: geometry, epsilon, neuron), and
-    `BatchNormalizationStatisticsGradient` (Σgy·xhat and Σgy, slot 1). Read by: the forward
-    (training mode), both gradient kernels, the data source's updates and optimizers.
-
-    ``gamma``/``beta`` are the kernel's values (the source state of a gamma/beta update);
-    ``mean``/``variance`` those of the batch accumulated so far (biased variance); the
-    gradients None before any gradient ran. `reset` clears the sums for a new batch.
-    """
-
-    def __init__(
-        self,
-        device: Device,
-        batch_normalization: BatchNormalization,
-        *,
-        command_buffer: CommandBuffer | None = None,
-        label: str | None = None,
-    ) -> None:
-        super().__init__(device, command_buffer=command_buffer, label=label)
-        self._kernel = batch_normalization
-        self._channels = batch_normalization.number_of_feature_channels
-        self._statistics_encoded = False
-        self._gradients_encoded = False
-        # (count, m2, their versions, the replay epoch, variance): see `_mean_variance`
-        self._variance_memo: tuple[Any, ...] | None = None
-
-    def _mean_variance(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch's mean and biased variance, read when the work runs.
-
-        The variance (``m2 / count``, two launches on a GPU) is computed once per change of
-        the statistics and kept: in a training step the forward, both gradient kernels and
-        the recomputed forward all read it. A change is a new ``count``/``m2`` (a reset, a new
-        step) or an in-place write into them (a later sub-batch's merge, a data-parallel
-        exchange), which moves the tensors' version counters, or a CUDA-graph replay, which
-        does not but advances `mpsnn.core.replays.epoch`. While a capture is being recorded
-        nothing is kept or reused: the capture must record the computation, which its replays
-        run on the statistics of their own time. Tensors made under ``torch.inference_mode``
-        have no version counter: their variance is not kept."""
-        count, mean, m2 = self._slots[_STATS]
-        memo = self._variance_memo
-        if (
-            memo is not None
-            and memo[0] is count
-            and memo[1] is m2
-            and memo[2] == count._version
-            and memo[3] == m2._version
-            and memo[4] == _replays.epoch()
-            and not _replays.capturing()
-        ):
-            return mean, memo[5]
-        var = bn_variance(count, m2)
-        if _replays.capturing() or count.is_inference() or m2.is_inference():
-            return mean, var  # not kept (see above)
-        self._variance_memo = (count, m2, count._version, m2._version, _replays.epoch(), var)
-        return mean, var
-
-    def _free_storage(self) -> None:
-        super()._free_storage()
-        self._variance_memo = None
-
-    @property
-    def batch_normalization(self) -> BatchNormalization:
-        """The kernel that made this state."""
-        return self._kernel
-
-    @property
-    def number_of_feature_channels(self) -> int:
-        return self._channels
-
-    @property
-    def gamma(self) -> torch.Tensor:
-        return self._kernel._affine.first
-
-    @property
-    def beta(self) -> torch.Tensor:
-        return self._kernel._affine.second
-
-    def _batch(self, who: str) -> list[torch.Tensor]:
-        self._check_live(who)
-        if not self._statistics_encoded:
-            raise ValueError(
-                f"[{who}] the state must hold batch statistics (encode "
-                "BatchNormalizationStatistics into it first), got none"
-            )
-        sums = self._slots.get(_STATS)
-        if sums is None:
-            raise ValueError(
-                f"[{who}] the statistics encoded into the state must have run (commit their "
-                "command buffer first), got none yet"
-            )
-        return sums
-
-    @property
-    def mean(self) -> torch.Tensor:
-        """The batch's mean so far, (C,)."""
-        return self._batch("BatchNormalizationState")[1]
-
-    @property
-    def variance(self) -> torch.Tensor:
-        """The batch's biased variance so far, (C,)."""
-        count, _, m2 = self._batch("BatchNormalizationState")
-        return bn_variance(count, m2)  # a tensor of the caller's own, not the kept one
-
-    @property
-    def gradient_for_gamma(self) -> torch.Tensor | None:
-        sums = self._slots.get(_GRADS)
-        return None if sums is None else sums[0]
-
-    @property
-    def gradient_for_beta(self) -> torch.Tensor | None:
-        sums = self._slots.get(_GRADS)
-        return None if sums is None else sums[1]
-
-    def reset(self) -> None:
-        """Clear the statistics and their gradients (a new batch)."""
-        super().reset()
-        self._statistics_encoded = self._gradients_encoded = False
-        self._variance_memo = None
-
-    def _statistics_tensors(self, who: str) -> Callable[[], list[torch.Tensor]]:
-        """``(count, mean, m2)`` of the batch, read when the work runs (checked now)."""
-        if not self._statistics_encoded:
-            self._batch(who)  # raises the missing-statistics error
-        return lambda: self._slots[_STATS]
-
-    def _gamma_beta_gradients(self, who: str) -> Callable[[], list[torch.Tensor]]:
-        """``[dL/dgamma, dL/dbeta]``, read when the work runs (checked now)."""
-        if not self._gradients_encoded:
-            raise ValueError(
-                f"[{who}] the state must hold gamma/beta gradients (encode "
-                "BatchNormalizationStatisticsGradient into it first), got none"
-            )
-        return lambda: self._slots[_GRADS]
+def check_channels_read(who: str, kernel: Any, source_channels: int, channels: int) -> None:
+    """Raise unless ``kernel`` reads exactly ``channels`` channels of a source of
+    ``source_channels`` (from its ``source_feature_channel_offset``, at most its
+    ``source_feature_channel_max_count``)."""
+    read = max(0, min(kernel._smax, source_channels - kernel._sco))
+    if read != channels:
+        raise ValueError(
+            f"[{who}] the channels read (from source_feature_channel_offset {kernel._sco}, at "
+            f"most source_feature_channel_max_count) must be the state's {channels}, got "
+            f"{read} of the source's {source_channels}"
+        )
 
 
 def _check_bn_state(kernel: Any, cb: CommandBuffer, state: Any, name: str) -> Any:
@@ -329,11 +205,14 @@ def _check_bn_state(kernel: Any, cb: CommandBuffer, state: Any, name: str) -> An
 class BatchNormalizationStatistics(CNNKernel):
     """Accumulates a batch's per-channel statistics into a state (MPS
     ``MPSCNNBatchNormalizationStatistics``), over one or several ``encode_batch`` calls
-    (sub-batches). It reads whole images, channels ``source_feature_channel_offset`` on (as
-    many as the state's normalization has)."""
+    (sub-batches). It reads whole images, channels ``source_feature_channel_offset`` on, at
+    most ``source_feature_channel_max_count``: exactly the state's normalization's channels
+    (a source with more or fewer raises at encode). Each run merges the sub-batch into the
+    state's sums and rewrites the state's variance in place."""
 
     _batch_barrier = True
 
+    @image_sequences("source_images")
     def encode_batch(  # type: ignore[override]
         self,
         command_buffer: CommandBuffer,
@@ -346,21 +225,18 @@ class BatchNormalizationStatistics(CNNKernel):
         src = self._check_batch(cb, source_images, "source_images")
         state = _check_bn_state(self, cb, batch_normalization_state, "batch_normalization_state")
         c, c0 = state._channels, self._sco
-        if c0 + c > src.feature_channels:
-            raise ValueError(
-                f"[BatchNormalizationStatistics] the source must have source_feature_channel_"
-                f"offset + {c} = {c0 + c} channels (the state's normalization), got "
-                f"{src.feature_channels}"
-            )
+        check_channels_read("BatchNormalizationStatistics", self, src.feature_channels, c)
+        wide = src._dtype == torch.float64
 
         def run() -> None:
             x = src._read()
             if c0 or c != x.shape[1]:
                 x = x[:, c0 : c0 + c]
             state._accumulate(cb, bn_statistics(x), bn_merge, slot=_STATS)
+            state._mean_variance()  # the variance, derived from the new sums
 
         def note() -> None:
-            state._statistics_encoded = True
+            state._note_encoded(_STATS, wide)
 
         self._apply(cb, Encoding(run, (), (src, state), after=note))
 
@@ -493,6 +369,7 @@ class BatchNormalization(AffineChannels, PointwiseKernel):
         states = self._states(command_buffer, batch_normalization_state, 1)
         return self._encode(command_buffer, source_image, destination_image, states, batch=False)
 
+    @image_sequences("source_images", destinations=("destination_images",))
     def encode_batch(  # type: ignore[override]
         self,
         command_buffer: CommandBuffer,

@@ -11,6 +11,7 @@ the training step as a whole and re-exports both sides.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,12 +25,14 @@ from mpsnn.cnn.normalization.batch_norm_forward import (
     BatchNormalizationRecord,
     BatchNormalizationState,
     _check_bn_state,
+    check_channels_read,
 )
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import Window
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
+from mpsnn.core.kernel import image_sequences
 from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord
 from mpsnn.ops.batch_norm import bn_backward, bn_gradient_sums
@@ -70,14 +73,42 @@ class _BatchNormalizationGradientBase(PointwiseGradient):
             st._batch(type(self).__name__)  # raises: the gradients need batch statistics
         return [st] * n
 
+    def _encode_on(self, cb: CommandBuffer, st: Any, source: Any, encode: Callable[[], Any]) -> Any:
+        """Run ``encode`` (the base class's encode) on the state ``st``. A state that only the
+        statistics kernel updated (no `BatchNormalization` encode, as MPS allows) gets the
+        record the state's kernel would write for ``source`` (its geometry, epsilon, neuron
+        and gamma/beta) for the duration of the encode, and keeps it if the encode succeeds."""
+        if not isinstance(st, BatchNormalizationState) or st._forward is not None:
+            return encode()
+        who = type(self).__name__
+        image = source._image if isinstance(source, ImageBatch) else source
+        if not isinstance(image, Image):
+            return encode()  # the base class's checks raise the type error
+        bn = st._kernel
+        check_channels_read(who, bn, image.feature_channels, st._channels)
+        bn._record_only(image, [st])
+        try:
+            return encode()
+        except BaseException:
+            st._forward = None  # a failed encode leaves the state as it was
+            raise
+
 
 @gradient_of(BatchNormalization)
 class BatchNormalizationStatisticsGradient(_BatchNormalizationGradientBase):
     """Accumulates ``Σ gy·xhat`` and ``Σ gy`` per channel into the state (MPS
     ``MPSCNNBatchNormalizationStatisticsGradient``): ``gradient_for_gamma`` and
     ``gradient_for_beta``, complete once every sub-batch ran. ``gy = g f'(z)``: the fused
-    neuron's gradient is applied first (``z`` recomputed from ``x`` and the statistics)."""
+    neuron's gradient is applied first (``z`` recomputed from ``x`` and the statistics).
 
+    The state must hold batch statistics (`BatchNormalizationStatistics` encoded into it);
+    a `BatchNormalization` encode is not needed (MPS: the state "previously updated using a
+    MPSCNNBatchNormalizationStatistics kernel and the source images"): without one, the
+    state's kernel supplies the geometry (its channel offset and count, which must select the
+    state's channels of the sources), epsilon, fused neuron (which must equal this kernel's)
+    and gamma/beta."""
+
+    @image_sequences("source_gradients", "source_images")
     def encode_batch(  # type: ignore[override]
         self,
         command_buffer: CommandBuffer,
@@ -86,9 +117,15 @@ class BatchNormalizationStatisticsGradient(_BatchNormalizationGradientBase):
         batch_normalization_state: BatchNormalizationState,
     ) -> None:
         """Add this sub-batch's gradient sums to ``batch_normalization_state``."""
+        cb = command_buffer
         n = len(source_images) if isinstance(source_images, ImageBatch) else 1
-        states = self._states_for(command_buffer, batch_normalization_state, n)
-        super().encode_batch(command_buffer, source_gradients, source_images, states)
+        states = self._states_for(cb, batch_normalization_state, n)
+        self._encode_on(
+            cb, states[0], source_images,
+            lambda: super(BatchNormalizationStatisticsGradient, self).encode_batch(
+                cb, source_gradients, source_images, states
+            ),
+        )  # fmt: skip
 
     def encode(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(
@@ -133,9 +170,10 @@ class BatchNormalizationStatisticsGradient(_BatchNormalizationGradientBase):
     ) -> Encoding:
         enc = super()._plan_gradient(cb, grad, src, record, states, dst, batch)
         state = states[0]
+        wide = torch.float64 in (grad._dtype, src._dtype)
 
         def note() -> None:
-            state._gradients_encoded = True
+            state._note_encoded(_GRADS, wide)
 
         enc.after = note
         return enc
@@ -146,7 +184,8 @@ class BatchNormalizationGradient(_BatchNormalizationGradientBase):
     """``dL/dx = gamma/sqrt(var + eps) (gy - Σgy/m - xhat Σgy·xhat/m)`` (MPS
     ``MPSCNNBatchNormalizationGradient``), from the whole batch's statistics and gradient sums
     (encode `BatchNormalizationStatisticsGradient` over every sub-batch first); the fused
-    neuron's gradient is applied first."""
+    neuron's gradient is applied first. Like the statistics gradient, it needs no forward
+    encode."""
 
     def encode(  # type: ignore[override]
         self,
@@ -157,12 +196,18 @@ class BatchNormalizationGradient(_BatchNormalizationGradientBase):
         destination_gradient: Image | None = None,
     ) -> Image:
         """dL/d(source_image) for one (multi-image) image."""
-        self._require_gradients(batch_normalization_state)
-        return super().encode(
-            command_buffer, source_gradient, source_image, batch_normalization_state,
-            destination_gradient,
+        cb, st = command_buffer, batch_normalization_state
+        self._require_gradients(st)
+        if isinstance(st, BatchNormalizationState):
+            self._states_for(cb, st, 1)
+        return self._encode_on(
+            cb, st, source_image,
+            lambda: super(BatchNormalizationGradient, self).encode(
+                cb, source_gradient, source_image, st, destination_gradient
+            ),
         )  # fmt: skip
 
+    @image_sequences("source_gradients", "source_images", destinations=("destination_gradients",))
     def encode_batch(  # type: ignore[override]
         self,
         command_buffer: CommandBuffer,
@@ -172,12 +217,16 @@ class BatchNormalizationGradient(_BatchNormalizationGradientBase):
         destination_gradients: ImageBatch | None = None,
     ) -> ImageBatch:
         """dL/d(source_images) for a (sub-)batch."""
+        cb = command_buffer
         n = len(source_images) if isinstance(source_images, ImageBatch) else 1
-        states = self._states_for(command_buffer, batch_normalization_state, n)
+        states = self._states_for(cb, batch_normalization_state, n)
         self._require_gradients(states[0])
-        return super().encode_batch(
-            command_buffer, source_gradients, source_images, states, destination_gradients
-        )
+        return self._encode_on(
+            cb, states[0], source_images,
+            lambda: super(BatchNormalizationGradient, self).encode_batch(
+                cb, source_gradients, source_images, states, destination_gradients
+            ),
+        )  # fmt: skip
 
     def _require_gradients(self, state: Any) -> None:
         if isinstance(state, BatchNormalizationState) and not state._gradients_encoded:

@@ -12,6 +12,12 @@ Update paths, as for convolutions:
 * CPU: ``update_gamma_and_beta_on_cpu(state)`` after completion, returning True when the values
   changed; the kernel then reloads from the data source.
 
+``state`` is the batch normalization's `BatchNormalizationState`; for instance and group
+normalization, the **batch of per-image gradient states** (a `StateBatch`: the batch's
+gradient is their sum). The state's fields (``gradient_for_gamma``, ``mean``, ...) read in the
+GPU path are the storage the encoded kernels write when they run: a data source of your own
+encodes its update on them (an optimizer's ``encode``, or ``command_buffer.record``).
+
 Batch normalization's running statistics follow the same two paths
 (``update_mean_and_variance`` / ``update_mean_and_variance_on_cpu``): an exponential moving
 average ``running = (1 - momentum) running + momentum batch`` with the **unbiased** batch
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,6 +42,7 @@ from mpsnn.cnn.normalization.states import (
 from mpsnn.core._checks import check_positive
 from mpsnn.core.device import CommandBuffer
 from mpsnn.core.kernel import TrainingStyle
+from mpsnn.core.state import _unique
 
 __all__ = [
     "BatchNormalizationDataSource",
@@ -187,13 +195,30 @@ class _TensorGammaBeta:
             )
 
     def _affine_lists(self, state: Any) -> tuple[Any, ...]:
-        """``(values, grads, results, optimizer state)`` of one gamma/beta update."""
-        self._to(state.device.torch_device)
-        values = [state.gamma, state.beta]  # the values the kernel used (source state)
+        """``(values, grads, results, optimizer state)`` of one gamma/beta update. ``state``:
+        a gradient state, or a batch of them (instance and group normalization keep one per
+        image): the gradients are summed over its distinct states when the update runs."""
+        states = _unique(list(state)) if isinstance(state, Sequence) else [state]
+        if not states:
+            raise ValueError(f"[{self._who}] the state batch must hold states, got none")
+        first = states[0]
+        self._to(first.device.torch_device)
+        values = [first.gamma, first.beta]  # the values the kernel used (source state)
         results = [self._gb.gamma, self._gb.beta]
         if self._optimizer_state is None:
             self._optimizer_state = self._optimizer._init_state(results)
-        grads = state._gamma_beta_gradients(self._who)  # read when the update runs
+        # read when the update runs
+        parts = [st._gamma_beta_gradients(self._who) for st in states]
+        if len(parts) == 1:
+            return values, parts[0], results, self._optimizer_state
+
+        def grads() -> list[torch.Tensor]:
+            sums = [part() for part in parts]
+            return [
+                torch.stack([s[0] for s in sums]).sum(0),
+                torch.stack([s[1] for s in sums]).sum(0),
+            ]
+
         return values, grads, results, self._optimizer_state
 
     def _affine_update(self, cb: CommandBuffer | None, state: Any) -> bool:
@@ -206,8 +231,8 @@ class _TensorGammaBeta:
         self, command_buffer: CommandBuffer, state: Any
     ) -> NormalizationGammaAndBetaState | None:
         """GPU path: the optimizer's update encoded into ``command_buffer``, from the state's
-        gradients and the gamma/beta the kernel used, into this data source's own tensors
-        (returned as a state); None without an optimizer."""
+        gradients (a state batch: their sum) and the gamma/beta the kernel used, into this data
+        source's own tensors (returned as a state); None without an optimizer."""
         return self._gb if self._affine_update(command_buffer, state) else None
 
     def update_gamma_and_beta_on_cpu(self, state: Any) -> bool:

@@ -4,17 +4,19 @@ the master gamma/beta every normalization kernel owns."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from mpsnn.core.device import CommandBuffer, Device
-from mpsnn.core.state import State
+from mpsnn.core.state import AccumulatorState, State
 
 __all__ = [
     "NormalizationGammaAndBetaState",
     "NormalizationMeanAndVarianceState",
+    "StableSums",
     "channel_vector",
 ]
 
@@ -30,6 +32,69 @@ def channel_vector(who: str, name: str, value: Any, channels: int, default: floa
     if tuple(t.shape) != (channels,):
         raise ValueError(f"[{who}] {name} must have shape ({channels},), got {tuple(t.shape)}")
     return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32).clone()
+
+
+class StableSums(AccumulatorState):
+    """An `AccumulatorState` whose sums are stable storage: the tensors a field returns at
+    encode time (made then, zeros) are the ones the work writes in place when it runs; when
+    nothing read them first, the first write's results are adopted as the storage (no copy).
+    The first write since the state was made or `reset` stores, later ones merge or add, as
+    in `AccumulatorState`; a reset keeps the storage. Subclasses give each slot's sizes."""
+
+    def __init__(self, device: Any, **kwargs: Any) -> None:
+        super().__init__(device, **kwargs)
+        self._dtypes: dict[int, torch.dtype] = {}  # per slot: the sums' dtype (encode time)
+        self._held: dict[int, list[torch.Tensor]] = {}  # per slot: its storage, once made
+
+    def _slot_sizes(self, slot: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def _note_dtype(self, slot: int, wide: bool) -> None:
+        """An encode that writes ``slot`` was recorded (``wide``: float64 sums)."""
+        if wide or slot not in self._dtypes:
+            self._dtypes[slot] = torch.float64 if wide else torch.float32
+
+    def _storage(self, slot: int) -> list[torch.Tensor]:
+        """The storage of ``slot``: what the work wrote, or zeros it will write into."""
+        held = self._held.get(slot)
+        if held is None:
+            dev, dt = self.device.torch_device, self._dtypes.get(slot, torch.float32)
+            held = [torch.zeros(k, dtype=dt, device=dev) for k in self._slot_sizes(slot)]
+            self._held[slot] = held
+        return held
+
+    def _accumulate(
+        self,
+        cb: CommandBuffer,
+        values: Sequence[torch.Tensor],
+        merge: Callable[[list[torch.Tensor], Sequence[torch.Tensor]], None] | None = None,
+        *,
+        fresh: bool = True,
+        slot: int = 0,
+    ) -> None:
+        """`AccumulatorState._accumulate` into the slot's storage (see the class)."""
+        held = self._held.get(slot)
+        if held is None or slot in self._slots:
+            super()._accumulate(cb, values, merge, fresh=fresh, slot=slot)
+            self._held[slot] = self._slots[slot]
+            return
+        q = cb._queue  # the ordering of `AccumulatorState._accumulate`
+        prev = self._writer_queue
+        if prev is not None and prev is not q and q._stream is not None and not cb._captured:
+            q._stream.wait_stream(prev._stream)
+        self._writer_queue = q
+        for s, v in zip(held, values, strict=True):
+            s.copy_(v.reshape(s.shape) if v.numel() == s.numel() else v)
+        self._slots[slot] = held
+
+    def _free_storage(self) -> None:
+        super()._free_storage()
+        self._held = {}
+
+    def resources(self) -> list[torch.Tensor]:
+        out = {id(t): t for held in self._held.values() for t in held}
+        out.update({id(t): t for t in super().resources()})
+        return list(out.values())
 
 
 class _PairState(State):

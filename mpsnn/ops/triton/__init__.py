@@ -149,13 +149,16 @@ def softmax_cross_entropy(
     weight: float,
     label_smoothing: float,
     divisor: int = 1,
+    *,
+    index_bounds: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The Triton softmax cross entropy's ``(per-pixel loss (N, 1, H, W) float32, gradient in
     ``y``'s dtype divided by ``divisor``)`` when its class terms are a one-hot ``weight``
     (`mpsnn.ops.loss._one_hot_sum`: int64 class indices (N, H, W), no ``weights``, no label
     smoothing, ``0 < weight <= float32 max``) for non-empty CUDA (N, C, H, W) logits in
     float16, bfloat16 or float32 with at most `mpsnn.ops.triton.loss.MAX_CLASSES` classes,
-    else None (float64 and the other cases run on the portable path)."""
+    else None (float64 and the other cases run on the portable path). ``index_bounds``: the
+    labels' range, as `mpsnn.ops.loss.loss_forward_backward` documents it."""
     if weights is not None or label_smoothing or labels.dtype != torch.int64:
         return None
     if not 0 < weight <= _F32_MAX:  # NaN fails too
@@ -169,7 +172,7 @@ def softmax_cross_entropy(
 
     if c > MAX_CLASSES:
         return None
-    return softmax_cross_entropy_triton(y, labels, weight, divisor)
+    return softmax_cross_entropy_triton(y, labels, weight, divisor, index_bounds)
 
 
 def batch_norm_eligible(x: torch.Tensor, neuron: Any = None, *more: torch.Tensor) -> bool:

@@ -26,9 +26,12 @@ kernels call (Triton's own ``tl.exp`` is the faster ``ex2.approx``); Triton's in
 libdevice and takes NumPy's.
 
 A class index outside ``[0, C)`` (possible when `mpsnn.cnn.loss.LossLabels` trusted a
-``max_index``) matches no class: that pixel's loss and gradient are NaN. The index is never used
-as an address, so no memory outside the tensors is read (the portable path's scatter would stop
-on a device assertion).
+``max_index``, or its labels changed in place) matches no class: that pixel's loss and gradient
+are NaN. The index is never used as an address, so no memory outside the tensors is read. With
+``bounds``, every program also folds its pixels' indices into ``bounds = (max ~k, max k)`` by
+two atomic maxima (``~k = -1 - k``, so that the lowest index is a maximum too and no value
+overflows), after one fill of ``bounds`` with the int64 minimum; `mpsnn.ops.loss.
+read_index_bounds` decodes it after the work completed.
 
 Layouts: any strides of ``y`` and of the labels (passed to the kernel, with the gradient's,
 which has ``y``'s layout where ``y`` is dense); the loss is a new contiguous (N, 1, H, W) float32
@@ -53,6 +56,9 @@ from triton.language.extra import libdevice
 from mpsnn.ops.triton.launch import cdiv, fast_kernel, next_power_of_2
 
 __all__ = ["MAX_CLASSES", "softmax_cross_entropy_triton"]
+
+_I64_MIN = -(2**63)
+_LOW = tl.constexpr(_I64_MIN)  # read inside the kernel
 
 MAX_CLASSES = 4096  # one row per program at most BLOCK_C = 4096 wide; wider rows: portable
 _TILE = 2048  # elements (pixels x padded classes) per program when rows are narrower
@@ -81,14 +87,14 @@ def _log(x, LIBDEVICE: tl.constexpr):
 @fast_kernel
 @triton.jit
 def _softmax_cross_entropy(
-    y_ptr, lab_ptr, loss_ptr, g_ptr,
+    y_ptr, lab_ptr, loss_ptr, g_ptr, bounds_ptr,
     npix, C, HW, W,
     ysn, ysc, ysh, ysw,
     lsn, lsh, lsw,
     gsn, gsc, gsh, gsw,
     weight, divisor,
     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, CLS_AXIS: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
+    LIBDEVICE: tl.constexpr, BOUNDS: tl.constexpr,
 ):  # fmt: skip
     pix = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
     pmask = pix < npix
@@ -97,6 +103,10 @@ def _softmax_cross_entropy(
     h = hw // W
     w = hw - h * W
     lab = tl.load(lab_ptr + (n * lsn + h * lsh + w * lsw), mask=pmask, other=0)
+    if BOUNDS:  # the block's (max ~k, max k), folded into the launch's by atomic maxima
+        low = tl.full((BLOCK_P,), _LOW, tl.int64)
+        tl.atomic_max(bounds_ptr, tl.max(tl.where(pmask, ~lab, low), axis=0))
+        tl.atomic_max(bounds_ptr + 1, tl.max(tl.where(pmask, lab, low), axis=0))
     # the tile: classes along CLS_AXIS, pixels along the other axis
     # int64 class offsets: (C - 1) * stride may pass 2**31 (NCHW logits of large images)
     if CLS_AXIS == 1:
@@ -129,14 +139,19 @@ def _softmax_cross_entropy(
 
 
 def softmax_cross_entropy_triton(
-    y: torch.Tensor, labels: torch.Tensor, weight: float, divisor: int = 1
+    y: torch.Tensor,
+    labels: torch.Tensor,
+    weight: float,
+    divisor: int = 1,
+    bounds: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss (N, 1, H, W) float32, gradient in ``y``'s dtype and layout divided by ``divisor``)
     of the softmax cross entropy of logits ``y`` (N, C, H, W) with class indices ``labels``
     (N, H, W) and one-hot class terms ``weight`` (see the module). The caller (`mpsnn.ops.triton.
     softmax_cross_entropy`) checked the case: CUDA (or the interpreter), float16/bfloat16/
     float32, int64 labels of that shape on ``y``'s device, ``0 < weight <= float32 max``,
-    ``1 <= C <= MAX_CLASSES``, at least one pixel."""
+    ``1 <= C <= MAX_CLASSES``, at least one pixel. ``bounds``: None, or an int64 tensor of 2
+    elements on ``y``'s device that receives the labels' ``(max ~k, max k)``."""
     n, c, h, w = y.shape
     npix = n * h * w
     loss = torch.empty((n, 1, h, w), dtype=torch.float32, device=y.device)
@@ -145,11 +160,14 @@ def softmax_cross_entropy_triton(
     block_p = max(1, min(_TILE // block_c, next_power_of_2(npix)))
     # classes innermost when they are adjacent in memory, else pixels (NCHW planes)
     cls_axis = 1 if y.stride(1) == 1 else 0
+    if bounds is not None:
+        bounds.fill_(_I64_MIN)  # the identity of the maxima
     _softmax_cross_entropy[(cdiv(npix, block_p),)](
-        y, labels, loss, grad, npix, c, h * w, w, *y.stride(), *labels.stride(), *grad.stride(),
+        y, labels, loss, grad, loss if bounds is None else bounds,
+        npix, c, h * w, w, *y.stride(), *labels.stride(), *grad.stride(),
         float(weight), float(divisor),
         BLOCK_P=block_p, BLOCK_C=block_c, CLS_AXIS=cls_axis,
-        LIBDEVICE=y.is_cuda and not _INTERPRETED,
+        LIBDEVICE=y.is_cuda and not _INTERPRETED, BOUNDS=bounds is not None,
         num_warps=8 if block_p * block_c >= 2048 else 4,
     )  # fmt: skip
     return loss, grad
