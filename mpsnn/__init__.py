@@ -49,7 +49,8 @@ from mpsnn.cnn.local_normalization import (
     SpatialNormalization,
     SpatialNormalizationGradient,
 )
-from mpsnn.cnn.loss import Loss, LossDescriptor, LossLabels, LossType, ReductionType
+from mpsnn.cnn.loss import Loss, LossDescriptor, LossType, ReductionType
+from mpsnn.cnn.loss_labels import LossLabels
 from mpsnn.cnn.loss_split import ForwardLoss, InitialGradient, LossGradient
 from mpsnn.cnn.neuron import Neuron, NeuronGradient
 from mpsnn.cnn.neuron_descriptor import FusedNeuron, NeuronDescriptor, NeuronType

@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
-from mpsnn.core.binary import Backward, GradientKernel
+from mpsnn.core.binary import GradientKernel
 from mpsnn.core.cnn_kernel import CNNKernel, Forward, Records
 from mpsnn.core.device import CommandBuffer
 from mpsnn.core.geometry import Window
+from mpsnn.core.gradient_command import Backward
 from mpsnn.core.state import ForwardRecord
 from mpsnn.ops.window import ExtractPlan, apply_extract, apply_extract_adjoint, plan_extract
 

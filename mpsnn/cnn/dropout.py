@@ -39,12 +39,12 @@ from mpsnn.core.geometry import Size, Window
 from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.ops.dropout import (
-    DropoutGeometry,
     dropout_apply,
     dropout_apply_counted,
     dropout_geometry,
     keep_mask,
 )
+from mpsnn.ops.plans import DropoutGeometry
 
 __all__ = ["Dropout", "DropoutGradient", "DropoutGradientState", "DropoutRecord"]
 

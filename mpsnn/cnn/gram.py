@@ -27,11 +27,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from mpsnn.core.binary import Backward, GradientKernel
+from mpsnn.core.binary import GradientKernel
 from mpsnn.core.cnn_kernel import CNNKernel, Forward, Records
 from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.geometry import AxisWindow, DestinationSpan, Offset, Window
+from mpsnn.core.gradient_command import Backward
 from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.ops.gram import gram_backward, gram_forward

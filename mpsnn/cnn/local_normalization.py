@@ -58,10 +58,11 @@ from mpsnn.cnn._pointwise import (
     PointwiseRecord,
 )
 from mpsnn.core._checks import check_positive
-from mpsnn.core.binary import Backward, GradientKernel
+from mpsnn.core.binary import GradientKernel
 from mpsnn.core.cnn_kernel import CNNKernel, Forward, Records
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.geometry import EdgeMode, Window
+from mpsnn.core.gradient_command import Backward
 from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.ops._dtypes import widen

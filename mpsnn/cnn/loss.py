@@ -1,4 +1,5 @@
-"""Losses (MPS ``MPSCNNLoss``, ``MPSCNNLossDescriptor``, ``MPSCNNLossLabels``).
+"""Losses (MPS ``MPSCNNLoss``, ``MPSCNNLossDescriptor``); the labels they read
+(``MPSCNNLossLabels``) are `mpsnn.cnn.loss_labels.LossLabels`.
 
 One encode does the forward and the backward: the **destination is the gradient** of the
 loss with respect to the predictions, and the loss goes into the labels (``loss_image()``).
@@ -43,7 +44,7 @@ from mpsnn.core.kernel import image_sequences, resolve_images
 from mpsnn.errors import CommandBufferError, UnsupportedError
 from mpsnn.ops.loss import LossParams, loss_forward_backward, read_index_bounds
 
-__all__ = ["Loss", "LossDescriptor", "LossLabels", "LossType", "ReductionType"]
+__all__ = ["Loss", "LossDescriptor", "LossType", "ReductionType"]
 
 
 class LossType(enum.IntEnum):

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mpsnn.core._checks import check_int, check_positive, check_type
-from mpsnn.core.binary import Backward, GradientKernel
+from mpsnn.core.binary import GradientKernel
 from mpsnn.core.cnn_kernel import CNNKernel, Forward, Records
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.geometry import (
@@ -33,10 +33,11 @@ from mpsnn.core.geometry import (
     padding_offset,
     remainder_first,
 )
+from mpsnn.core.gradient_command import Backward
 from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord, GradientState
+from mpsnn.ops.plans import PoolGeometry
 from mpsnn.ops.pooling import (
-    PoolGeometry,
     average_pool_backward,
     average_pool_forward,
     l2_pool_backward,

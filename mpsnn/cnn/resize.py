@@ -33,11 +33,12 @@ from numbers import Real
 from typing import Any
 
 from mpsnn.core._checks import check_positive, check_type
-from mpsnn.core.binary import Backward, GradientKernel
+from mpsnn.core.binary import GradientKernel
 from mpsnn.core.cnn_kernel import CNNKernel, Forward, Records
 from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.geometry import AxisWindow, DestinationSpan, EdgeMode, Offset, Window
+from mpsnn.core.gradient_command import Backward
 from mpsnn.core.image import Image
 from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord, GradientState

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from mpsnn.cnn.loss import Loss, LossDescriptor, LossLabels, LossType, ReductionType
+from mpsnn.cnn.loss import Loss, LossDescriptor, LossType, ReductionType
+from mpsnn.cnn.loss_labels import LossLabels
 from mpsnn.core._checks import check_enum, check_int, check_type
 from mpsnn.core.cnn_kernel import CNNKernel
 from mpsnn.core.descriptor import FeatureChannelFormat, ImageDescriptor, _result_format

@@ -5,6 +5,7 @@ Each raises `TypeError` or `ValueError` with the ``[ClassName] what must hold, g
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 __all__ = ["check_enum", "check_int", "check_positive", "check_type"]
@@ -32,7 +33,9 @@ def check_positive(who: str, name: str, value: Any) -> int:
     return value
 
 
-def check_enum(who: str, name: str, value: Any, enum_type: type, allowed: Any = None) -> Any:
+def check_enum(
+    who: str, name: str, value: Any, enum_type: type[enum.Enum], allowed: Any = None
+) -> Any:
     if not isinstance(value, enum_type):
         raise TypeError(
             f"[{who}] {name} must be a {enum_type.__name__}, got {type(value).__name__} {value!r}"

@@ -54,7 +54,8 @@ def _geometry_property(name: str, kind: str, minimum: int | None = None) -> prop
         record = self._last_record
         if record is None or name in self._explicit:
             return getattr(self, attr)
-        return self._derived(record)[name]  # a gradient kernel reports its forward's geometry
+        # a gradient kernel (the kernels with a record) reports its forward's geometry
+        return self._derived(record)[name]  # type: ignore[attr-defined]
 
     def set_(self: BinaryKernel, value: Any) -> None:
         who = type(self).__name__
@@ -491,7 +492,7 @@ class GradientKernel(BinaryKernel):
             self._check_explicit(self._derived(record))
         fw = record.window
         # Which images: those given (a batch, or images of a forward batch taken one by one), or
-        # the forward's old-style z mapping.
+        # the images the forward's window mapped (its first source and result image, its count).
         if batch or record.batch:
             z_src, z_dst, images = 0, 0, grad.number_of_images
         else:

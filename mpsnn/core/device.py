@@ -221,7 +221,7 @@ class CommandQueue:
         if current == self._stream:
             return None
         # Work the caller queued on its current stream (inputs) must finish first.
-        self._stream.wait_stream(current)
+        self._stream.wait_stream(current)  # type: ignore[union-attr]  # a CUDA queue has a stream
         return torch.cuda.stream(self._stream)
 
 

@@ -375,7 +375,7 @@ class AxisWindow(NamedTuple):
     """
 
     start: int
-    count: int
+    count: int  # type: ignore[assignment]  # a NamedTuple field named like a tuple method
     kernel: int
     stride: int
     dilation: int

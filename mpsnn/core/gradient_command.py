@@ -75,7 +75,7 @@ def _backward_command(
         if ny != dx.shape[2] or nx != dx.shape[3]:  # a clip rect on the gradient kernel
             dx = dx[:, :, y0 : y0 + ny, x0 : x0 + nx]
         # the result must not share storage with an input: a backward that returns one of
-        # them unchanged (now the storage itself, no longer a view of it) gets copied
+        # them unchanged (the input's storage itself, not a view of it) gets copied
         out._write_block(dx, z_src, dco, y0, x0, x if dx is x else grad._data())
 
     return run

@@ -25,7 +25,7 @@ size and device (`mpsnn.core.allocation`), instead of the allocator's bare error
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 import numpy as np
 import torch
@@ -125,7 +125,7 @@ class Image:
         return _PERMANENT
 
     @classmethod
-    def _make(cls, device: Device, descriptor: ImageDescriptor) -> Image:
+    def _make(cls, device: Device, descriptor: ImageDescriptor) -> Self:
         """Internal: an image for a descriptor already known to be valid (no checks)."""
         image = cls.__new__(cls)
         image._device = device

@@ -184,7 +184,7 @@ class Kernel:
                 )
         return image
 
-    def _check_state(self, cb: CommandBuffer, state: Any, name: str, kind: type) -> Any:
+    def _check_state(self, cb: CommandBuffer, state: Any, name: str, kind: type[Any]) -> Any:
         who = type(self).__name__
         if not isinstance(state, kind):
             raise TypeError(f"[{who}] {name} must be a {kind.__name__}, got {type(state).__name__}")

@@ -54,7 +54,8 @@ _C: Any = torch._C
 # Recent PyTorch keeps one float32 precision per backend and operator ("ieee" / "tf32", or
 # "none": inherit from ("cuda", "all"), then ("generic", "all")); its cuDNN convolutions and
 # cuBLAS products read ("cuda", "conv") and ("cuda", "matmul"), so setting those two explicitly
-# decides whatever the user set elsewhere. Earlier versions read the legacy booleans.
+# decides whatever the user set elsewhere. PyTorch without these setters reads the legacy
+# booleans (`_under_legacy_flags`).
 _get_precision: Any = getattr(_C, "_get_fp32_precision_getter", None)
 _set_precision: Any = getattr(_C, "_set_fp32_precision_setter", None)
 

@@ -323,7 +323,7 @@ class AccumulatorState(GradientState):
         q = cb._queue
         prev = self._writer_queue
         if prev is not None and prev is not q and q._stream is not None and not cb._captured:
-            q._stream.wait_stream(prev._stream)
+            q._stream.wait_stream(prev._stream)  # type: ignore[arg-type]  # CUDA, as q's
         self._writer_queue = q
         sums = self._slots.get(slot)
         if sums is None:

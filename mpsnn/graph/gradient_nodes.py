@@ -26,6 +26,7 @@ from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.device import Device
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
+from mpsnn.graph.neuron_nodes import NeuronNode
 from mpsnn.graph.nodes import FilterNode, GradientFilterNode, ImageNode, register_gradient_nodes
 from mpsnn.graph.step import _Step
 
@@ -33,7 +34,28 @@ __all__ = [
     "ArithmeticGradientNode",
     "BatchNormalizationGradientNode",
     "ConcatenationGradientNode",
+    "ConvolutionGradientNode",
+    "ConvolutionTransposeGradientNode",
+    "CrossChannelNormalizationGradientNode",
+    "DilatedPoolingMaxGradientNode",
+    "DropoutGradientNode",
+    "FullyConnectedGradientNode",
+    "GroupNormalizationGradientNode",
+    "InstanceNormalizationGradientNode",
+    "LocalContrastNormalizationGradientNode",
+    "LogSoftMaxGradientNode",
+    "NeuronGradientNode",
+    "PadGradientNode",
+    "PoolingAverageGradientNode",
+    "PoolingL2NormGradientNode",
+    "PoolingMaxGradientNode",
+    "ReshapeGradientNode",
+    "SliceGradientNode",
+    "SoftMaxGradientNode",
+    "SpatialNormalizationGradientNode",
     "UnaryGradientNode",
+    "UpsamplingBilinearGradientNode",
+    "UpsamplingNearestGradientNode",
 ]
 
 
@@ -289,60 +311,132 @@ def _unary(node_class: type) -> Any:
     return factory
 
 
-def _named(name: str, base: type, doc: str, **attrs: Any) -> type:
-    return type(name, (base,), {"__doc__": doc, **attrs})
+# -- one gradient node per one-input forward node ------------------------------------------
 
 
-# One named gradient node class per one-input forward node class.
-for _fwd, _name, _base, _attrs in (
-    (fwd.ConvolutionNode, "ConvolutionGradientNode", _ConvolutionGradientNode, {}),
-    (fwd.FullyConnectedNode, "FullyConnectedGradientNode", _ConvolutionGradientNode, {}),
-    (
-        fwd.ConvolutionTransposeNode,
-        "ConvolutionTransposeGradientNode",
-        _ConvolutionGradientNode,
-        {},
-    ),
-    (fwd.PoolingMaxNode, "PoolingMaxGradientNode", UnaryGradientNode, {}),
-    (fwd.PoolingAverageNode, "PoolingAverageGradientNode", UnaryGradientNode, {}),
-    (fwd.PoolingL2NormNode, "PoolingL2NormGradientNode", UnaryGradientNode, {}),
-    (fwd.DilatedPoolingMaxNode, "DilatedPoolingMaxGradientNode", UnaryGradientNode, {}),
-    (fwd.NeuronNode, "NeuronGradientNode", _NeuronGradientNode, {}),
-    (fwd.SoftMaxNode, "SoftMaxGradientNode", UnaryGradientNode, {"_reads_result": True}),
-    (fwd.LogSoftMaxNode, "LogSoftMaxGradientNode", UnaryGradientNode, {"_reads_result": True}),
-    (fwd.DropoutNode, "DropoutGradientNode", UnaryGradientNode, {}),
-    (fwd.UpsamplingNearestNode, "UpsamplingNearestGradientNode", UnaryGradientNode, {}),
-    (fwd.UpsamplingBilinearNode, "UpsamplingBilinearGradientNode", UnaryGradientNode, {}),
-    (fwd.SliceNode, "SliceGradientNode", UnaryGradientNode, {}),
-    (fwd.ReshapeNode, "ReshapeGradientNode", UnaryGradientNode, {}),
-    (fwd.PadNode, "PadGradientNode", UnaryGradientNode, {}),
-    (
-        nn_nodes.InstanceNormalizationNode,
-        "InstanceNormalizationGradientNode",
-        UnaryGradientNode,
-        {},
-    ),
-    (nn_nodes.GroupNormalizationNode, "GroupNormalizationGradientNode", UnaryGradientNode, {}),
-    (nn_nodes.SpatialNormalizationNode, "SpatialNormalizationGradientNode", UnaryGradientNode, {}),
-    (
-        nn_nodes.LocalContrastNormalizationNode,
-        "LocalContrastNormalizationGradientNode",
-        UnaryGradientNode,
-        {},
-    ),
-    (
-        nn_nodes.CrossChannelNormalizationNode,
-        "CrossChannelNormalizationGradientNode",
-        UnaryGradientNode,
-        {},
-    ),
-):
-    _cls = _named(
-        _name, _base, f"The gradient node of `{_fwd.__name__}` (MPS ``MPSCNN{_name}``).", **_attrs
-    )
-    globals()[_name] = _cls
-    __all__.append(_name)
-    register_gradient_nodes(_fwd, _unary(_cls))
+class ConvolutionGradientNode(_ConvolutionGradientNode):
+    """The gradient node of `ConvolutionNode` (MPS ``MPSCNNConvolutionGradientNode``)."""
+
+
+class FullyConnectedGradientNode(_ConvolutionGradientNode):
+    """The gradient node of `FullyConnectedNode` (MPS ``MPSCNNFullyConnectedGradientNode``)."""
+
+
+class ConvolutionTransposeGradientNode(_ConvolutionGradientNode):
+    """The gradient node of `ConvolutionTransposeNode`
+    (MPS ``MPSCNNConvolutionTransposeGradientNode``)."""
+
+
+class PoolingMaxGradientNode(UnaryGradientNode):
+    """The gradient node of `PoolingMaxNode` (MPS ``MPSCNNPoolingMaxGradientNode``)."""
+
+
+class PoolingAverageGradientNode(UnaryGradientNode):
+    """The gradient node of `PoolingAverageNode` (MPS ``MPSCNNPoolingAverageGradientNode``)."""
+
+
+class PoolingL2NormGradientNode(UnaryGradientNode):
+    """The gradient node of `PoolingL2NormNode` (MPS ``MPSCNNPoolingL2NormGradientNode``)."""
+
+
+class DilatedPoolingMaxGradientNode(UnaryGradientNode):
+    """The gradient node of `DilatedPoolingMaxNode`
+    (MPS ``MPSCNNDilatedPoolingMaxGradientNode``)."""
+
+
+class NeuronGradientNode(_NeuronGradientNode):
+    """The gradient node of `NeuronNode` (MPS ``MPSCNNNeuronGradientNode``)."""
+
+
+class SoftMaxGradientNode(UnaryGradientNode):
+    """The gradient node of `SoftMaxNode` (MPS ``MPSCNNSoftMaxGradientNode``)."""
+
+    _reads_result = True
+
+
+class LogSoftMaxGradientNode(UnaryGradientNode):
+    """The gradient node of `LogSoftMaxNode` (MPS ``MPSCNNLogSoftMaxGradientNode``)."""
+
+    _reads_result = True
+
+
+class DropoutGradientNode(UnaryGradientNode):
+    """The gradient node of `DropoutNode` (MPS ``MPSCNNDropoutGradientNode``)."""
+
+
+class UpsamplingNearestGradientNode(UnaryGradientNode):
+    """The gradient node of `UpsamplingNearestNode`
+    (MPS ``MPSCNNUpsamplingNearestGradientNode``)."""
+
+
+class UpsamplingBilinearGradientNode(UnaryGradientNode):
+    """The gradient node of `UpsamplingBilinearNode`
+    (MPS ``MPSCNNUpsamplingBilinearGradientNode``)."""
+
+
+class SliceGradientNode(UnaryGradientNode):
+    """The gradient node of `SliceNode` (MPS ``MPSCNNSliceGradientNode``)."""
+
+
+class ReshapeGradientNode(UnaryGradientNode):
+    """The gradient node of `ReshapeNode` (MPS ``MPSCNNReshapeGradientNode``)."""
+
+
+class PadGradientNode(UnaryGradientNode):
+    """The gradient node of `PadNode` (MPS ``MPSCNNPadGradientNode``)."""
+
+
+class InstanceNormalizationGradientNode(UnaryGradientNode):
+    """The gradient node of `InstanceNormalizationNode`
+    (MPS ``MPSCNNInstanceNormalizationGradientNode``)."""
+
+
+class GroupNormalizationGradientNode(UnaryGradientNode):
+    """The gradient node of `GroupNormalizationNode`
+    (MPS ``MPSCNNGroupNormalizationGradientNode``)."""
+
+
+class SpatialNormalizationGradientNode(UnaryGradientNode):
+    """The gradient node of `SpatialNormalizationNode`
+    (MPS ``MPSCNNSpatialNormalizationGradientNode``)."""
+
+
+class LocalContrastNormalizationGradientNode(UnaryGradientNode):
+    """The gradient node of `LocalContrastNormalizationNode`
+    (MPS ``MPSCNNLocalContrastNormalizationGradientNode``)."""
+
+
+class CrossChannelNormalizationGradientNode(UnaryGradientNode):
+    """The gradient node of `CrossChannelNormalizationNode`
+    (MPS ``MPSCNNCrossChannelNormalizationGradientNode``)."""
+
+
+# The one-input forward nodes and their gradient nodes.
+_UNARY_GRADIENTS: tuple[tuple[type[FilterNode], type[UnaryGradientNode]], ...] = (
+    (fwd.ConvolutionNode, ConvolutionGradientNode),
+    (fwd.FullyConnectedNode, FullyConnectedGradientNode),
+    (fwd.ConvolutionTransposeNode, ConvolutionTransposeGradientNode),
+    (fwd.PoolingMaxNode, PoolingMaxGradientNode),
+    (fwd.PoolingAverageNode, PoolingAverageGradientNode),
+    (fwd.PoolingL2NormNode, PoolingL2NormGradientNode),
+    (fwd.DilatedPoolingMaxNode, DilatedPoolingMaxGradientNode),
+    (NeuronNode, NeuronGradientNode),
+    (fwd.SoftMaxNode, SoftMaxGradientNode),
+    (fwd.LogSoftMaxNode, LogSoftMaxGradientNode),
+    (fwd.DropoutNode, DropoutGradientNode),
+    (fwd.UpsamplingNearestNode, UpsamplingNearestGradientNode),
+    (fwd.UpsamplingBilinearNode, UpsamplingBilinearGradientNode),
+    (fwd.SliceNode, SliceGradientNode),
+    (fwd.ReshapeNode, ReshapeGradientNode),
+    (fwd.PadNode, PadGradientNode),
+    (nn_nodes.InstanceNormalizationNode, InstanceNormalizationGradientNode),
+    (nn_nodes.GroupNormalizationNode, GroupNormalizationGradientNode),
+    (nn_nodes.SpatialNormalizationNode, SpatialNormalizationGradientNode),
+    (nn_nodes.LocalContrastNormalizationNode, LocalContrastNormalizationGradientNode),
+    (nn_nodes.CrossChannelNormalizationNode, CrossChannelNormalizationGradientNode),
+)
+for _forward, _gradient in _UNARY_GRADIENTS:
+    register_gradient_nodes(_forward, _unary(_gradient))
 register_gradient_nodes(nn_nodes.BatchNormalizationNode, _unary(BatchNormalizationGradientNode))
 register_gradient_nodes(
     fwd.ConcatenationNode,

@@ -536,7 +536,7 @@ def _checked_image(who: str, name: str, image: Any, cb: CommandBuffer) -> Image:
 def _labels_batch(graph: Graph, value: Any, n: int, index: int) -> list[Any]:
     """Source state ``index`` as a list of states, checked before anything is encoded: loss
     labels must cover the batch's ``n`` images, on the graph's device."""
-    from mpsnn.cnn.loss import LossLabels
+    from mpsnn.cnn.loss_labels import LossLabels
 
     who = "Graph"
     if isinstance(value, State):

@@ -1,7 +1,7 @@
 """The neuron nodes (MPS ``MPSCNNNeuronNode`` and its named subclasses ``MPSCNNNeuronReLUNode``,
-...): `NeuronNode` takes a `NeuronDescriptor`; the named nodes (`NeuronReLUNode`, ...) are
-made from one table (`_NEURONS`: name, neuron type, parameters, formula) and build the
-descriptor from their parameters with MPS's defaults.
+...): `NeuronNode` takes a `NeuronDescriptor`; each named node (`NeuronReLUNode`, ...) names its
+neuron type and parameters, and builds the descriptor from them with MPS's defaults
+(`_NamedNeuronNode`).
 
 When a graph fuses a neuron node into the filter before it, the node runs no kernel of its
 own: its result (and state) are that filter's.
@@ -22,7 +22,24 @@ from mpsnn.core.device import Device
 from mpsnn.graph.nodes import ImageNode, UnaryNode
 from mpsnn.graph.step import _Step
 
-__all__ = ["NeuronNode"]  # and the named neuron nodes, appended below
+__all__ = [
+    "NeuronAbsoluteNode",
+    "NeuronELUNode",
+    "NeuronExponentialNode",
+    "NeuronGeLUNode",
+    "NeuronHardSigmoidNode",
+    "NeuronLinearNode",
+    "NeuronLogarithmNode",
+    "NeuronNode",
+    "NeuronPReLUNode",
+    "NeuronPowerNode",
+    "NeuronReLUNNode",
+    "NeuronReLUNode",
+    "NeuronSigmoidNode",
+    "NeuronSoftPlusNode",
+    "NeuronSoftSignNode",
+    "NeuronTanHNode",
+]
 
 
 class NeuronNode(UnaryNode):
@@ -72,10 +89,16 @@ class NeuronNode(UnaryNode):
         return NeuronGradient(device, self.descriptor)
 
 
-def _neuron_node(name: str, kind: NeuronType, params: tuple[str, ...], doc: str) -> type:
-    """A named neuron node: ``Name(source, <params>)`` with MPS's defaults for the type."""
+class _NamedNeuronNode(NeuronNode):
+    """A neuron node named for its type: ``Name(source, <params>)`` builds the descriptor of
+    type ``_kind`` from the parameters ``_params`` it takes, with MPS's defaults for the rest."""
 
-    def __init__(self: NeuronNode, source: ImageNode, *args: Any, **kwargs: Any) -> None:
+    _kind: NeuronType
+    _params: tuple[str, ...] = ()
+
+    def __init__(self, source: ImageNode, *args: Any, **kwargs: Any) -> None:
+        name = next(c for c in type(self).__mro__ if "_kind" in vars(c)).__name__
+        params, kind = self._params, self._kind
         if len(args) > len(params):
             raise TypeError(f"[{name}] takes {len(params)} parameters {params}, got {len(args)}")
         values = dict(zip(params, args, strict=False)) | kwargs
@@ -88,26 +111,103 @@ def _neuron_node(name: str, kind: NeuronType, params: tuple[str, ...], doc: str)
             desc = NeuronDescriptor(kind, **values)
         NeuronNode.__init__(self, source, desc)
 
-    return type(name, (NeuronNode,), {"__init__": __init__, "__doc__": doc})
+
+class NeuronReLUNode(_NamedNeuronNode):
+    """ReLU, leaky with slope ``a`` (default 0). (MPS ``MPSCNNNeuronReLUNode``)"""
+
+    _kind = NeuronType.RELU
+    _params = ("a",)
 
 
-_NEURONS = (
-    ("NeuronReLUNode", NeuronType.RELU, ("a",), "ReLU, leaky with slope ``a`` (default 0)."),
-    ("NeuronLinearNode", NeuronType.LINEAR, ("a", "b"), "``a x + b``."),
-    ("NeuronSigmoidNode", NeuronType.SIGMOID, (), "``1 / (1 + e^-x)``."),
-    ("NeuronHardSigmoidNode", NeuronType.HARD_SIGMOID, ("a", "b"), "``clamp(a x + b, 0, 1)``."),
-    ("NeuronTanHNode", NeuronType.TANH, ("a", "b"), "``a tanh(b x)``."),
-    ("NeuronAbsoluteNode", NeuronType.ABSOLUTE, (), "``|x|``."),
-    ("NeuronSoftPlusNode", NeuronType.SOFT_PLUS, ("a", "b"), "``a log(1 + e^(b x))``."),
-    ("NeuronSoftSignNode", NeuronType.SOFT_SIGN, (), "``x / (1 + |x|)``."),
-    ("NeuronELUNode", NeuronType.ELU, ("a",), "ELU with scale ``a``."),
-    ("NeuronPReLUNode", NeuronType.PRELU, ("a_data",), "PReLU with per-channel slopes."),
-    ("NeuronReLUNNode", NeuronType.RELU_N, ("a", "b"), "ReLU capped at ``b``."),
-    ("NeuronPowerNode", NeuronType.POWER, ("a", "b", "c"), "``(a x + b)^c``."),
-    ("NeuronExponentialNode", NeuronType.EXPONENTIAL, ("a", "b", "c"), "``c^(a x + b)``."),
-    ("NeuronLogarithmNode", NeuronType.LOGARITHM, ("a", "b", "c"), "``log_c(a x + b)``."),
-    ("NeuronGeLUNode", NeuronType.GELU, (), "``x Phi(x)``."),
-)
-for _name, _kind, _params, _doc in _NEURONS:
-    globals()[_name] = _neuron_node(_name, _kind, _params, f"{_doc} (MPS ``MPSCNN{_name}``)")
-    __all__.append(_name)
+class NeuronLinearNode(_NamedNeuronNode):
+    """``a x + b``. (MPS ``MPSCNNNeuronLinearNode``)"""
+
+    _kind = NeuronType.LINEAR
+    _params = ("a", "b")
+
+
+class NeuronSigmoidNode(_NamedNeuronNode):
+    """``1 / (1 + e^-x)``. (MPS ``MPSCNNNeuronSigmoidNode``)"""
+
+    _kind = NeuronType.SIGMOID
+
+
+class NeuronHardSigmoidNode(_NamedNeuronNode):
+    """``clamp(a x + b, 0, 1)``. (MPS ``MPSCNNNeuronHardSigmoidNode``)"""
+
+    _kind = NeuronType.HARD_SIGMOID
+    _params = ("a", "b")
+
+
+class NeuronTanHNode(_NamedNeuronNode):
+    """``a tanh(b x)``. (MPS ``MPSCNNNeuronTanHNode``)"""
+
+    _kind = NeuronType.TANH
+    _params = ("a", "b")
+
+
+class NeuronAbsoluteNode(_NamedNeuronNode):
+    """``|x|``. (MPS ``MPSCNNNeuronAbsoluteNode``)"""
+
+    _kind = NeuronType.ABSOLUTE
+
+
+class NeuronSoftPlusNode(_NamedNeuronNode):
+    """``a log(1 + e^(b x))``. (MPS ``MPSCNNNeuronSoftPlusNode``)"""
+
+    _kind = NeuronType.SOFT_PLUS
+    _params = ("a", "b")
+
+
+class NeuronSoftSignNode(_NamedNeuronNode):
+    """``x / (1 + |x|)``. (MPS ``MPSCNNNeuronSoftSignNode``)"""
+
+    _kind = NeuronType.SOFT_SIGN
+
+
+class NeuronELUNode(_NamedNeuronNode):
+    """ELU with scale ``a``. (MPS ``MPSCNNNeuronELUNode``)"""
+
+    _kind = NeuronType.ELU
+    _params = ("a",)
+
+
+class NeuronPReLUNode(_NamedNeuronNode):
+    """PReLU with per-channel slopes. (MPS ``MPSCNNNeuronPReLUNode``)"""
+
+    _kind = NeuronType.PRELU
+    _params = ("a_data",)
+
+
+class NeuronReLUNNode(_NamedNeuronNode):
+    """ReLU capped at ``b``. (MPS ``MPSCNNNeuronReLUNNode``)"""
+
+    _kind = NeuronType.RELU_N
+    _params = ("a", "b")
+
+
+class NeuronPowerNode(_NamedNeuronNode):
+    """``(a x + b)^c``. (MPS ``MPSCNNNeuronPowerNode``)"""
+
+    _kind = NeuronType.POWER
+    _params = ("a", "b", "c")
+
+
+class NeuronExponentialNode(_NamedNeuronNode):
+    """``c^(a x + b)``. (MPS ``MPSCNNNeuronExponentialNode``)"""
+
+    _kind = NeuronType.EXPONENTIAL
+    _params = ("a", "b", "c")
+
+
+class NeuronLogarithmNode(_NamedNeuronNode):
+    """``log_c(a x + b)``. (MPS ``MPSCNNNeuronLogarithmNode``)"""
+
+    _kind = NeuronType.LOGARITHM
+    _params = ("a", "b", "c")
+
+
+class NeuronGeLUNode(_NamedNeuronNode):
+    """``x Phi(x)``. (MPS ``MPSCNNNeuronGeLUNode``)"""
+
+    _kind = NeuronType.GELU

@@ -76,8 +76,9 @@ def _order(results: list[ImageNode]) -> tuple[list[FilterNode], list[ImageNode],
 
 def _fusible(node: FilterNode, readers: dict[int, list[FilterNode]], keep: set[int]) -> Any:
     """The node a neuron node fuses into, or None."""
-    from mpsnn.graph.forward_nodes import ConvolutionNode, NeuronNode, _ArithmeticNode
+    from mpsnn.graph.forward_nodes import ConvolutionNode, _ArithmeticNode
     from mpsnn.graph.gradient_nodes import _NeuronGradientNode
+    from mpsnn.graph.neuron_nodes import NeuronNode
     from mpsnn.graph.normalization_nodes import BatchNormalizationNode
 
     if not isinstance(node, NeuronNode) or node.descriptor.neuron_type is NeuronType.PRELU:

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from mpsnn.cnn.loss import LossLabels
+from mpsnn.cnn.loss_labels import LossLabels
 from mpsnn.core.device import CommandBuffer, CommandBufferStatus, _Command
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch

@@ -112,7 +112,7 @@ def dropout_apply_portable(
     t: torch.Tensor, key: int | torch.Tensor, first_image: int, geom: DropoutGeometry
 ) -> torch.Tensor:
     """``t * keep * scale`` (forward, or the gradient with ``t = g``), on any device."""
-    keep = keep_mask(key, first_image, tuple(t.shape), geom, t.device)
+    keep = keep_mask(key, first_image, tuple(t.shape), geom, t.device)  # type: ignore[arg-type]  # NCHW
     wide = acc_dtype(t.dtype)
     factor = keep.to(wide) * geom.scale
     return (t.to(wide) * factor).to(t.dtype)

@@ -262,7 +262,7 @@ def _divisor(
     with a non-zero weight (at least 1), as an (N, 1, 1, 1) tensor."""
     if reduction == MEAN or (reduction == SUM_BY_NON_ZERO_WEIGHTS and count is None):
         return units
-    if reduction == SUM_BY_NON_ZERO_WEIGHTS:
+    if reduction == SUM_BY_NON_ZERO_WEIGHTS and count is not None:
         return count.clamp(min=1).to(acc).view(-1, 1, 1, 1)
     return 1
 
@@ -371,7 +371,8 @@ def _fused_softmax_cross_entropy(
     reduction's divisor and in ``y``'s dtype (`mpsnn.ops.triton.loss`), then the loss's
     reduction as in `loss_forward_backward`; None where that launch does not apply."""
     # no per-element weights: SUM_BY_NON_ZERO_WEIGHTS counts every pixel, as MEAN
-    divisor = _divisor(reduction, y.shape[2] * y.shape[3], None, torch.float32)
+    units = y.shape[2] * y.shape[3]
+    divisor: int = _divisor(reduction, units, None, torch.float32)  # type: ignore[assignment]  # no counts: an int
     fused = fast_paths.softmax_cross_entropy(
         y, labels, None, p.weight, p.label_smoothing, divisor, index_bounds=index_bounds
     )

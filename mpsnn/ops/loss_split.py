@@ -102,7 +102,7 @@ def _divisor(
     units = _units(kind, y.shape)
     if reduction == MEAN or (reduction == SUM_BY_NON_ZERO_WEIGHTS and wt is None):
         per_image = torch.full((n,), float(units), dtype=acc_dtype(y.dtype), device=y.device)
-    elif reduction == SUM_BY_NON_ZERO_WEIGHTS:
+    elif reduction == SUM_BY_NON_ZERO_WEIGHTS and wt is not None:
         per_image = _counts(kind, wt).to(acc_dtype(y.dtype))
     else:  # SUM (NONE divides by nothing)
         per_image = torch.ones(n, dtype=acc_dtype(y.dtype), device=y.device)

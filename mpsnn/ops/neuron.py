@@ -200,7 +200,7 @@ def plain_relu(p: NeuronParams, x: torch.Tensor) -> bool:
     ``a = -0.0`` keeps the general path: there ``x a`` is +0.0 for ``x < 0``, ``m x`` -0.0.
     Why: the general forms take 3 to 5 passes, where (and mixed bool-float products) are not
     vectorized; these take 2 vectorized passes, on the CPU and on CUDA (where ``x * (x >= 0)``
-    with a bool mask ran as a non-vectorized kernel at half the bandwidth: 0.45 ms of a
+    with a bool mask runs as a non-vectorized kernel at half the bandwidth: 0.45 ms of a
     ResNet-18 step at batch 512 on an H100), or one Triton pass on CUDA (`_relu_times`).
     """
     return p.kind == RELU and p.a == 0.0 and math.copysign(1.0, p.a) > 0 and x.is_floating_point()

@@ -66,6 +66,7 @@ from typing import Any
 import torch
 
 from mpsnn.core.device import _raw_stream
+from mpsnn.ops import triton as fast_paths
 from mpsnn.ops.optim_hyper import (
     _ADAM_RULES,
     HYPER_SIZE,
@@ -156,6 +157,7 @@ def adam_update(
 ) -> None:
     """MPSNNOptimizerAdam (AMSGrad when ``max_velocities`` are given); advances ``step`` once
     for the whole list. See the module docstring for ``lr_t`` and the eps placement."""
+    states: tuple[Sequence[torch.Tensor], ...]
     if max_velocities is None:
         rule, states = UpdateRule.ADAM, (momenta, velocities)
     else:
@@ -191,7 +193,7 @@ def apply_update(
             raise ValueError(f"[apply_update] {rule.name} needs a step tensor (make_step)")
         _check_step(step)
     if not values:
-        if rule in _ADAM_RULES:
+        if step is not None and rule in _ADAM_RULES:
             step[:1].add_(1)  # an update of nothing still counts
         return
     lists = (values, grads, results, *states)
@@ -237,8 +239,6 @@ def _plan(rule: UpdateRule, lists: tuple[Sequence[torch.Tensor], ...], hyper: to
     exist once a replay ran): returned, never cached. A cached table used during a capture is
     kept for the graph, so that its eviction from the cache does not free what the graph reads
     (`mpsnn.ops.triton.optim`)."""
-    from mpsnn.ops import triton as fast_paths
-
     others = [t for k, lst in enumerate(lists) if k != 1 for t in lst]
     grads = lists[1]
     # the gradient addresses last: the key without them is the key of the lists' checks.
@@ -339,9 +339,9 @@ _Scalar = float | torch.Tensor
 def _axpy_(y: _TensorList, x: Sequence[torch.Tensor], a: _Scalar) -> None:
     """``y += a x``."""
     if isinstance(a, torch.Tensor):
-        torch._foreach_add_(y, torch._foreach_mul(x, a))
+        torch._foreach_add_(y, torch._foreach_mul(x, a))  # type: ignore[call-overload]  # lists or tuples, as torch's stubs want
     else:
-        torch._foreach_add_(y, x, alpha=a)
+        torch._foreach_add_(y, x, alpha=a)  # type: ignore[call-overload]  # lists or tuples, as torch's stubs want
 
 
 def _add_(y: _TensorList, a: _Scalar) -> None:
@@ -374,16 +374,16 @@ def _addcdiv_(y: _TensorList, x1: _TensorList, x2: _TensorList, a: _Scalar) -> N
         torch._foreach_addcdiv_(y, x1, x2, a)
 
 
-def _clamped(g: Sequence[torch.Tensor], lo: _Scalar, hi: _Scalar) -> _TensorList:
+def _clamped(g: _TensorList, lo: _Scalar, hi: _Scalar) -> _TensorList:
     """``clamp(g, lo, hi)`` as new tensors (NaN stays NaN)."""
     if isinstance(lo, torch.Tensor):
         # no foreach clamp takes tensor bounds; maximum/minimum take a list of 0-dim tensors
         # (one launch per tensor on CUDA, where this path runs only when Triton does not)
         out = torch._foreach_maximum(g, [lo] * len(g))
-        torch._foreach_minimum_(out, [hi] * len(g))
+        torch._foreach_minimum_(out, [hi] * len(g))  # type: ignore[list-item]  # a tensor, as lo
     else:
         out = torch._foreach_maximum(g, lo)
-        torch._foreach_minimum_(out, hi)
+        torch._foreach_minimum_(out, hi)  # type: ignore[arg-type]  # a float, as lo
     return list(out)
 
 
@@ -407,7 +407,8 @@ def _gradients(
     else:
         g = list(torch._foreach_mul(g, h[Hyper.GRADIENT_RESCALE]))
     if regularization == RegularizationType.L1:
-        _axpy_(g, torch._foreach_sign(values), h[Hyper.REGULARIZATION_SCALE])
+        sign = torch._foreach_sign(values)  # type: ignore[arg-type]  # lists or tuples, as torch's stubs want
+        _axpy_(g, sign, h[Hyper.REGULARIZATION_SCALE])
     elif regularization == RegularizationType.L2:
         _axpy_(g, values, h[Hyper.REGULARIZATION_SCALE])
     return g

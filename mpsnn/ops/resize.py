@@ -67,7 +67,7 @@ class ResizeAxis(NamedTuple):
 
     offset: int
     first: int
-    count: int
+    count: int  # type: ignore[assignment]  # a NamedTuple field named like a tuple method
     size: int
     resize: int
     align_corners: bool
@@ -83,7 +83,7 @@ class CropAxis(NamedTuple):
 
     regions: tuple[tuple[float, float], ...]
     first: int
-    count: int
+    count: int  # type: ignore[assignment]  # a NamedTuple field named like a tuple method
     size: int
     resize: int
     stacked: bool
@@ -94,7 +94,7 @@ class ScaleAxis(NamedTuple):
     transform's origin) of a ``size``-pixel source under ``dst = src * scale + translate``."""
 
     first: int
-    count: int
+    count: int  # type: ignore[assignment]  # a NamedTuple field named like a tuple method
     size: int
     scale: float
     translate: float
@@ -155,7 +155,7 @@ def _crop_position(start: float, extent: float, u: int, size: int, resize: int) 
 def _crop_taps(a: CropAxis) -> Taps:
     """Region ``r``'s output ``k`` is target ``r count + k``; it reads positions ``r size + i``
     (stacked) or ``i``."""
-    out = []
+    out: list[tuple[tuple[int, float], ...]] = []
     last = a.size - 1
     for r, (start, extent) in enumerate(a.regions):
         base = r * a.size if a.stacked else 0

@@ -88,7 +88,7 @@ class AxisAdjoint(NamedTuple):
     """
 
     size: int
-    count: int
+    count: int  # type: ignore[assignment]  # a NamedTuple field named like a tuple method
     window: Window | None
     gather: tuple[int, ...] | None
     padded: bool
@@ -307,7 +307,7 @@ def apply_axis_adjoint(t: torch.Tensor, plan: AxisAdjoint, dim: int, key: Hashab
         parts = []
         for k, (rows, width, index, weights) in enumerate(plan.groups):
             idx = device_constant(
-                (key, "index", k), torch.int64, device, lambda index=index: _index_tensor(index)
+                (key, "index", k), torch.int64, device, functools.partial(_index_tensor, index)
             )
             v = src.index_select(dim, idx).unflatten(dim, (rows, width))
             if weights is not None:
@@ -315,23 +315,29 @@ def apply_axis_adjoint(t: torch.Tensor, plan: AxisAdjoint, dim: int, key: Hashab
                     (key, "weights", k),
                     t.dtype,
                     device,
-                    lambda weights=weights: _weight_tensor(weights),
+                    functools.partial(_weight_tensor, weights),
                 )
                 v = v * w.view(rows, width, *trailing)
             parts.append(v.sum(dim + 1))  # over the row, in table order: deterministic
         s = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
     if plan.pieces is None:
         select = plan.select
-        idx = device_constant((key, "select"), torch.int64, device, lambda: _index_tensor(select))
-        return torch.cat([s, _zeros_along(s, dim, 1)], dim).index_select(dim, idx)
+        # without pieces the plan selects rows of the group sums (`axis_adjoint`)
+        idx = device_constant(
+            (key, "select"),
+            torch.int64,
+            device,
+            lambda: _index_tensor(select),  # type: ignore[arg-type]
+        )
+        return torch.cat([s, _zeros_along(s, dim, 1)], dim).index_select(dim, idx)  # type: ignore[list-item, arg-type]
     if len(plan.pieces) == 1:
         kind, begin, length = plan.pieces[0]
         if kind == _SLICE:
             return t.narrow(dim, begin, length)
         if kind == _SUMMED:
-            return s
+            return s  # type: ignore[return-value]  # a piece of this kind exists only with its part of the plan
         if kind == _WINDOW:
-            return _window_sum(t, plan.window, dim, key, None)
+            return _window_sum(t, plan.window, dim, key, None)  # type: ignore[arg-type]  # a piece of this kind exists only with its part of the plan
         return _zeros_along(t, dim, length)
     # Each piece is written once into its part of the result.
     shape = list(t.shape)
@@ -343,9 +349,9 @@ def apply_axis_adjoint(t: torch.Tensor, plan: AxisAdjoint, dim: int, key: Hashab
         if kind == _SLICE:
             part.copy_(t.narrow(dim, begin, length))
         elif kind == _SUMMED:
-            part.copy_(s.narrow(dim, begin, length))
+            part.copy_(s.narrow(dim, begin, length))  # type: ignore[union-attr]  # a piece of this kind exists only with its part of the plan
         elif kind == _WINDOW:
-            _window_sum(t, plan.window, dim, key, part)
+            _window_sum(t, plan.window, dim, key, part)  # type: ignore[arg-type]  # a piece of this kind exists only with its part of the plan
         else:
             part.zero_()
         at += length
@@ -395,7 +401,7 @@ class PadAxis(NamedTuple):
     (the forward is a slice). ``adjoint`` is the plan of the gradient along the axis."""
 
     start: int
-    count: int
+    count: int  # type: ignore[assignment]  # a NamedTuple field named like a tuple method
     size: int
     mode: EdgeMode
     source: tuple[int, ...]
@@ -480,6 +486,9 @@ def pad_forward(
     body = _gather_axis(_gather_axis(x, ay, 2), ax, 3)
     out = x.new_empty((n, out_channels, ay.count, ax.count))
     cb, ce = channel_before, channel_before + c
+    f_before: torch.Tensor | float
+    f_mid: torch.Tensor | float
+    f_after: torch.Tensor | float
     if isinstance(fill, torch.Tensor):
         values = fill
         wide = acc_dtype(x.dtype)

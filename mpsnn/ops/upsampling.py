@@ -50,7 +50,7 @@ class AxisSampling(NamedTuple):
 
     offset: int
     first: int
-    count: int
+    count: int  # type: ignore[assignment]  # a NamedTuple field named like a tuple method
     size: int
     scale: int
     clamp: bool
@@ -108,10 +108,10 @@ class _AxisPlan(NamedTuple):
     long. ``weighted``: some weight is not 1 (compute in the accumulation dtype). ``adjoint``
     is the transpose's plan."""
 
-    count: int
+    count: int  # type: ignore[assignment]  # a NamedTuple field named like a tuple method
     lo: int
     hi: int
-    index: tuple[tuple[int, ...], ...]
+    index: tuple[tuple[int, ...], ...]  # type: ignore[assignment]  # a NamedTuple field named like a tuple method
     weight: tuple[tuple[float, ...], ...] | None
     regular: tuple[int, int, tuple[Phase, ...]] | None
     adjoint: AxisAdjoint
@@ -175,10 +175,11 @@ def _axis_plan(a: AxisSampling, bilinear: bool, align_corners: bool) -> _AxisPla
         else:
             norm.append(None)
     run = _regular_run(norm, lo, hi, a.scale)
-    regular = None
+    regular: tuple[int, int, tuple[Phase, ...]] | None = None
     if run is not None:
         start, periods = run
-        regular = (start, periods, tuple(norm[start + ph] for ph in range(a.scale)))
+        phases = tuple(norm[start + ph] for ph in range(a.scale))
+        regular = (start, periods, phases)  # type: ignore[assignment]  # a run has no None phase
     contributions: list[list[tuple[int, float]]] = [[] for _ in range(a.size)]
     for k, t in enumerate(taps):
         for i, w in t:
@@ -210,7 +211,7 @@ def _gather_taps(
     taps = []
     for t, index in enumerate(plan.index):
         idx = device_constant(
-            (key, "tap", t), torch.int64, x.device, lambda index=index: torch.tensor(index)
+            (key, "tap", t), torch.int64, x.device, functools.partial(torch.tensor, index)
         )
         taps.append(x.index_select(dim, idx.narrow(0, at, n)))
     if plan.weight is None:
@@ -221,7 +222,7 @@ def _gather_taps(
             (key, "weight", t),
             x.dtype,
             x.device,
-            lambda weight=weight: torch.tensor(weight, dtype=torch.float64),
+            functools.partial(torch.tensor, weight, dtype=torch.float64),
         )
         .narrow(0, at, n)
         .view(-1, *trailing)

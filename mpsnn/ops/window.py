@@ -154,7 +154,7 @@ def apply_extract(x: torch.Tensor, plan: ExtractPlan) -> torch.Tensor:
         return _apply_axis(_apply_axis(x, -2, py), -1, px)
     # One pass for both axes: crop to the overlap (views), then pad every side at once.
     core = x[:, :, y0:y1, x0:x1]
-    pads = (x0 - px.lo, px.hi - x1, y0 - py.lo, py.hi - y1)
+    pads: tuple[int, ...] = (x0 - px.lo, px.hi - x1, y0 - py.lo, py.hi - y1)
     pads = tuple(
         p if m >= _ZERO_COPY else 0
         for p, m in zip(pads, (px.mode,) * 2 + (py.mode,) * 2, strict=True)

@@ -299,7 +299,7 @@ def yolo_loss_forward_backward(
         divisor: int | torch.Tensor = 1
         if p.reduction == MEAN or (p.reduction == SUM_BY_NON_ZERO_WEIGHTS and wt is None):
             divisor = c * h * w
-        elif p.reduction == SUM_BY_NON_ZERO_WEIGHTS:
+        elif p.reduction == SUM_BY_NON_ZERO_WEIGHTS and weights is not None:
             count = (weights[:, :c] != 0).sum((1, 2, 3))
             divisor = count.clamp(min=1).to(acc).view(-1, 1, 1, 1)
         if not (isinstance(divisor, int) and divisor == 1):

@@ -1,7 +1,7 @@
 """The optimizer descriptor and the base `Optimizer` (MPS ``MPSNNOptimizerDescriptor``,
 ``MPSNNOptimizer``): the options every optimizer shares, the hyperparameters in device memory,
 the one update path and the encode forms. The rules (SGD, RMSProp, Adam, with their formulas)
-are subclasses in `mpsnn.optim.rules`; `mpsnn.optim.optimizers` gathers both.
+are subclasses in `mpsnn.optim.rules`; `mpsnn.optim` gathers both.
 
 Every gradient goes through, in order: clipping (when on), rescaling, regularization (L1 adds
 ``scale·sign(w)``, L2 ``scale·w``), then the rule; the math is `mpsnn.ops.optim`.
@@ -44,11 +44,10 @@ import torch
 from mpsnn.core._checks import check_enum, check_type
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.kernel import Kernel
-from mpsnn.ops.optim import (
+from mpsnn.ops.optim import _capturing, apply_update
+from mpsnn.ops.optim_hyper import (
     RegularizationType,
     UpdateRule,
-    _capturing,
-    apply_update,
     init_state,
     make_hyper,
     set_hyper,

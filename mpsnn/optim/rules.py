@@ -25,7 +25,7 @@ import torch
 
 from mpsnn.core._checks import check_type
 from mpsnn.core.device import CommandBuffer, Device
-from mpsnn.ops.optim import UpdateRule, make_step, set_step
+from mpsnn.ops.optim_hyper import UpdateRule, make_step, set_step
 from mpsnn.optim.base import (
     _JOURNALS,
     Optimizer,

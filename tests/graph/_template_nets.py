@@ -11,7 +11,7 @@ import torch
 
 import mpsnn as m
 from mpsnn.cli.common import parse_device
-from mpsnn.cnn.loss import LossLabels
+from mpsnn.cnn.loss_labels import LossLabels
 from mpsnn.core.image_batch import ImageBatch
 
 DEV = parse_device("cpu")

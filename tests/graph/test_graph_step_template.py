@@ -13,7 +13,7 @@ import torch
 
 import mpsnn as m
 from mpsnn.cli.common import DTYPES, build_model, make_optimizer, parse_device
-from mpsnn.cnn.loss import LossLabels
+from mpsnn.cnn.loss_labels import LossLabels
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
 from tests.graph._template_nets import (

@@ -12,7 +12,7 @@ import torch
 
 import mpsnn as m
 from mpsnn.cli.common import build_model, make_optimizer, parse_device
-from mpsnn.cnn.loss import LossLabels
+from mpsnn.cnn.loss_labels import LossLabels
 from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.geometry import PaddingMethod
 from mpsnn.core.image_batch import ImageBatch

@@ -39,10 +39,11 @@ from mpsnn.cnn.convolution.kernels import (
 from mpsnn.cnn.convolution.state import ConvolutionGradientState, ConvolutionTransposeGradientState
 from mpsnn.cnn.neuron_descriptor import FusedNeuron
 from mpsnn.core._checks import check_enum
-from mpsnn.core.binary import Backward, GradientKernel
+from mpsnn.core.binary import GradientKernel
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import Window
+from mpsnn.core.gradient_command import Backward
 from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord
 from mpsnn.ops._dtypes import acc_dtype

@@ -3,10 +3,9 @@
 mode on the state's statistics, inference mode on the running ones), the record the gradients
 read, and the helpers the group/instance normalization kernels share (`MasterPair`,
 `read_normalization_vectors`). The state (``MPSCNNBatchNormalizationState``) is in
-`mpsnn.cnn.normalization.batch_norm_state` and re-exported here.
-
-The gradient kernels are in `mpsnn.cnn.normalization.batch_norm_gradient`; the training step
-as a whole is described in `mpsnn.cnn.normalization.batch_norm`, which re-exports both.
+`mpsnn.cnn.normalization.batch_norm_state`, the gradient kernels in
+`mpsnn.cnn.normalization.batch_norm_gradient`; the training step as a whole is described in
+`mpsnn.cnn.normalization`.
 """
 
 from __future__ import annotations
@@ -19,9 +18,7 @@ import torch
 
 from mpsnn.cnn._pointwise import Pointwise, PointwiseKernel, PointwiseRecord
 from mpsnn.cnn.neuron_descriptor import FusedNeuron
-from mpsnn.cnn.normalization.batch_norm_state import _GRADS as _GRADS
-from mpsnn.cnn.normalization.batch_norm_state import _STATS as _STATS
-from mpsnn.cnn.normalization.batch_norm_state import BatchNormalizationState
+from mpsnn.cnn.normalization.batch_norm_state import _STATS, BatchNormalizationState
 from mpsnn.cnn.normalization.data_sources import BatchNormalizationDataSource
 from mpsnn.cnn.normalization.states import (
     NormalizationGammaAndBetaState,
@@ -41,7 +38,6 @@ __all__ = [
     "AffineChannels",
     "BatchNormalization",
     "BatchNormalizationRecord",
-    "BatchNormalizationState",
     "BatchNormalizationStatistics",
     "read_normalization_vectors",
 ]

@@ -5,8 +5,8 @@ the fused neuron's gradient is applied first in both.
 
 They read what the forward side left in the `BatchNormalizationState` and its
 `BatchNormalizationRecord` (`mpsnn.cnn.normalization.batch_norm_forward`), and are registered
-as the gradients of `BatchNormalization` here. `mpsnn.cnn.normalization.batch_norm` describes
-the training step as a whole and re-exports both sides.
+as the gradients of `BatchNormalization` here. `mpsnn.cnn.normalization` describes the
+training step as a whole.
 """
 
 from __future__ import annotations
@@ -19,14 +19,12 @@ import torch
 from mpsnn.cnn._pointwise import PointwiseBackward, PointwiseGradient
 from mpsnn.cnn.neuron_descriptor import FusedNeuron
 from mpsnn.cnn.normalization.batch_norm_forward import (
-    _GRADS,
-    _STATS,
     BatchNormalization,
     BatchNormalizationRecord,
-    BatchNormalizationState,
     _check_bn_state,
     check_channels_read,
 )
+from mpsnn.cnn.normalization.batch_norm_state import _GRADS, _STATS, BatchNormalizationState
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import Window

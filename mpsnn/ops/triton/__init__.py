@@ -189,7 +189,9 @@ def batch_norm_eligible(x: torch.Tensor, neuron: Any = None, *more: torch.Tensor
     return all(t.dtype == x.dtype and t.shape == x.shape for t in more)
 
 
-def batch_norm_statistics(x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+def batch_norm_statistics(
+    x: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The Triton ``(count, mean, m2)`` of ``x`` when `batch_norm_eligible`, else None."""
     if not batch_norm_eligible(x):
         return None
@@ -210,8 +212,8 @@ def batch_norm_forward(x: torch.Tensor, *params: Any, neuron: Any = None) -> tor
     from mpsnn.ops.triton.batch_norm import bn_forward_triton
 
     if nhwc.is_nhwc(x):  # channels-last storage (half-precision convolution outputs)
-        return nhwc.nhwc_forward(x, *params, neuron)
-    return bn_forward_triton(x, *params, neuron)
+        return nhwc.nhwc_forward(x, *params, neuron)  # type: ignore[call-arg]  # params: the arguments before neuron
+    return bn_forward_triton(x, *params, neuron)  # type: ignore[call-arg]  # params: the arguments before neuron
 
 
 def batch_norm_gradient_sums(
@@ -225,8 +227,8 @@ def batch_norm_gradient_sums(
     from mpsnn.ops.triton.batch_norm import bn_gradient_sums_triton
 
     if nhwc.is_nhwc(x):  # channels-last storage (half-precision convolution outputs)
-        return nhwc.nhwc_gradient_sums(g, x, *params, neuron)
-    return bn_gradient_sums_triton(g, x, *params, neuron)
+        return nhwc.nhwc_gradient_sums(g, x, *params, neuron)  # type: ignore[call-arg]  # params: the arguments before neuron
+    return bn_gradient_sums_triton(g, x, *params, neuron)  # type: ignore[call-arg]  # params: the arguments before neuron
 
 
 def batch_norm_backward(
@@ -240,8 +242,8 @@ def batch_norm_backward(
     from mpsnn.ops.triton.batch_norm import bn_backward_triton
 
     if nhwc.is_nhwc(x):  # channels-last storage (half-precision convolution outputs)
-        return nhwc.nhwc_backward(g, x, *params, neuron)
-    return bn_backward_triton(g, x, *params, neuron)
+        return nhwc.nhwc_backward(g, x, *params, neuron)  # type: ignore[call-arg]  # params: the arguments before neuron
+    return bn_backward_triton(g, x, *params, neuron)  # type: ignore[call-arg]  # params: the arguments before neuron
 
 
 def channel_sums(g: torch.Tensor) -> torch.Tensor | None:

@@ -9,7 +9,7 @@ once and written once (the gradients only read); the tables and the hyperparamet
 bytes per chunk.
 
 The arithmetic follows the portable path operation by operation (float32, IEEE division and
-square root, no fused multiply-add; Adam's ``lr_t`` in float64): on an H100 the two gave the
+square root, no fused multiply-add; Adam's ``lr_t`` in float64): on an H100 the two give the
 same bits over 40 Adam steps of ResNet-18's parameters. Adam's step counter advances once per
 update: the program that arrives last (an atomic arrival counter kept beside the step) writes
 ``t + 1`` after every program has read ``t``. Base addresses that are all 16-byte aligned
@@ -75,7 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mpsnn.ops.optim import RegularizationType, UpdateRule
+from mpsnn.ops.optim_hyper import RegularizationType, UpdateRule
 from mpsnn.ops.triton.launch import fast_kernel
 
 __all__ = ["BLOCK", "MultiTensorTables", "build_tables", "release_graph_tables"]
@@ -441,7 +441,8 @@ def _chunk_tables(
     if groups is not None:
         _CHUNKS.move_to_end(key)
         return groups, ()
-    groups, staged = [], []
+    groups = []
+    staged: list[torch.Tensor] = []
     for table, dtype in _chunk_rows(numels, g_dtypes):
         dev, st = _upload(table, device, capturing, blocking=True)  # shared across streams
         groups.append((dev, len(table), _TL_DTYPES[dtype]))
