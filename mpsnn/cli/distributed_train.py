@@ -21,6 +21,7 @@ import click
 
 from mpsnn.cli.common import UserError
 from mpsnn.distributed import DistributedRun, init_distributed, launch_local
+from mpsnn.distributed.monitor import say
 from mpsnn.distributed.runtime import environment_world_size
 from mpsnn.errors import DistributedError
 
@@ -41,7 +42,7 @@ def launch_ranks(ctx: click.Context, opts: dict[str, Any]) -> int:
     nproc = opts["nproc"]
     _check_common(opts, nproc)
     if opts["resume"]:
-        batch = _saved_batch_size(opts["checkpoint_dir"])
+        batch = _saved_batch_size(opts["checkpoint_dir"], opts["batch_size"])
     else:
         batch = opts["batch_size"]
     _check_batch(batch, nproc)
@@ -83,9 +84,11 @@ def _check_batch(batch: int, world: int) -> None:
         )
 
 
-def _saved_batch_size(folder: Path | None) -> int:
-    """The global batch of the checkpoint a resumed run continues (read on the CPU)."""
-    from mpsnn.cli.trainer import CHECKPOINT
+def _saved_batch_size(folder: Path | None, fresh: int) -> int:
+    """The global batch of the checkpoint a resumed run continues (read on the CPU), or
+    ``fresh`` when the folder holds no checkpoint (``--resume`` then starts a fresh run)."""
+    from mpsnn.cli.runs import check_checkpoint
+    from mpsnn.cli.trainer import _FIELDS, CHECKPOINT
     from mpsnn.core.device import Device
     from mpsnn.errors import CheckpointError
     from mpsnn.io import load
@@ -93,14 +96,13 @@ def _saved_batch_size(folder: Path | None) -> int:
     if folder is None:
         raise UserError("--resume needs --checkpoint-dir (where the checkpoint is)")
     path = folder / CHECKPOINT
-    if not path.is_file():
-        raise UserError(f"--resume needs a checkpoint at {path}, got no such file")
+    if not path.exists():
+        return fresh
     try:
         ckpt = load(path, Device("cpu"))
     except CheckpointError as exc:
         raise UserError(f"{path} is not a usable checkpoint: {exc}") from None
-    if not isinstance(ckpt, dict) or ckpt.get("kind") != "mpsnn-train":
-        raise UserError(f"{path} must be a checkpoint written by mpsnn train, got another file")
+    check_checkpoint(ckpt, path, _FIELDS)
     return int(ckpt["config"]["batch_size"])
 
 
@@ -146,25 +148,34 @@ def run_rank(run: DistributedRun, body: Callable[[], None]) -> None:
     """Run ``body`` as this rank; end every rank cleanly, or this one with one line."""
     try:
         body()
-    except UserError as exc:
-        run.fail(exc.format_message())
-        _user_error(exc, run.rank)
-    except DistributedError as exc:
-        message = f"[rank {run.rank}] {exc}"
-        run.fail(message)
-        _end(f"Error: {message}", 1)
-    except (KeyboardInterrupt, click.exceptions.Exit, click.exceptions.Abort):
-        run.fail(f"rank {run.rank} was interrupted")
-        _end("", 130)
-    except BaseException as exc:  # a bug: the traceback, and the others are told
-        run.fail(f"{type(exc).__name__}: {exc}")
-        traceback.print_exc()
-        _end("", 1)
+    except BaseException as exc:
+        run.monitor.claim_end()  # this rank's own line, not a second one from its monitor
+        _failed(run, exc)
     else:
         try:
             run.close()
         except DistributedError as exc:
+            run.monitor.claim_end()
             _end(f"Error: [rank {run.rank}] {exc}", 1)
+
+
+def _failed(run: DistributedRun, exc: BaseException) -> None:
+    """End the rank after ``exc``: its line, then the others are told (bounded wait)."""
+    if isinstance(exc, UserError):
+        run.fail(exc.format_message())
+        _user_error(exc, run.rank)
+    elif isinstance(exc, DistributedError):
+        message = f"[rank {run.rank}] {exc}"
+        _say(f"Error: {message}")  # first: telling the others waits for the store
+        run.fail(message)
+        _end("", 1)
+    elif isinstance(exc, (KeyboardInterrupt, click.exceptions.Exit, click.exceptions.Abort)):
+        run.fail(f"rank {run.rank} was interrupted")
+        _end("", 130)
+    else:  # a bug: the traceback, and the others are told
+        run.fail(f"{type(exc).__name__}: {exc}")
+        traceback.print_exception(exc)
+        _end("", 1)
 
 
 def _user_error(exc: UserError, rank: int | None = None) -> None:
@@ -177,11 +188,17 @@ def _user_error(exc: UserError, rank: int | None = None) -> None:
     _end("", 2)
 
 
+def _say(line: str) -> None:
+    """Print ``line`` to stderr as one line (after what stdout holds, in one write: the
+    ranks' lines must not interleave)."""
+    say(" ".join(line.split()))
+
+
 def _end(line: str, code: int) -> None:
     """Print ``line`` to stderr and end the process now: an orderly interpreter exit could
     wait on collectives that will never complete."""
-    sys.stdout.flush()
     if line:
-        print(" ".join(line.split()), file=sys.stderr, flush=True)
+        _say(line)
+    sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

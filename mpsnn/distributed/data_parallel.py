@@ -77,7 +77,7 @@ import torch
 import torch.distributed as dist
 
 from mpsnn.cnn.dropout import Dropout
-from mpsnn.cnn.normalization.batch_norm import BatchNormalizationState
+from mpsnn.cnn.normalization.batch_norm_state import BatchNormalizationState
 from mpsnn.core.state import AccumulatorState, StateBatch
 from mpsnn.distributed.runtime import current_monitor
 from mpsnn.errors import DistributedError

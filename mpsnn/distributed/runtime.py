@@ -173,7 +173,8 @@ def init_distributed(device: str = "auto", timeout: float = 300.0) -> Distribute
             f"[init_distributed] rank {rank} could not join the {world} ranks at "
             f"{host}:{port} within {timeout:g} s (did every rank start?): {first}"[:500]
         ) from exc
-    monitor = RankMonitor(monitor_store(client), rank, world, timeout).start()
+    monitor = RankMonitor(monitor_store(client), rank, world, timeout,
+                          store_address=f"{host}:{port}").start()  # fmt: skip
     _CURRENT = monitor
     return DistributedRun(rank, world, local_rank, mpsnn_device, backend, monitor)
 

@@ -248,9 +248,9 @@ class Encoder:
         return ref
 
     def tensor(self, t: torch.Tensor | None, name: str = "tensor") -> dict[str, Any] | None:
-        """A reference to a copy of ``t`` (None for None); ``name`` becomes part of the
-        tensor's name in the file. The same tensor object saved twice is stored once and
-        loads as one tensor."""
+        """A reference to ``t`` (None for None), whose values `save` writes once every object
+        is encoded; ``name`` becomes part of the tensor's name in the file. The same tensor
+        object saved twice is stored once and loads as one tensor."""
         if t is None:
             return None
         if not isinstance(t, torch.Tensor):
@@ -269,9 +269,8 @@ class Encoder:
                 f"at {self.path()}.{name}"
             )
         key = f"{len(self.tensors)}.{self._where[-1]}.{name}"
-        copy = torch.empty(tuple(t.shape), dtype=t.dtype)
-        copy.copy_(t.detach())  # CPU, contiguous, owning its memory (nothing shared)
-        self.tensors[key] = copy
+        # not copied: the file is written from the tensor's memory right after encoding
+        self.tensors[key] = t.detach()
         ref = {"$tensor": key, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
         self._tensor_refs[id(t)] = (t, ref)
         return ref
@@ -320,10 +319,18 @@ def _json_fields(fields: Any, who: str) -> dict[str, Any]:
 class Decoder:
     """Rebuilds values from a checked structure and the file's tensors (one per `load`)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], device: Device) -> None:
+    def __init__(
+        self,
+        read: Callable[[str], torch.Tensor],
+        device: Device,
+        uses: dict[str, int] | None = None,
+    ) -> None:
         self.device = device
-        self._raw = tensors
+        self._read = read  # a tensor of the file: a new CPU tensor owning its memory
         self._tensors: dict[str, torch.Tensor] = {}
+        # references left per tensor: a tensor is kept for its later references only, so
+        # that a codec converting it (a layout, a dtype) does not hold the file's copy too
+        self._uses = dict(uses) if uses is not None else None
         self.objects: list[Any] = []
 
     def tensor(self, ref: Any, where: str) -> torch.Tensor:
@@ -332,9 +339,16 @@ class Decoder:
         name = ref["$tensor"]
         t = self._tensors.get(name)
         if t is None:
-            # a copy: the tensors safetensors returns are views of the file's bytes
-            t = self._raw[name].to(self.device.torch_device, copy=True)
+            t = self._read(name).to(self.device.torch_device)  # never copied on the cpu
+        if self._uses is None:
             self._tensors[name] = t
+        else:
+            left = self._uses.get(name, 1) - 1
+            self._uses[name] = left
+            if left > 0:
+                self._tensors[name] = t
+            else:
+                self._tensors.pop(name, None)
         return t
 
     def object(self, ref: Any, where: str) -> Any:

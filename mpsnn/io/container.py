@@ -1,4 +1,5 @@
-"""The file: `save` and `load`, the safetensors container, its checks, atomic writes.
+"""The document of a file: `save` and `load`, the checks of the structure (the bytes, the
+header's checks and atomic writes: `mpsnn.io.files`).
 
 One safetensors file. Its tensors hold every tensor of the saved objects (CPU, contiguous,
 in their own dtype); its header's ``__metadata__`` map holds one key, ``"mpsnn"``, whose
@@ -13,16 +14,12 @@ table order.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import secrets
-import struct
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 
 from mpsnn.core.device import Device
@@ -39,13 +36,13 @@ from mpsnn.io.codec import (
     registered_types,
     show,
 )
+from mpsnn.io.files import SafetensorsFile, write_atomically
 
 __all__ = ["FORMAT", "METADATA_KEY", "VERSION", "load", "save"]
 
 FORMAT = "mpsnn"
 VERSION = 1
 METADATA_KEY = "mpsnn"
-_MAX_HEADER = 100_000_000  # safetensors' own limit
 
 
 def save(obj: Any, path: str | os.PathLike[str]) -> None:
@@ -54,6 +51,10 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
     ``obj``: an object of a registered type (`registered_types`), or a plain value holding
     such objects: dicts with str keys, lists, tuples, tensors, None, bools, ints, floats,
     strings (e.g. ``{"layers": [...], "optimizer": adam, "epoch": 3, "rng": tensor}``).
+
+    The file is written tensor by tensor from the tensors' own memory (see
+    `mpsnn.io.files`): besides the saved objects, a save needs at most a 16 MiB chunk. The
+    temporary files of saves to ``path`` whose process died are removed first.
 
     Raises:
         TypeError: a value or object of an unsupported type (nothing is written).
@@ -64,48 +65,7 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
     root = enc.value(obj)
     structure = {"format": FORMAT, "version": VERSION, "root": root, "objects": enc.objects}
     text = json.dumps(structure, allow_nan=False, separators=(",", ":"))
-    data = safetensors.torch.save(enc.tensors, metadata={METADATA_KEY: text})
-    _atomic_write(Path(path), data)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, fsync, rename onto ``path``."""
-    directory = path.parent
-    while True:
-        tmp = directory / f".{path.name}.{secrets.token_hex(8)}.tmp"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-            break
-        except FileExistsError:
-            continue
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view[: 1 << 24])
-                view = view[written:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_directory(directory)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename durable (POSIX; a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_atomically(Path(path), enc.tensors, {METADATA_KEY: text})
 
 
 def load(path: str | os.PathLike[str], device: Device | str | torch.device = "cpu") -> Any:
@@ -114,29 +74,29 @@ def load(path: str | os.PathLike[str], device: Device | str | torch.device = "cp
     Objects come back of the same types, with the same properties, values (bit for bit) and
     optimizer state; objects saved once and referenced several times come back as one object.
 
+    ``path`` must name a regular file. Its header and structure are read and checked before
+    any tensor data; each tensor is then read straight into its own memory (on a GPU: through
+    a CPU tensor of its size), so a load needs about the file's size in memory.
+
     Raises:
-        CheckpointError: the file is not a valid mpsnn file of this version (truncated,
-            wrong header, unknown type, extra or missing tensors, wrong shapes or dtypes,
-            malformed fields); nothing is returned.
+        CheckpointError: the file is not a valid mpsnn file of this version (not a regular
+            file, truncated, wrong header, unknown type, extra or missing tensors, wrong
+            shapes or dtypes, malformed fields); nothing is returned.
         OSError: the file cannot be read.
     """
     dev = device if isinstance(device, Device) else Device(device)
-    data = Path(path).read_bytes()
-    header, structure = _read_header(data)
-    try:
-        return _build(data, header, structure, dev)
-    except RecursionError as exc:
-        raise fail("the structure must nest less deeply, got a recursion error") from exc
+    with SafetensorsFile(path) as file:
+        structure = _read_structure(file.metadata)
+        try:
+            return _build(file, structure, dev)
+        except RecursionError as exc:
+            raise fail("the structure must nest less deeply, got a recursion error") from exc
 
 
-def _build(data: bytes, header: dict[str, Any], structure: dict[str, Any], dev: Device) -> Any:
+def _build(file: SafetensorsFile, structure: dict[str, Any], dev: Device) -> Any:
     """Check the structure against the header, then rebuild the objects and the root."""
-    _check_structure(structure, header)
-    try:
-        raw = safetensors.torch.load(data)
-    except Exception as exc:  # the library's own checks, after ours
-        raise fail(f"the tensor data must be readable by safetensors, got {exc}") from exc
-    dec = Decoder(raw, dev)
+    uses = _check_structure(structure, file.entries)
+    dec = Decoder(file.read, dev, uses)
     for i, entry in enumerate(structure["objects"]):
         codec = codec_of_name(entry["type"])
         assert codec is not None  # checked by _check_structure
@@ -155,45 +115,28 @@ def _build(data: bytes, header: dict[str, Any], structure: dict[str, Any], dev: 
     return dec.value(structure["root"], "root")
 
 
-def _read_header(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The safetensors header's tensor entries, and the mpsnn structure; checks the extent."""
-    size = len(data)
-    if size < 8:
-        raise fail(f"the file must be a safetensors file (at least 8 bytes), got {size} bytes")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > _MAX_HEADER or 8 + n > size:
-        raise fail(
-            f"the safetensors header must fit in the file ({n} bytes announced after the "
-            f"first 8), got a file of {size} bytes (truncated, or not safetensors)"
-        )
-    try:
-        header = json.loads(data[8 : 8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise fail(f"the safetensors header must be UTF-8 JSON, got {exc}") from exc
-    if type(header) is not dict:
-        raise fail(f"the safetensors header must be a JSON object, got {show(header)}")
-    meta = header.pop("__metadata__", None)
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999: JSON numbers are finite (``$float`` tags say inf)
+        raise ValueError(f"{text} is not a finite number")
+    return value
+
+
+def _read_structure(meta: Any) -> dict[str, Any]:
+    """The mpsnn document of the header's ``__metadata__``: JSON with finite numbers only
+    (no NaN or Infinity literals, no number that overflows a float), format and version."""
     if type(meta) is not dict or type(meta.get(METADATA_KEY)) is not str:
         raise fail(
             f"the safetensors header's __metadata__ must hold the key {METADATA_KEY!r} (a "
             f"string), got {show(meta)}"
         )
-    end = 0
-    for name, entry in header.items():
-        _check_entry(name, entry)
-        end = max(end, entry["data_offsets"][1])
-    have = size - 8 - n
-    if end != have:
-        raise fail(
-            f"the file must hold exactly the {end} bytes of tensor data its header announces, "
-            f"got {have}" + (" (truncated)" if have < end else "")
-        )
-
-    def no_constants(name: str) -> Any:
-        raise ValueError(f"{name} is not JSON")
-
     try:
-        structure = json.loads(meta[METADATA_KEY], parse_constant=no_constants)
+        structure = json.loads(meta[METADATA_KEY], parse_constant=_no_constant,
+                               parse_float=_finite)  # fmt: skip
     except (ValueError, RecursionError) as exc:
         raise fail(f"the {METADATA_KEY!r} metadata must be JSON, got {exc}") from exc
     if type(structure) is not dict:
@@ -212,47 +155,18 @@ def _read_header(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
         raise fail(
             f"the structure must have exactly the keys {sorted(keys)}, got {sorted(structure)}"
         )
-    return header, structure
+    return structure
 
 
-def _check_entry(name: str, entry: Any) -> None:
-    """One safetensors tensor entry: dtype, shape, offsets consistent."""
-    if (
-        type(entry) is not dict
-        or set(entry) != {"dtype", "shape", "data_offsets"}
-        or type(entry["shape"]) is not list
-        or any(type(d) is not int or d < 0 for d in entry["shape"])
-        or type(entry["data_offsets"]) is not list
-        or len(entry["data_offsets"]) != 2
-        or any(type(o) is not int or o < 0 for o in entry["data_offsets"])
-    ):
-        raise fail(
-            f"the header entry of tensor {name!r} must have a dtype, a shape and two data "
-            f"offsets, got {show(entry)}"
-        )
-    dtype = CODES.get(entry["dtype"])
-    if dtype is None:
-        raise fail(
-            f"tensor {name!r} must have one of the dtypes {sorted(CODES)}, got "
-            f"{show(entry['dtype'])}"
-        )
-    start, stop = entry["data_offsets"]
-    want = math.prod(entry["shape"]) * torch.empty(0, dtype=dtype).element_size()
-    if stop - start != want:
-        raise fail(
-            f"tensor {name!r} must occupy {want} bytes (its shape and dtype), got offsets "
-            f"[{start}, {stop}]"
-        )
-
-
-def _check_structure(structure: dict[str, Any], header: dict[str, Any]) -> None:
+def _check_structure(structure: dict[str, Any], header: dict[str, Any]) -> dict[str, int]:
     """Objects well formed and of registered types, references in range, every tensor
-    referenced and as the structure states, every object referenced."""
+    referenced and as the structure states, every object referenced. Returns how often each
+    tensor is referenced."""
     objects = structure["objects"]
     if type(objects) is not list:
         raise fail(f"the structure's objects must be a list, got {show(objects)}")
     referenced: set[int] = set()
-    used: set[str] = set()
+    used: dict[str, int] = {}
     names = registered_types()
 
     def walk(node: Any, limit: int, where: str) -> None:
@@ -270,7 +184,7 @@ def _check_structure(structure: dict[str, Any], header: dict[str, Any]) -> None:
                 referenced.add(i)
             elif "$tensor" in node:
                 _check_tensor_ref(node, header, where)
-                used.add(node["$tensor"])
+                used[node["$tensor"]] = used.get(node["$tensor"], 0) + 1
             elif set(node) == {"$dict"} and type(node["$dict"]) is dict:
                 for k, x in node["$dict"].items():  # user keys: never tags
                     walk(x, limit, f"{where}.{k}")
@@ -293,12 +207,13 @@ def _check_structure(structure: dict[str, Any], header: dict[str, Any]) -> None:
     unreferenced = sorted(set(range(len(objects))) - referenced)
     if unreferenced:
         raise fail(f"every object must be referenced, got unreferenced objects {unreferenced}")
-    extra = sorted(set(header) - used)
+    extra = sorted(set(header) - set(used))
     if extra:
         raise fail(
             f"the file must hold only the tensors its structure references, got "
             f"unreferenced tensors {extra}"
         )
+    return used
 
 
 def _check_tensor_ref(ref: dict[str, Any], header: dict[str, Any], where: str) -> None:

@@ -21,8 +21,8 @@ from mpsnn.cnn.normalization.data_sources import (
 )
 from mpsnn.core.kernel import KernelOptions, TrainingStyle
 from mpsnn.io.codec import FLOATS, Encoder, Fields, fail, per_class, register_codec, show
-from mpsnn.ops.optim import RegularizationType, make_step
-from mpsnn.optim.optimizers import SGD, Adam, Optimizer, OptimizerDescriptor, RMSProp
+from mpsnn.ops.optim_hyper import RegularizationType, make_step
+from mpsnn.optim import SGD, Adam, Optimizer, OptimizerDescriptor, RMSProp
 
 __all__: list[str] = []  # the codecs are registered at import
 

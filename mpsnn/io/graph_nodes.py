@@ -11,7 +11,8 @@ an inference graph built on one recipe) are saved once and load as one node.
 
 What is code is refused at save time: a custom padding policy, an image allocator, a handle
 that is not a JSON-like value. The gradient nodes are not saved here: see
-`mpsnn.io.graph_training`.
+`mpsnn.io.graph_training`. The YOLO loss node is saved as `LossNode` is; the Gram matrix,
+comparison, reduction, resize and scale nodes are in `mpsnn.io.graph_nodes_more`.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from mpsnn.cnn.normalization.data_sources import (
     GroupNormalizationDataSource,
     InstanceNormalizationDataSource,
 )
+from mpsnn.cnn.yolo import YOLOLossDescriptor
 from mpsnn.core.descriptor import FeatureChannelFormat
 from mpsnn.core.geometry import EdgeMode, ImageCoordinate, Size
 from mpsnn.graph import forward_nodes as fwd
 from mpsnn.graph import normalization_nodes as norm
 from mpsnn.graph.nodes import FilterNode, ImageNode, StateNode
+from mpsnn.graph.yolo_nodes import YOLOLossNode
 from mpsnn.io.codec import Encoder, Fields, fail, per_class, register_codec, show
 from mpsnn.io.kernels import decode_padding, encode_padding
 
@@ -42,8 +45,10 @@ __all__ = [
     "dec_common",
     "enc_arithmetic",
     "enc_common",
+    "finish",
     "forward_encoder",
     "image_ref",
+    "read_source",
     "set_properties",
 ]
 
@@ -193,14 +198,16 @@ def forward_encoder(encode: Any) -> Any:
     return enc
 
 
-def _finish(f: Fields, node: FilterNode) -> FilterNode:
+def finish(f: Fields, node: FilterNode) -> FilterNode:
+    """A forward node's decode ends here: ``trainable`` and the common attributes."""
     if not f.get_bool("trainable"):  # True is every node's default
         node.trainable = False
     dec_common(f, node)
     return node
 
 
-def _source(f: Fields) -> ImageNode:
+def read_source(f: Fields) -> ImageNode:
+    """The node's one source (field ``source``)."""
     return f.get_object("source", ImageNode)
 
 
@@ -236,7 +243,7 @@ def _enc_layer(node: Any, enc: Encoder) -> dict[str, Any]:
 
 
 def _dec_layer(f: Fields, kind: type) -> Any:
-    source = _source(f)
+    source = read_source(f)
     pair = None
     if kind is fwd.ConvolutionTransposeNode:
         conv = f.get_object("convolution_gradient_state", fwd.ConvolutionNode, optional=True)
@@ -251,7 +258,7 @@ def _dec_layer(f: Fields, kind: type) -> Any:
             )
     if kind is norm.BatchNormalizationNode:
         node._neuron = f.get_object("fused_neuron", NeuronDescriptor, optional=True)
-    return _finish(f, node)
+    return finish(f, node)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,13 +280,13 @@ def _enc_pooling(node: Any, enc: Encoder) -> dict[str, Any]:
 
 
 def _dec_pooling(f: Fields, kind: type) -> Any:
-    source = _source(f)
+    source = read_source(f)
     sizes = {name: f.get_int(name, 1) for name in _POOL_SIZES}
     node = kind(source, **sizes)
     if kind is fwd.DilatedPoolingMaxNode:
         node.dilation_rate_x, node.dilation_rate_y = (f.get_int(n, 1) for n in _DILATIONS)
     node.edge_mode = f.get_enum("edge_mode", EdgeMode)
-    return _finish(f, node)
+    return finish(f, node)
 
 
 def _enc_neuron(node: Any, enc: Encoder) -> dict[str, Any]:
@@ -287,10 +294,10 @@ def _enc_neuron(node: Any, enc: Encoder) -> dict[str, Any]:
 
 
 def _dec_neuron(f: Fields, kind: type) -> Any:
-    source = _source(f)
+    source = read_source(f)
     node = kind.__new__(kind)  # a named neuron node's constructor only builds the descriptor
     fwd.NeuronNode.__init__(node, source, f.get_object("descriptor", NeuronDescriptor))
-    return _finish(f, node)
+    return finish(f, node)
 
 
 def _enc_source_only(node: Any, enc: Encoder) -> dict[str, Any]:
@@ -298,7 +305,7 @@ def _enc_source_only(node: Any, enc: Encoder) -> dict[str, Any]:
 
 
 def _dec_source_only(f: Fields, kind: type) -> Any:
-    return _finish(f, kind(_source(f)))
+    return finish(f, kind(read_source(f)))
 
 
 def _enc_dropout(node: fwd.DropoutNode, enc: Encoder) -> dict[str, Any]:
@@ -312,10 +319,10 @@ def _enc_dropout(node: fwd.DropoutNode, enc: Encoder) -> dict[str, Any]:
 
 
 def _dec_dropout(f: Fields) -> fwd.DropoutNode:
-    source = _source(f)
+    source = read_source(f)
     keep, seed = f.get_float("keep_probability"), f.get_int("seed", 0)
     stride = Size(*f.get_ints("mask_stride_in_pixels", 3))
-    return _finish(f, fwd.DropoutNode(source, keep, seed, stride))
+    return finish(f, fwd.DropoutNode(source, keep, seed, stride))
 
 
 def _enc_upsampling(node: Any, enc: Encoder) -> dict[str, Any]:
@@ -330,11 +337,11 @@ def _enc_upsampling(node: Any, enc: Encoder) -> dict[str, Any]:
 
 
 def _dec_upsampling(f: Fields, kind: type) -> Any:
-    source = _source(f)
+    source = read_source(f)
     sx, sy = f.get_int("integer_scale_factor_x", 1), f.get_int("integer_scale_factor_y", 1)
     if kind is fwd.UpsamplingBilinearNode:
-        return _finish(f, kind(source, sx, sy, f.get_bool("align_corners")))
-    return _finish(f, kind(source, sx, sy))
+        return finish(f, kind(source, sx, sy, f.get_bool("align_corners")))
+    return finish(f, kind(source, sx, sy))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,10 +359,10 @@ def _enc_slice(node: fwd.SliceNode, enc: Encoder) -> dict[str, Any]:
 
 
 def _dec_slice(f: Fields) -> fwd.SliceNode:
-    source = _source(f)
+    source = read_source(f)
     offset = f.get_int("source_feature_channel_offset", 0)
     count = f.get_int("source_feature_channel_max_count", 1, optional=True)
-    return _finish(f, fwd.SliceNode(source, offset, count))
+    return finish(f, fwd.SliceNode(source, offset, count))
 
 
 _RESHAPE = ("result_width", "result_height", "result_feature_channels")
@@ -368,8 +375,8 @@ def _enc_reshape(node: fwd.ReshapeNode, enc: Encoder) -> dict[str, Any]:
 
 
 def _dec_reshape(f: Fields) -> fwd.ReshapeNode:
-    source = _source(f)
-    return _finish(f, fwd.ReshapeNode(source, *(f.get_int(name, 1) for name in _RESHAPE)))
+    source = read_source(f)
+    return finish(f, fwd.ReshapeNode(source, *(f.get_int(name, 1) for name in _RESHAPE)))
 
 
 def _enc_pad(node: fwd.PadNode, enc: Encoder) -> dict[str, Any]:
@@ -384,13 +391,13 @@ def _enc_pad(node: fwd.PadNode, enc: Encoder) -> dict[str, Any]:
 
 
 def _dec_pad(f: Fields) -> fwd.PadNode:
-    source = _source(f)
+    source = read_source(f)
     sizes = [
         None if f.raw(name) is None else ImageCoordinate(*f.get_ints(name, 3))
         for name in ("padding_size_before", "padding_size_after")
     ]
     edge = f.get_enum("edge_mode", EdgeMode)
-    return _finish(f, fwd.PadNode(source, sizes[0], sizes[1], edge, f.get_value("fill_value")))
+    return finish(f, fwd.PadNode(source, sizes[0], sizes[1], edge, f.get_value("fill_value")))
 
 
 def _enc_concatenation(node: fwd.ConcatenationNode, enc: Encoder) -> dict[str, Any]:
@@ -402,7 +409,7 @@ def _dec_concatenation(f: Fields) -> fwd.ConcatenationNode:
     if type(raw) is not list or not raw:
         raise fail(f"{f.who} field 'sources' must be a non-empty list, got {show(raw)}")
     sources = [image_ref(f, r, f"'sources.{i}'") for i, r in enumerate(raw)]
-    return _finish(f, fwd.ConcatenationNode(sources))
+    return finish(f, fwd.ConcatenationNode(sources))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,7 +433,7 @@ def dec_arithmetic(f: Fields, kind: type) -> Any:
         raise fail(f"{f.who} field 'sources' must be a list of 2 image nodes, got {show(raw)}")
     node = kind(*(image_ref(f, r, f"'sources.{i}'") for i, r in enumerate(raw)))
     set_properties(f, node)
-    return _finish(f, node)
+    return finish(f, node)
 
 
 def set_properties(f: Fields, node: Any) -> None:
@@ -461,7 +468,7 @@ def _enc_local(node: Any, enc: Encoder) -> dict[str, Any]:
 
 
 def _dec_local(f: Fields, kind: type) -> Any:
-    source = _source(f)
+    source = read_source(f)
     count = 1 if kind is norm.CrossChannelNormalizationNode else 2
     size = f.get_ints("size", count)
     params = f.get_value("parameters")
@@ -470,22 +477,26 @@ def _dec_local(f: Fields, kind: type) -> Any:
             f"{f.who} field 'parameters' must map exactly {list(kind._parameters)} to numbers, "
             f"got {show(f.raw('parameters'))}"
         )
-    return _finish(f, kind(source, *size, **params))
+    return finish(f, kind(source, *size, **params))
+
+
+_LOSS_DESCRIPTORS = {norm.LossNode: LossDescriptor, YOLOLossNode: YOLOLossDescriptor}
 
 
 def _enc_loss(node: norm.LossNode, enc: Encoder) -> dict[str, Any]:
+    who = f"{type(node).__name__}.input_labels"
     return {
         "source": enc.object(node.source_images[0]),
         "loss_descriptor": enc.object(node.descriptor),
-        "input_labels": _enc_state(node.input_labels, enc, "LossNode.input_labels"),
+        "input_labels": _enc_state(node.input_labels, enc, who),
     }
 
 
-def _dec_loss(f: Fields) -> norm.LossNode:
-    source = _source(f)
-    node = norm.LossNode(source, f.get_object("loss_descriptor", LossDescriptor))
+def _dec_loss(f: Fields, kind: type) -> norm.LossNode:
+    source = read_source(f)
+    node = kind(source, f.get_object("loss_descriptor", _LOSS_DESCRIPTORS[kind]))
     _dec_state(f, "input_labels", node.input_labels)
-    return _finish(f, node)
+    return finish(f, node)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,6 +513,7 @@ def _register() -> None:
         ((fwd.UpsamplingNearestNode, fwd.UpsamplingBilinearNode), _enc_upsampling, _dec_upsampling),
         (ARITHMETIC[1:], enc_arithmetic, dec_arithmetic),
         (_LOCALS, _enc_local, _dec_local),
+        (tuple(_LOSS_DESCRIPTORS), _enc_loss, _dec_loss),
     ]
     single: list[tuple[type, Any, Any]] = [
         (fwd.DropoutNode, _enc_dropout, _dec_dropout),
@@ -509,7 +521,6 @@ def _register() -> None:
         (fwd.ReshapeNode, _enc_reshape, _dec_reshape),
         (fwd.PadNode, _enc_pad, _dec_pad),
         (fwd.ConcatenationNode, _enc_concatenation, _dec_concatenation),
-        (norm.LossNode, _enc_loss, _dec_loss),
     ]
     neurons = [
         getattr(fwd, name)

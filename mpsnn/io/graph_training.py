@@ -1,30 +1,36 @@
 """Codecs of the nodes a training graph is made of: how the gradient nodes were made.
 
-Gradient nodes are code's output, not a recipe: ``loss_node.training_graph()`` (or
-``node.training_graph(source_gradient)``) makes them, and the order it makes them in is
+Gradient nodes are code's output, not a recipe: ``loss_node.training_graph()``,
+``initial_gradient_node.training_graph()`` (the split loss: the walk starts at the initial
+gradient's source, e.g. the sum of several forward losses' images) or
+``node.training_graph(source_gradient)`` makes them, and the order it makes them in is
 deterministic (the order its node handler sees them). So a file stores the call — a
-``TrainingGraph`` object: the loss node (or the node and its source gradient) and the types
-of the nodes it made — and each gradient node as its position in what that call makes,
-with the attributes a node handler (or the user) may have set on it afterwards: ``label``,
-``padding_policy``, and its result image's ``format``, ``handle``, ``export_from_graph`` and
-``stop_gradient``. `load` rebuilds the forward nodes, calls ``training_graph()`` again, checks
-that it made the same node types, and applies the saved attributes to each node.
+``TrainingGraph`` object: the loss or initial gradient node (or the node and its source
+gradient) and the types of the nodes it made — and each gradient node as its position in what
+that call makes, with the attributes a node handler (or the user) may have set on it
+afterwards: ``label``, ``padding_policy``, and its result image's ``format``, ``handle``,
+``export_from_graph`` and ``stop_gradient``. `load` rebuilds the forward nodes, calls
+``training_graph()`` again, checks that it made the same node types, and applies the saved
+attributes to each node.
 
 At save time the call is found from the gradient nodes (the incoming gradient of the first
-ones is the loss node's result, or the source gradient), made again on the saved forward
-nodes, and its nodes are matched to the saved ones by what they are (type, the forward node
-they differentiate, which input, the images they read). A gradient node that no such call
-makes again (made some other way, or by a training graph whose forward graph changed since)
-is refused. An `AdditionNode` that sums gradients is a training graph's when it matches;
-otherwise it is an ordinary forward node.
+ones is the loss or initial gradient node's result, or the source gradient), made again on
+the saved forward nodes, and its nodes are matched to the saved ones by what they are (type,
+the forward node they differentiate, which input — for a loss gradient, the predictions or
+the labels —, the images they read). A gradient node that no such call makes again (made
+some other way, or by a training graph whose forward graph changed since) is refused. An
+`AdditionNode` that sums gradients is a training graph's when it matches; otherwise it is an
+ordinary forward node.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from mpsnn.core.kernel import TrainingStyle
 from mpsnn.graph import gradient_nodes as grad
 from mpsnn.graph.forward_nodes import AdditionNode
+from mpsnn.graph.loss_nodes import InitialGradientNode, LossGradientNode
 from mpsnn.graph.nodes import FilterNode, GradientFilterNode, ImageNode
 from mpsnn.graph.normalization_nodes import LossNode
 from mpsnn.io.codec import Encoder, Fields, codec_of_class, fail, per_class, register_codec, show
@@ -37,14 +43,17 @@ from mpsnn.io.graph_nodes import (
     set_properties,
 )
 
-__all__ = ["TrainingCall"]
+__all__ = ["TrainingCall", "register_gradient_node"]
 
 _CONTEXT = "mpsnn.io.graph_training"
+# the nodes whose result is their source's gradient: a training graph starts at one of them
+# without a source gradient
+_STARTS = (LossNode, InitialGradientNode)
 
 
 class TrainingCall:
-    """One ``node.training_graph(source_gradient)`` call (a loss node's: ``source_gradient``
-    None) and the nodes it made, in the order it made them."""
+    """One ``node.training_graph(source_gradient)`` call (a loss or initial gradient node's:
+    ``source_gradient`` None) and the nodes it made, in the order it made them."""
 
     def __init__(self, node: FilterNode, source_gradient: ImageNode | None) -> None:
         self.node = node
@@ -76,11 +85,11 @@ def _dec_call(f: Fields) -> TrainingCall:
     node = f.get_object("node", FilterNode)
     source_gradient = f.get_object("source_gradient", ImageNode, optional=True)
     if isinstance(node, GradientFilterNode) or (
-        isinstance(node, LossNode) != (source_gradient is None)
+        isinstance(node, _STARTS) != (source_gradient is None)
     ):
         raise fail(
-            f"{f.who} must start at a loss node without a source gradient, or at a forward "
-            f"node with one, got a {type(node).__name__} "
+            f"{f.who} must start at a loss or initial gradient node without a source gradient, "
+            f"or at a forward node with one, got a {type(node).__name__} "
             f"{'without' if source_gradient is None else 'with'} a source gradient"
         )
     names = f.raw("made")
@@ -113,6 +122,8 @@ def _key(node: Any, images: dict[int, ImageNode]) -> tuple[Any, ...]:
         which = node.is_secondary_source_filter
     elif isinstance(node, grad.ConcatenationGradientNode):
         which = node.index
+    elif isinstance(node, LossGradientNode):
+        which = node.is_labels_gradient_filter
     sources = tuple(id(images.get(s._id, s)) for s in node.source_images)
     return (type(node), id(inference), which, sources)
 
@@ -177,9 +188,9 @@ class _Analysis:
     def _starts(
         self, candidates: list[FilterNode], tried: set[tuple[int, int]], through_additions: bool
     ) -> list[tuple[FilterNode, ImageNode | None]]:
-        """The calls the unplaced gradient nodes point at: a loss node's result as their
-        incoming gradient, else a source gradient (read through an addition that is not a
-        training graph's, with ``through_additions``)."""
+        """The calls the unplaced gradient nodes point at: a loss or initial gradient node's
+        result as their incoming gradient, else a source gradient (read through an addition
+        that is not a training graph's, with ``through_additions``)."""
         out: dict[tuple[int, int], tuple[FilterNode, ImageNode | None]] = {}
         for g in candidates:
             if not isinstance(g, GradientFilterNode) or id(g) in self.where:
@@ -187,7 +198,7 @@ class _Analysis:
             incoming = g.source_images[0]
             p = incoming.producer
             start: tuple[FilterNode, ImageNode | None]
-            if isinstance(p, LossNode):
+            if isinstance(p, _STARTS):
                 start = (p, None)
             elif isinstance(p, GradientFilterNode) or (
                 type(p) is AdditionNode and (id(p) in self.where or not through_additions)
@@ -254,6 +265,9 @@ def _enc_made(node: Any, enc: Encoder, where: tuple[TrainingCall, int]) -> dict[
     call, position = where
     out: dict[str, Any] = {"training": enc.object(call), "position": position}
     out.update(enc_common(node, enc))
+    style = getattr(node, "_training_style", None)  # set on the node (None: the data source's)
+    if style is not None:
+        out["training_style"] = TrainingStyle(style).name
     return out
 
 
@@ -272,6 +286,8 @@ def _dec_made(f: Fields, kind: type) -> Any:
     call.claimed.add(position)
     node = call.made[position]
     dec_common(f, node)
+    if f.has("training_style"):
+        node.training_style = f.get_enum("training_style", TrainingStyle)
     return node
 
 
@@ -280,9 +296,10 @@ def _enc_gradient(node: GradientFilterNode, enc: Encoder) -> dict[str, Any]:
     if where is None:
         raise TypeError(
             f"[save] a gradient node must be one that training_graph() makes again from the "
-            f"saved forward nodes (its loss node, or its node and source gradient) to be saved, "
-            f"got a {type(node).__name__} that it does not make (made some other way, or the "
-            f"forward graph changed after training_graph()) at {enc.path()}"
+            f"saved forward nodes (its loss or initial gradient node, or its node and source "
+            f"gradient) to be saved, got a {type(node).__name__} that it does not make (made "
+            f"some other way, or the forward graph changed after training_graph()) at "
+            f"{enc.path()}"
         )
     return _enc_made(node, enc, where)
 
@@ -308,13 +325,19 @@ def _dec_addition(f: Fields) -> AdditionNode:
     return node
 
 
+def register_gradient_node(cls: type) -> None:
+    """Register a gradient node class: saved as its place in the ``training_graph()`` call that
+    makes it (see the module docstring)."""
+    register_codec(cls, _enc_gradient, per_class(_dec_made, cls))
+
+
 def _register() -> None:
     register_codec(TrainingCall, _enc_call, _dec_call, name="TrainingGraph")
     register_codec(AdditionNode, _enc_addition, _dec_addition)
     for name in grad.__all__:
         cls = getattr(grad, name)
         if isinstance(cls, type) and issubclass(cls, GradientFilterNode):
-            register_codec(cls, _enc_gradient, per_class(_dec_made, cls))
+            register_gradient_node(cls)
 
 
 _register()

@@ -30,7 +30,7 @@ import torch
 
 from mpsnn.cnn.convolution.kernels import Convolution, ConvolutionTranspose, FullyConnected
 from mpsnn.cnn.dropout import Dropout
-from mpsnn.cnn.normalization.batch_norm import BatchNormalization
+from mpsnn.cnn.normalization.batch_norm_forward import BatchNormalization
 from mpsnn.cnn.normalization.group_norm import GroupNormalization, InstanceNormalization
 from mpsnn.core.descriptor import FeatureChannelFormat
 from mpsnn.graph.graph import Graph

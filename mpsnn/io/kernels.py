@@ -1,7 +1,8 @@
 """Codecs of the forward kernels: every `CNNKernel`'s configuration (label, options, offset,
 clip rect, edge mode, feature channel ranges, a `DefaultPadding`), then each kernel's own
 values (a convolution's master weights, the normalizations' gamma/beta/statistics copies,
-dropout's encode counter) and parameters."""
+dropout's encode counter) and parameters. The Gram matrix, comparison, reduction, resize and
+YOLO kernels are in `mpsnn.io.kernels_more`."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from mpsnn.cnn.dropout import Dropout
 from mpsnn.cnn.loss import Loss, LossDescriptor
 from mpsnn.cnn.neuron import Neuron
 from mpsnn.cnn.neuron_descriptor import NeuronDescriptor
-from mpsnn.cnn.normalization.batch_norm import BatchNormalization
+from mpsnn.cnn.normalization.batch_norm_forward import BatchNormalization
 from mpsnn.cnn.normalization.data_sources import (
     BatchNormalizationDataSource,
     GroupNormalizationDataSource,
@@ -36,7 +37,14 @@ from mpsnn.core.geometry import (
 from mpsnn.core.kernel import KernelOptions
 from mpsnn.io.codec import Encoder, Fields, fail, per_class, register_codec, show
 
-__all__ = ["decode_padding", "encode_padding"]
+__all__ = [
+    "dec_kernel_properties",
+    "decode_padding",
+    "decode_region",
+    "enc_kernel_properties",
+    "encode_padding",
+    "encode_region",
+]
 
 
 def encode_padding(pad: Any, who: str) -> dict[str, Any]:
@@ -69,7 +77,18 @@ def decode_padding(f: Fields, name: str) -> DefaultPadding:
     return padding
 
 
-def _enc_kernel_properties(k: CNNKernel) -> dict[str, Any]:
+def encode_region(r: Region) -> list[int]:
+    """A `Region` as JSON: ``[x, y, z, width, height, depth]``."""
+    return [*r.origin, *r.size]
+
+
+def decode_region(f: Fields, name: str) -> Region:
+    """The `Region` of field ``name`` (see `encode_region`)."""
+    v = f.get_ints(name, 6)
+    return Region(Origin(*v[:3]), Size(*v[3:]))
+
+
+def enc_kernel_properties(k: CNNKernel) -> dict[str, Any]:
     """What every `CNNKernel` can be configured with (not the destination allocator)."""
     padding = encode_padding(k.padding, f"{type(k).__name__}.padding")
     clip = k.clip_rect
@@ -86,7 +105,7 @@ def _enc_kernel_properties(k: CNNKernel) -> dict[str, Any]:
     }
 
 
-def _dec_kernel_properties(f: Fields, k: CNNKernel) -> None:
+def dec_kernel_properties(f: Fields, k: CNNKernel) -> None:
     k.label = f.get_str("label", optional=True)
     k.options = KernelOptions(f.get_int("options", 0))
     k.offset = Offset(*f.get_ints("offset", 3))
@@ -102,7 +121,7 @@ def _dec_kernel_properties(f: Fields, k: CNNKernel) -> None:
 def _enc_convolution(k: Any, enc: Encoder) -> dict[str, Any]:
     out: dict[str, Any] = {
         "data_source": enc.object(k.data_source),
-        **_enc_kernel_properties(k),
+        **enc_kernel_properties(k),
         "accumulator_precision_option": k.accumulator_precision_option.name,
         # the kernel's master weights: they differ from the data source's until a reload
         "weights": enc.tensor(k.weights, "weights"),
@@ -117,7 +136,7 @@ def _enc_convolution(k: Any, enc: Encoder) -> dict[str, Any]:
 def _dec_convolution(f: Fields, kind: type) -> Any:
     ds = f.get_object("data_source", ConvolutionDataSource)
     k = kind(f.device, ds)
-    _dec_kernel_properties(f, k)
+    dec_kernel_properties(f, k)
     k.accumulator_precision_option = f.get_enum(
         "accumulator_precision_option", ConvolutionAccumulatorPrecisionOption
     )
@@ -138,7 +157,7 @@ def _enc_batch_normalization(k: BatchNormalization, enc: Encoder) -> dict[str, A
     return {
         "data_source": enc.object(k.data_source),
         "fused_neuron_descriptor": enc.value(k.fused_neuron_descriptor),
-        **_enc_kernel_properties(k),
+        **enc_kernel_properties(k),
         "epsilon": k.epsilon,
         "gamma": enc.tensor(k.gamma, "gamma"),
         "beta": enc.tensor(k.beta, "beta"),
@@ -150,7 +169,7 @@ def _enc_batch_normalization(k: BatchNormalization, enc: Encoder) -> dict[str, A
 def _dec_batch_normalization(f: Fields) -> BatchNormalization:
     ds = f.get_object("data_source", BatchNormalizationDataSource)
     k = BatchNormalization(f.device, ds, f.get_value("fused_neuron_descriptor"))
-    _dec_kernel_properties(f, k)
+    dec_kernel_properties(f, k)
     k.epsilon = f.get_float("epsilon")
     same = {"shape": tuple(k.gamma.shape), "dtypes": (k.gamma.dtype,)}
     k._affine.load(f.get_tensor("gamma", **same), f.get_tensor("beta", **same))
@@ -161,7 +180,7 @@ def _dec_batch_normalization(f: Fields) -> BatchNormalization:
 def _enc_group_normalization(k: Any, enc: Encoder) -> dict[str, Any]:
     return {
         "data_source": enc.object(k.data_source),
-        **_enc_kernel_properties(k),
+        **enc_kernel_properties(k),
         "epsilon": k.epsilon,
         "gamma": enc.tensor(k.gamma, "gamma"),
         "beta": enc.tensor(k.beta, "beta"),
@@ -174,7 +193,7 @@ def _dec_group_normalization(f: Fields, kind: type) -> Any:
         GroupNormalization: GroupNormalizationDataSource,
     }
     k = kind(f.device, f.get_object("data_source", sources[kind]))
-    _dec_kernel_properties(f, k)
+    dec_kernel_properties(f, k)
     k.epsilon = f.get_float("epsilon")
     same = {"shape": tuple(k.gamma.shape), "dtypes": (k.gamma.dtype,)}
     k._affine.load(f.get_tensor("gamma", **same), f.get_tensor("beta", **same))
@@ -189,7 +208,7 @@ _POOL_FIELDS = (
 
 def _enc_pooling(k: Any, enc: Encoder) -> dict[str, Any]:
     out: dict[str, Any] = {name: getattr(k, name) for name in _POOL_FIELDS}
-    out.update(_enc_kernel_properties(k))
+    out.update(enc_kernel_properties(k))
     if isinstance(k, PoolingAverage):
         out["zero_pad_size_x"] = k.zero_pad_size_x
         out["zero_pad_size_y"] = k.zero_pad_size_y
@@ -202,7 +221,7 @@ def _dec_pooling(f: Fields, kind: type) -> Any:
         k = kind(f.device, kw, kh, dx, dy, sx, sy)
     else:
         k = kind(f.device, kw, kh, sx, sy, dilation_rate_x=dx, dilation_rate_y=dy)
-    _dec_kernel_properties(f, k)
+    dec_kernel_properties(f, k)
     if kind is PoolingAverage:
         k.zero_pad_size_x = f.get_int("zero_pad_size_x", 0)
         k.zero_pad_size_y = f.get_int("zero_pad_size_y", 0)
@@ -210,12 +229,12 @@ def _dec_pooling(f: Fields, kind: type) -> Any:
 
 
 def _enc_neuron(k: Neuron, enc: Encoder) -> dict[str, Any]:
-    return {"neuron_descriptor": enc.object(k.neuron_descriptor), **_enc_kernel_properties(k)}
+    return {"neuron_descriptor": enc.object(k.neuron_descriptor), **enc_kernel_properties(k)}
 
 
 def _dec_neuron(f: Fields) -> Neuron:
     k = Neuron(f.device, f.get_object("neuron_descriptor", NeuronDescriptor))
-    _dec_kernel_properties(f, k)
+    dec_kernel_properties(f, k)
     return k
 
 
@@ -225,7 +244,7 @@ def _enc_dropout(k: Dropout, enc: Encoder) -> dict[str, Any]:
         "keep_probability": k.keep_probability,
         "seed": k.seed,
         "mask_stride_in_pixels": [stride.width, stride.height, stride.depth],
-        **_enc_kernel_properties(k),
+        **enc_kernel_properties(k),
         "counter": enc.tensor(k._counter, "counter"),  # encodes so far: the next masks
     }
 
@@ -233,28 +252,28 @@ def _enc_dropout(k: Dropout, enc: Encoder) -> dict[str, Any]:
 def _dec_dropout(f: Fields) -> Dropout:
     stride = Size(*f.get_ints("mask_stride_in_pixels", 3))
     k = Dropout(f.device, f.get_float("keep_probability"), f.get_int("seed", 0), stride)
-    _dec_kernel_properties(f, k)
+    dec_kernel_properties(f, k)
     k._counter.copy_(f.get_tensor("counter", shape=k._counter.shape, dtypes=(k._counter.dtype,)))
     return k
 
 
 def _enc_plain_kernel(k: CNNKernel, enc: Encoder) -> dict[str, Any]:
-    return _enc_kernel_properties(k)
+    return enc_kernel_properties(k)
 
 
 def _dec_plain_kernel(f: Fields, kind: type) -> Any:
     k = kind(f.device)
-    _dec_kernel_properties(f, k)
+    dec_kernel_properties(f, k)
     return k
 
 
 def _enc_loss(k: Loss, enc: Encoder) -> dict[str, Any]:
-    return {"loss_descriptor": enc.object(k._desc), **_enc_kernel_properties(k)}
+    return {"loss_descriptor": enc.object(k._desc), **enc_kernel_properties(k)}
 
 
 def _dec_loss(f: Fields) -> Loss:
     k = Loss(f.device, f.get_object("loss_descriptor", LossDescriptor))
-    _dec_kernel_properties(f, k)
+    dec_kernel_properties(f, k)
     return k
 
 

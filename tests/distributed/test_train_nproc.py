@@ -60,7 +60,7 @@ def test_two_ranks_print_once_and_rank_0_writes(two_epochs: tuple[Path, str]) ->
     assert out.count("mpsnn epoch   1  loss") == 1 and out.count("mpsnn epoch   2  loss") == 1
     assert out.count("per epoch") == 1 and out.count("summary") == 1
     records = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in records] == [1, 2]
+    assert [r["epoch"] for r in records if r["kind"] == "epoch"] == [1, 2]
     ckpt = m.load(folder / "checkpoint.mpsnn")
     assert ckpt["epoch"] == 2 and ckpt["config"]["batch_size"] == 16
 
@@ -129,3 +129,23 @@ def test_the_launcher_names_a_killed_rank_and_stops_the_others() -> None:
     assert done.returncode == 1, done.stderr
     assert "mpsnn: rank 1 was killed by SIGKILL; stopping the other ranks" in done.stderr
     assert time.monotonic() - start < 20
+
+
+def test_resume_into_an_empty_folder_starts_a_fresh_run_on_two_ranks(tmp_path: Path) -> None:
+    """One command line serves a first start and a restart (``torchrun --max-restarts``):
+    ``--resume`` where no checkpoint is yet starts fresh, also with ``--nproc``."""
+    folder = tmp_path / "new"
+    done = _mpsnn("train", *SMALL, "--nproc", "2", "--epochs", "1", "--resume",
+                  "--checkpoint-dir", str(folder))  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "starting a fresh run" in done.stdout + done.stderr
+    assert m.load(folder / "checkpoint.mpsnn")["epoch"] == 1
+
+
+def test_resume_of_a_malformed_checkpoint_with_nproc_is_one_line(tmp_path: Path) -> None:
+    m.save({"kind": "mpsnn-train", "config": {"batch_size": "16"}}, tmp_path / "checkpoint.mpsnn")
+    code, out = _in_process("train", *SMALL, "--nproc", "2", "--resume",
+                            "--checkpoint-dir", str(tmp_path))  # fmt: skip
+    assert code == 2, out
+    assert out.startswith("Error: ") and out.count("\n") == 1, out
+    assert "is not a usable checkpoint" in out

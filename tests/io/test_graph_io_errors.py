@@ -85,7 +85,7 @@ _CASES = {
     ),
     "start": (
         lambda s, t: _set(_one(s, "TrainingGraph"), "source_gradient", {"$obj": 0}),
-        r"object \d+ \(TrainingGraph\) must start at a loss node without a source gradient, or at a forward node with one, got a LossNode with a source gradient",
+        r"object \d+ \(TrainingGraph\) must start at a loss or initial gradient node without a source gradient, or at a forward node with one, got a LossNode with a source gradient",
     ),
     "position out of range": (
         lambda s, t: _set(_one(s, "ConvolutionGradientNode"), "position", 99),
@@ -258,7 +258,7 @@ def _refusals():
         (padded, TypeError, r"\[save\] SoftMaxNode\.padding_policy must be a DefaultPadding to be saved \(a custom policy is code\), got _Allocator"),
         (labelled, TypeError, r"\[save\] SoftMaxNode\.label must be str or None to be saved, got int at root\.SoftMaxNode"),
         ([pool], TypeError, r"\[save\] PoolingMaxNode\.kernel_width must be int to be saved, got float at root\.0\.PoolingMaxNode"),
-        (train, TypeError, r"\[save\] a gradient node must be one that training_graph\(\) makes again from the saved forward nodes \(its loss node, or its node and source gradient\) to be saved, got a ConvolutionGradientNode that it does not make \(made some other way, or the forward graph changed after training_graph\(\)\) at root\.Graph\.ImageNode\.ConvolutionGradientNode"),
+        (train, TypeError, r"\[save\] a gradient node must be one that training_graph\(\) makes again from the saved forward nodes \(its loss or initial gradient node, or its node and source gradient\) to be saved, got a ConvolutionGradientNode that it does not make \(made some other way, or the forward graph changed after training_graph\(\)\) at root\.Graph\.ImageNode\.ConvolutionGradientNode"),
     ]  # fmt: skip
 
 
