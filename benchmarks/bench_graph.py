@@ -40,7 +40,17 @@ def main() -> None:
     parser.add_argument("--compile-modes", default="default")
     parser.add_argument("--pairs", type=int, default=11, help="alternating eager pairs (0: none)")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--float32-precision",
+        default="highest",
+        choices=("highest", "high"),
+        help="mpsnn.set_float32_matmul_precision for mpsnn's float32 work (high: TF32 allowed, "
+        "as PyTorch's cuDNN convolutions use by default)",
+    )
     args = parser.parse_args()
+    import mpsnn
+
+    mpsnn.set_float32_matmul_precision(args.float32_precision)
     if args.device == "cpu":
         args.steps, args.trials = min(args.steps, 5), min(args.trials, 3)
     modes = tuple(m for m in args.compile_modes.split(",") if m)

@@ -1,9 +1,15 @@
-"""Kernel-level breakdown (torch.profiler) of the convolution benchmark's cases on CUDA.
+"""Which GPU kernels one convolution gradient runs, mpsnn beside PyTorch (NCHW and
+channels-last), with each kernel's time: the tool behind the bfloat16 convolution-gradient
+investigation (3x3, 64->64, 56x56, batch 64 by default).
 
-python benchmarks/tools/profile_conv.py
+    python -m benchmarks.tools.profile_conv --dtype bfloat16
 """
 
 from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -13,59 +19,85 @@ import mpsnn as m
 _bwd = torch.ops.aten.convolution_backward.default
 
 
-def main() -> None:
-    dev = m.Device("cuda")
-    q = dev.new_command_queue()
-    n, c, hw, dt = 64, 64, 56, torch.bfloat16
-    desc = m.ConvolutionDescriptor(3, 3, c, c)
-    ds = m.TensorConvolutionDataSource(desc, torch.randn(desc.weights_shape) * 0.05, torch.randn(c))
-    conv, grad = m.Convolution(dev, ds), m.ConvolutionGradient(dev, ds)
-    x = torch.randn(n, c, hw, hw, device="cuda", dtype=dt)
-    gy = torch.randn(n, c, hw, hw, device="cuda", dtype=dt)
-    w = ds.weights().permute(0, 3, 1, 2).contiguous().cuda().to(dt)
-    src, dsrc = m.ImageBatch.from_tensor(x), m.ImageBatch.from_tensor(gy)
-    odd = m.Convolution(dev, ds)
-    odd.edge_mode = m.EdgeMode.CLAMP
-    odd.offset = m.Offset(2, 1, 0)
-
-    def torch_grad():
-        _bwd(gy, x, w, [c], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True])
-
-    st = conv.result_state_batch(src)
-    cb = q.command_buffer()
-    conv.encode_batch(cb, src, destination_states=st)
-    cb.commit()
-
-    def mps_grad():
-        cb = q.command_buffer()
-        grad.encode_batch(cb, dsrc, src, st)
-        cb.commit()
-
-    def mps_odd_step():
-        cb = q.command_buffer()
-        s = odd.result_state_batch(src)
-        odd.encode_batch(cb, src, destination_states=s)
-        grad.encode_batch(cb, dsrc, src, s)
-        cb.commit()
-
-    for name, fn in (
-        ("torch gradient", torch_grad),
-        ("mpsnn gradient", mps_grad),
-        ("mpsnn clamp+offset step", mps_odd_step),
-    ):
-        for _ in range(5):
+def _kernels(fn: Callable[[], object], iters: int = 20) -> tuple[float, list[tuple[str, float]]]:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / iters * 1e3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(20):
-                fn()
-            torch.cuda.synchronize()
-        print(f"== {name} (20 iterations)")
-        print(
-            prof.key_averages().table(
-                sort_by="cuda_time_total", row_limit=12, max_name_column_width=60
-            )
-        )
+    rows = []
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" and e.device_time_total > 0:
+            rows.append((e.key[:90], e.device_time_total / iters / 1e3))
+    rows.sort(key=lambda r: -r[1])
+    return wall, rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--channels", type=int, default=64)
+    p.add_argument("--size", type=int, default=56)
+    a = p.parse_args()
+    dt = getattr(torch, a.dtype)
+    n, c, hw = a.batch, a.channels, a.size
+    dev = m.Device("cuda")
+    q = dev.new_command_queue()
+    g = torch.Generator().manual_seed(0)
+    desc = m.ConvolutionDescriptor(3, 3, c, c)
+    oihw = torch.randn(c, c, 3, 3, generator=g) * 0.05
+    ds = m.TensorConvolutionDataSource(desc, oihw.permute(0, 2, 3, 1), torch.zeros(c))
+    conv, grad = m.Convolution(dev, ds), m.ConvolutionGradient(dev, ds)
+    x = torch.randn(n, c, hw, hw, generator=g).cuda().to(dt)
+    gy = torch.randn(n, c, hw, hw, generator=g).cuda().to(dt)
+    w = oihw.cuda().to(dt)
+    xcl, gycl = (t.contiguous(memory_format=torch.channels_last) for t in (x, gy))
+    wcl = w.contiguous(memory_format=torch.channels_last)
+    src, dsrc = m.ImageBatch.from_tensor(x), m.ImageBatch.from_tensor(gy)
+    srccl, dsrccl = m.ImageBatch.from_tensor(xcl), m.ImageBatch.from_tensor(gycl)
+    states = conv.result_state_batch(src)
+    cb = q.command_buffer()
+    conv.encode_batch(cb, src, destination_states=states)
+    cb.commit()
+    cb.wait_until_completed()
+
+    def mps(dy: m.ImageBatch, xs: m.ImageBatch) -> Callable[[], object]:
+        def run() -> object:
+            cb = q.command_buffer()
+            out = grad.encode_batch(cb, dy, xs, states)
+            cb.commit()
+            return out
+
+        return run
+
+    cases = {
+        "torch NCHW": lambda: _bwd(
+            gy, x, w, [c], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True]
+        ),
+        "torch channels-last": lambda: _bwd(
+            gycl, xcl, wcl, [c], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True]
+        ),
+        "mpsnn NCHW images": mps(dsrc, src),
+        "mpsnn channels-last images": mps(dsrccl, srccl),
+    }
+    summary = []
+    for name, fn in cases.items():
+        wall, rows = _kernels(fn)
+        print(f"== {name}: {wall:.3f} ms/call (wall), kernels:")
+        for k, ms in rows[:8]:
+            print(f"   {ms:8.3f} ms  {k}")
+        summary.append((name, wall, sum(ms for _, ms in rows)))
+    print(f"{'case':<30}{'wall ms':>10}{'kernel ms':>11}")
+    for name, wall, kms in summary:
+        print(f"{name:<30}{wall:>10.3f}{kms:>11.3f}")
 
 
 if __name__ == "__main__":

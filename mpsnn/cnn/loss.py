@@ -372,8 +372,13 @@ class Loss(CNNKernel):
         has_weights = weighted.pop() is not None
         whole = first == 0 and count == n  # no slice to make (a batch encode)
         # class indices: their range, written by the command on the device and read by the
-        # command buffer's completion check (`_index_check`)
+        # command buffer's completion check (`_index_check`). On CUDA the command copies it
+        # into pinned host memory made here (outside any capture) on its own stream, so the
+        # check reads host memory once the work completed: no device read, no wait (a capture
+        # records the copy, and each replay writes the same host buffer)
         written: list[torch.Tensor | None] = [None]
+        cuda = index and self._device.torch_device.type == "cuda"
+        host = torch.empty(2, dtype=torch.int64, pin_memory=True) if cuda else None
 
         def run(grad: Image, loss: Image) -> None:
             y = src._read()
@@ -389,6 +394,9 @@ class Loss(CNNKernel):
                 bounds = torch.empty(2, dtype=torch.int64, device=t.device)
                 written[0] = bounds
             value, g = loss_forward_backward(y, t, wt, params, index_bounds=bounds)
+            if host is not None and bounds is not None and bounds.is_cuda:
+                host.copy_(bounds, non_blocking=True)
+                written[0] = host
             grad._write_block(g, dz, 0, 0, 0, y)
             loss._write_block(value, 0, 0, 0, 0)
 

@@ -135,7 +135,11 @@ def test_lanczos_equals_pillow_where_the_definitions_coincide(width, height) -> 
 def test_bilinear_fits_like_interpolate(width, height, device) -> None:
     gen = torch.Generator().manual_seed(303)
     x = torch.randn(2, 3, 6, 9, generator=gen, dtype=torch.float64).to(device)
-    y = _scale(ImageBilinearScale(m.Device(device)), x, torch.zeros(2, 3, height, width).double())
+    y = _scale(
+        ImageBilinearScale(m.Device(device)),
+        x,
+        torch.zeros(2, 3, height, width, dtype=torch.float64, device=device),
+    )
     ref = F.interpolate(x, size=(height, width), mode="bilinear", align_corners=False)
     assert_close(y, ref, "bilinear scale", tol=1e-13)
 
