@@ -291,6 +291,7 @@ from mpsnn.graph.resize_nodes import (
 )
 from mpsnn.io import load, save
 from mpsnn.optim import SGD, Adam, Optimizer, OptimizerDescriptor, RegularizationType, RMSProp
+from mpsnn.training import History, fit
 
 __version__ = "0.1.0"
 
@@ -374,6 +375,7 @@ __all__ = [
     "EdgeMode",
     "FeatureChannelFormat",
     "FilterNode",
+    "fit",
     "ForwardLoss",
     "ForwardLossNode",
     "GramMatrixCalculation",
@@ -434,6 +436,7 @@ __all__ = [
     "GroupNormalizationGradientNode",
     "GroupNormalizationGradientState",
     "GroupNormalizationNode",
+    "History",
     "Image",
     "ImageAllocator",
     "ImageTransformProvider",

@@ -1,4 +1,5 @@
-"""The ``mpsnn`` command: ``train``, ``bench``, ``check``, ``info``.
+"""The ``mpsnn`` command: ``train``, ``bench``, ``check``, ``info``, ``export``, ``eval``,
+``predict``.
 
 Every user mistake (a bad flag value, a missing dataset, an impossible configuration) ends as
 one clear line on stderr and exit status 2 (click's usage-error status); a traceback means a
@@ -17,6 +18,9 @@ _COMMANDS = {
     "bench": ("mpsnn.cli.bench", "bench"),
     "check": ("mpsnn.cli.check", "check"),
     "info": ("mpsnn.cli.info", "info"),
+    "export": ("mpsnn.cli.export", "export"),
+    "eval": ("mpsnn.cli.evaluate", "evaluate"),
+    "predict": ("mpsnn.cli.predict", "predict"),
 }
 
 

@@ -34,6 +34,7 @@ from mpsnn.cli.common import (
     build_model,
     make_optimizer,
 )
+from mpsnn.cli.runs import check_file, writing
 
 __all__ = ["bench", "measure"]
 
@@ -217,7 +218,7 @@ def _batch(x: torch.Tensor) -> Any:
 
 
 def _labels(dev: Any, y: torch.Tensor) -> Any:
-    from mpsnn.cnn.loss import LossLabels
+    from mpsnn.cnn.loss_labels import LossLabels
 
     return LossLabels(dev, y.view(-1, 1, 1))
 
@@ -278,6 +279,8 @@ def bench(**o: Any) -> None:  # fmt: skip
     variants = tuple(v for v in o["variants"].split(",") if v)
     if not variants or any(v not in known for v in variants):
         raise UserError(f"--variants must be a subset of {','.join(known)}, got {o['variants']!r}")
+    if o["json_path"] is not None:  # before the timings, not after them
+        check_file(o["json_path"], "--json")
     out = measure(o["model"], o["batch_size"], o["dtype"], device, o["optimizer"], steps,
                   trials, modes, shape, variants)  # fmt: skip
     console = Console()
@@ -297,4 +300,5 @@ def bench(**o: Any) -> None:  # fmt: skip
         console.print(f"host time of one eager encode_batch: {out['host_encode_ms']:.3f} ms; "
                       f"{out['memory_plan']}")  # fmt: skip
     if o["json_path"] is not None:
-        o["json_path"].write_text(json.dumps(out, indent=1))
+        with writing("the results", o["json_path"]):
+            o["json_path"].write_text(json.dumps(out, indent=1))

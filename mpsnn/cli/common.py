@@ -17,6 +17,8 @@ __all__ = [
     "OPTIMIZERS",
     "OneLineCommand",
     "OneLineError",
+    "SEED_MAX",
+    "SGD_MOMENTUM",
     "UserError",
     "build_model",
     "make_optimizer",
@@ -68,6 +70,13 @@ MODELS = {
 
 #: ``--optimizer`` name -> default learning rate
 OPTIMIZERS = {"adam": 1e-3, "sgd": 0.05, "rmsprop": 1e-3}
+
+#: SGD's momentum when ``--momentum`` is not given
+SGD_MOMENTUM = 0.9
+
+#: the largest ``--seed`` (seeds are 0 to 2^32 - 1, as NumPy's; a run derives the seed of each
+#: epoch's order from it, which must stay within PyTorch's 64-bit seeds)
+SEED_MAX = 2**32 - 1
 
 
 def tune_cpu_allocator() -> None:
@@ -128,7 +137,8 @@ def build_model(
     classes: int = 10,
 ) -> Any:
     """The model ``name`` with ``optimizer`` in its data sources; ``input_shape`` (C, H, W)
-    for the models that adapt to it (ResNet-18), checked against the others."""
+    for the models that adapt to it (all of ``MODELS``; each states the sizes it takes),
+    checked against the others."""
     cls = model_class(name)
     kwargs: dict[str, Any] = {"seed": seed, "classes": classes}
     if input_shape is not None:
@@ -140,7 +150,13 @@ def build_model(
                 f"--model {name} takes {'x'.join(map(str, cls.input_shape))} images (C x H x W), "
                 f"got {shape} from the dataset"
             )
-    return cls(device, optimizer, **kwargs)
+    try:
+        return cls(device, optimizer, **kwargs)
+    except ValueError as exc:  # a shape or class count the model cannot take
+        message = str(exc)
+        if message.startswith("["):  # "[LeNet5] ...": the option names the model
+            message = message.partition("] ")[2]
+        raise UserError(f"--model {name}: {message}") from None
 
 
 def _init_parameters(cls: type) -> set[str]:
@@ -149,10 +165,20 @@ def _init_parameters(cls: type) -> set[str]:
     return set(inspect.signature(cls.__init__).parameters)
 
 
-def make_optimizer(name: str, device: Device, lr: float | None) -> Any:
-    """One optimizer shared by every layer (one update per step): Adam, SGD with momentum 0.9,
-    or RMSProp."""
-    from mpsnn.optim import SGD, Adam, OptimizerDescriptor, RMSProp
+def make_optimizer(
+    name: str,
+    device: Device,
+    lr: float | None,
+    *,
+    momentum: float | None = None,
+    weight_decay: float = 0.0,
+    clip_grad: float | None = None,
+) -> Any:
+    """One optimizer shared by every layer (one update per step): Adam, SGD with momentum
+    ``momentum`` (None: `SGD_MOMENTUM`), or RMSProp; ``weight_decay`` > 0 is the descriptor's
+    L2 regularization (the gradient gains ``weight_decay·w``), ``clip_grad`` its gradient
+    clipping to ``[-clip_grad, clip_grad]``."""
+    from mpsnn.optim import SGD, Adam, OptimizerDescriptor, RegularizationType, RMSProp
 
     if name not in OPTIMIZERS:
         raise UserError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
@@ -160,8 +186,15 @@ def make_optimizer(name: str, device: Device, lr: float | None) -> Any:
     if not rate > 0:
         raise UserError(f"--lr must be > 0, got {rate}")
     desc = OptimizerDescriptor(learning_rate=rate)
+    if weight_decay:
+        desc.regularization_type = RegularizationType.L2
+        desc.regularization_scale = float(weight_decay)
+    if clip_grad is not None:
+        desc.apply_gradient_clipping = True
+        desc.gradient_clip_min, desc.gradient_clip_max = -float(clip_grad), float(clip_grad)
     if name == "adam":
         return Adam(device, descriptor=desc)
     if name == "sgd":
-        return SGD(device, momentum_scale=0.9, descriptor=desc)
+        mu = SGD_MOMENTUM if momentum is None else momentum
+        return SGD(device, momentum_scale=mu, descriptor=desc)
     return RMSProp(device, descriptor=desc)

@@ -1,223 +1,44 @@
 """How ``mpsnn check`` drives each kernel family: its inputs, one forward + gradient run, and
-what the run resolved (`Geometry`, for the PyTorch references in `mpsnn.cli.references`).
-
-A family's `run` builds fresh kernels on the requested device, encodes the forward into an
-explicit destination sized by the kernel's padding policy (``destination_image_descriptor``,
-which also sets ``offset``; ``--offset`` then replaces it, as a user would), and, given a
-cotangent, the gradient kernel(s) on the same command buffer. Every run of a configuration is
-therefore the same computation; only the dtype, device and input values change.
+what the run resolved (`Geometry`, for the PyTorch references in `mpsnn.cli.references`); the
+table of families, `FAMILIES` (the newer families are in `mpsnn.cli.families_more` and
+`mpsnn.cli.families_loss`, the pieces they are built from in `mpsnn.cli.family`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-import mpsnn.core
-from mpsnn.cli.policies import describe_padding, padding_policy
-from mpsnn.cli.references import Geometry
-from mpsnn.cnn import (
-    arithmetic,
-    arithmetic_gradient,
-    convolution,
-    dropout,
-    neuron,
-    neuron_descriptor,
-    normalization,
-    pooling,
-    shape,
-    softmax,
-    upsampling,
+from mpsnn.cli.families_loss import loss_families
+from mpsnn.cli.families_more import more_families
+from mpsnn.cli.family import (
+    GEOMETRY,
+    HUGE,
+    Config,
+    Cotangent,
+    Family,
+    Outcome,
+    Values,
+    as_param,
+    cpu64,
+    m,
+    randn64,
+    run_buffer,
 )
+from mpsnn.cli.references import Geometry
 
 __all__ = [
+    "COMPARISONS",
     "FAMILIES",
     "NEURON_TYPES",
     "Config",
     "Family",
     "Outcome",
+    "Values",
     "make_config",
 ]
-
-# The public mpsnn names the drivers use, by name (the command line names kernel classes; the
-# cli layer imports the subpackages, not the package: tests/test_architecture.py).
-_MODULES = (
-    mpsnn.core, convolution, normalization, pooling, neuron, neuron_descriptor, softmax,
-    upsampling, dropout, shape, arithmetic, arithmetic_gradient,
-)  # fmt: skip
-m = SimpleNamespace(
-    **{k: getattr(mod, k) for mod in _MODULES for k in getattr(mod, "__all__", vars(mod))}
-)
-_HUGE = m.RECT_NO_CLIP.size.depth
-Values = dict[str, torch.Tensor]
-Cotangent = Callable[[tuple[int, ...]], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Config:
-    """One check's configuration (the command line, with the family's defaults filled in)."""
-
-    family: str
-    size: tuple[int, int, int]  # W, H, C of the source
-    batch: int = 2
-    kernel: tuple[int, int] = (3, 3)  # x, y
-    stride: tuple[int, int] = (1, 1)
-    dilation: tuple[int, int] = (1, 1)
-    out_channels: int = 4
-    groups: int = 1
-    offset: tuple[int, int, int] | None = None
-    clip: tuple[int, int, int, int] | None = None
-    edge_mode: m.EdgeMode | None = None
-    padding: str | None = None
-    sco: int = 0
-    dco: int = 0
-    destination_size: tuple[int, int] | None = None
-    neuron: str = "relu"
-    a: float | None = None
-    b: float | None = None
-    c: float | None = None
-    scale: tuple[int, int] = (2, 2)
-    align_corners: bool = False
-    keep_probability: float = 0.5
-    pad_before: tuple[int, int, int] = (1, 2, 0)
-    pad_after: tuple[int, int, int] = (2, 1, 0)
-    fill_value: float = 0.0
-    secondary_size: tuple[int, int, int] | None = None
-    dtype: torch.dtype = torch.float32
-    device: str = "cpu"
-    seed: int = 0
-
-    @property
-    def source_shape(self) -> tuple[int, int, int, int]:
-        w, h, c = self.size
-        return (self.batch, c, h, w)
-
-
-@dataclass
-class Outcome:
-    """A run's results, as float64 CPU copies: the whole destination and each gradient."""
-
-    y: torch.Tensor
-    grads: dict[str, torch.Tensor]
-    geometry: Geometry
-    padding: str | None = None  # the policy the forward applied, in words
-
-
-# -- helpers ---------------------------------------------------------------------------------------
-
-
-def _param(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Kernel parameters as a user gives them: float32 (the kernel casts), float64 for float64."""
-    return t.to(torch.float64 if dtype == torch.float64 else torch.float32)
-
-
-def _out(t: torch.Tensor | None) -> torch.Tensor:
-    assert t is not None
-    return t.detach().to("cpu", torch.float64, copy=True)
-
-
-def _randn(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(shape, generator=gen, dtype=torch.float64)
-
-
-def _run_buffer(cb: m.CommandBuffer) -> None:
-    cb.commit()
-    cb.wait_until_completed()
-
-
-# -- families --------------------------------------------------------------------------------
-
-GEOMETRY = frozenset({"offset", "clip", "edge_mode", "sco", "dco", "destination_size"})
-
-
-@dataclass
-class Family:
-    """A unary kernel family driven through the window model (subclasses override pieces)."""
-
-    name: str
-    forward: str  # mpsnn class names
-    gradient: str
-    options: frozenset[str] = GEOMETRY
-    defaults: dict[str, Any] = field(default_factory=dict)
-    linear: bool = True  # the forward is affine in each input (exact differences)
-    reads_result: bool = False  # the gradient's source_image is the forward's result
-    grad_names: tuple[str, ...] = ("x",)
-
-    # -- what subclasses provide -----------------------------------------------------------
-
-    def inputs(self, cfg: Config, gen: torch.Generator) -> Values:
-        """The float64 inputs: ``x`` (the source) and the kernel's parameters."""
-        return {"x": _randn(cfg.source_shape, gen)}
-
-    def kernels(self, cfg: Config, dev: m.Device, p: Values) -> tuple[Any, Any]:
-        return getattr(m, self.forward)(dev), getattr(m, self.gradient)(dev)
-
-    def state_grads(self, state: Any) -> dict[str, torch.Tensor]:
-        return {}
-
-    def params(self, cfg: Config, fwd: Any) -> dict[str, Any]:
-        return {}
-
-    def is_linear(self, cfg: Config, key: str) -> bool:
-        return self.linear
-
-    def channels_read(self, cfg: Config) -> int:
-        return cfg.size[2] - cfg.sco
-
-    # -- the run -----------------------------------------------------------------------------
-
-    def run(
-        self,
-        cfg: Config,
-        values: Values,
-        device: str,
-        dtype: torch.dtype,
-        cotangent: Cotangent | None = None,
-    ) -> Outcome:
-        dev = m.Device(device)
-        p = {k: _param(v, dtype) for k, v in values.items() if k != "x"}
-        fwd, grad = self.kernels(cfg, dev, p)
-        if cfg.padding is not None:
-            fwd.padding = padding_policy(cfg.padding)
-        if cfg.edge_mode is not None:
-            fwd.edge_mode = cfg.edge_mode
-        fwd.source_feature_channel_offset = cfg.sco
-        fwd.destination_feature_channel_offset = cfg.dco
-        fwd.offset = m.Offset(0, 0, cfg.offset[2] if cfg.offset else 0)
-        src = m.Image.from_tensor(values["x"].to(device=device, dtype=dtype))
-        n, c, h, w = fwd.destination_image_descriptor([src]).shape  # sets offset, maybe edge
-        if cfg.offset is not None:
-            fwd.offset = m.Offset(*cfg.offset)
-        if cfg.clip is not None:
-            x0, y0, cw, ch = cfg.clip
-            fwd.clip_rect = m.Region(m.Origin(x0, y0, 0), m.Size(cw, ch, _HUGE))
-        if cfg.destination_size is not None:
-            w, h = cfg.destination_size
-        dst = m.Image.from_tensor(torch.zeros(n, cfg.dco + c, h, w, dtype=dtype, device=device))
-        cb = dev.new_command_queue().command_buffer()
-        state = fwd.result_state(src)
-        fwd.encode(cb, src, dst, state)
-        dx = None
-        if cotangent is not None:
-            g = m.Image.from_tensor(cotangent(dst.shape).to(device=device, dtype=dtype))
-            dx = grad.encode(cb, g, dst if self.reads_result else src, state)
-        _run_buffer(cb)
-        grads = {} if dx is None else {"x": _out(dx.tensor), **self.state_grads(state)}
-        geometry = Geometry(
-            source=tuple(src.shape), destination=tuple(dst.shape),  # type: ignore[arg-type]
-            offset=tuple(fwd.offset), edge=fwd.edge_mode,  # type: ignore[arg-type]
-            clipped=cfg.clip is not None, sco=cfg.sco, dco=cfg.dco,
-            channels_read=self.channels_read(cfg), channels_written=c,
-            kernel=(fwd.kernel_width, fwd.kernel_height),
-            stride=(fwd.stride_in_pixels_x, fwd.stride_in_pixels_y),
-            dilation=(fwd.dilation_rate_x, fwd.dilation_rate_y),
-            params=self.params(cfg, fwd),
-        )  # fmt: skip
-        return Outcome(_out(dst.tensor), grads, geometry, describe_padding(fwd.padding))
 
 
 @dataclass
@@ -230,10 +51,14 @@ class _Convolution(Family):
         return m.ConvolutionDescriptor(kw, kh, cin, cfg.out_channels, sx, sy, dx, dy, cfg.groups)
 
     def inputs(self, cfg: Config, gen: torch.Generator) -> Values:
-        x = _randn(cfg.source_shape, gen)
+        x = randn64(cfg.source_shape, gen)
         o, kh, kw, ig = self.descriptor(cfg).weights_shape
         scale = (kh * kw * ig) ** -0.5
-        return {"x": x, "weights": _randn((o, kh, kw, ig), gen) * scale, "bias": _randn((o,), gen)}
+        return {
+            "x": x,
+            "weights": randn64((o, kh, kw, ig), gen) * scale,
+            "bias": randn64((o,), gen),
+        }
 
     def kernels(self, cfg: Config, dev: m.Device, p: Values) -> tuple[Any, Any]:
         ds = m.TensorConvolutionDataSource(self.descriptor(cfg), p["weights"], p["bias"])
@@ -241,8 +66,8 @@ class _Convolution(Family):
 
     def state_grads(self, state: Any) -> dict[str, torch.Tensor]:
         return {
-            "weights": _out(state.gradient_for_weights),
-            "bias": _out(state.gradient_for_biases),
+            "weights": cpu64(state.gradient_for_weights),
+            "bias": cpu64(state.gradient_for_biases),
         }
 
     def params(self, cfg: Config, fwd: Any) -> dict[str, Any]:
@@ -281,10 +106,10 @@ class _Neuron(Family):
         return m.NeuronDescriptor(kind, cfg.a, cfg.b, cfg.c, slopes)
 
     def inputs(self, cfg: Config, gen: torch.Generator) -> Values:
-        x = _randn(cfg.source_shape, gen)
+        x = randn64(cfg.source_shape, gen)
         values = {"x": x}
         if cfg.neuron == "prelu":
-            slopes = _randn((self.channels_read(cfg),), gen) * 0.5
+            slopes = randn64((self.channels_read(cfg),), gen) * 0.5
             values["slopes"] = slopes.float().double()  # the descriptor keeps float32
         d = self.descriptor(cfg, values.get("slopes"))
         if cfg.neuron in ("power", "logarithm") and d.a != 0:  # inside the domain: a x + b > 0
@@ -327,9 +152,9 @@ class _GroupNorm(Family):
     def inputs(self, cfg: Config, gen: torch.Generator) -> Values:
         c = self.channels_read(cfg)
         return {
-            "x": _randn(cfg.source_shape, gen) * 2 + 0.5,
+            "x": randn64(cfg.source_shape, gen) * 2 + 0.5,
             "gamma": torch.rand(c, generator=gen, dtype=torch.float64) + 0.5,
-            "beta": _randn((c,), gen),
+            "beta": randn64((c,), gen),
         }
 
     def kernels(self, cfg: Config, dev: m.Device, p: Values) -> tuple[Any, Any]:
@@ -341,7 +166,7 @@ class _GroupNorm(Family):
         return m.GroupNormalization(dev, ds), m.GroupNormalizationGradient(dev)
 
     def state_grads(self, state: Any) -> dict[str, torch.Tensor]:
-        return {"gamma": _out(state.gradient_for_gamma), "beta": _out(state.gradient_for_beta)}
+        return {"gamma": cpu64(state.gradient_for_gamma), "beta": cpu64(state.gradient_for_beta)}
 
     def params(self, cfg: Config, fwd: Any) -> dict[str, Any]:
         instance = self.name == "instance-normalization"
@@ -384,7 +209,7 @@ class _BatchNorm(Family):
     ) -> Outcome:
         dev = m.Device(device)
         c = cfg.size[2]
-        gamma, beta = _param(values["gamma"], dtype), _param(values["beta"], dtype)
+        gamma, beta = as_param(values["gamma"], dtype), as_param(values["beta"], dtype)
         ds = m.TensorBatchNormalizationDataSource(c, gamma, beta, epsilon=1e-5)
         bn = m.BatchNormalization(dev, ds)
         xb = m.ImageBatch.from_tensor(values["x"].to(device=device, dtype=dtype))
@@ -397,13 +222,13 @@ class _BatchNorm(Family):
             gb = m.ImageBatch.from_tensor(cotangent(y.shape).to(device=device, dtype=dtype))
             m.BatchNormalizationStatisticsGradient(dev).encode_batch(cb, gb, xb, state)
             dx = m.BatchNormalizationGradient(dev).encode_batch(cb, gb, xb, state)
-        _run_buffer(cb)
+        run_buffer(cb)
         grads = {}
         if dx is not None:
             grads = {
-                "x": _out(dx.tensor),
-                "gamma": _out(state.gradient_for_gamma),
-                "beta": _out(state.gradient_for_beta),
+                "x": cpu64(dx.tensor),
+                "gamma": cpu64(state.gradient_for_gamma),
+                "beta": cpu64(state.gradient_for_beta),
             }
         shape = tuple(xb.shape)
         geometry = Geometry(
@@ -418,7 +243,7 @@ class _BatchNorm(Family):
             c,  # type: ignore[arg-type]
             params={"epsilon": 1e-5},
         )
-        return Outcome(_out(y.tensor), grads, geometry)
+        return Outcome(cpu64(y.tensor), grads, geometry)
 
 
 _OPS = {"add": "+", "subtract": "-", "multiply": "*", "divide": "/"}
@@ -438,14 +263,20 @@ class _Arithmetic(Family):
         return (cfg.batch, c, h, w)
 
     def inputs(self, cfg: Config, gen: torch.Generator) -> Values:
-        x = _randn(cfg.source_shape, gen)
-        y = _randn(self.secondary_shape(cfg), gen)
+        x = randn64(cfg.source_shape, gen)
+        y = randn64(self.secondary_shape(cfg), gen)
         if self.name == "divide":  # keep the divisor away from 0
             y = torch.where(y < 0, y - 0.5, y + 0.5)
         return {"x": x, "y": y}
 
     def is_linear(self, cfg: Config, key: str) -> bool:
         return not (self.name == "divide" and key == "y")
+
+    def make_kernel(self, cfg: Config, dev: m.Device) -> Any:
+        return getattr(m, self.forward)(dev)
+
+    def own_params(self, cfg: Config) -> dict[str, Any]:
+        return {"op": _OPS[self.name]}
 
     def run(
         self,
@@ -457,7 +288,7 @@ class _Arithmetic(Family):
     ) -> Outcome:
         dev = m.Device(device)
         x, y = (values[k].to(device=device, dtype=dtype) for k in ("x", "y"))
-        kernel = getattr(m, self.forward)(dev)
+        kernel = self.make_kernel(cfg, dev)
         p_shape, s_shape = tuple(x.shape), tuple(y.shape)
         for name, i in (("feature_channels", 1), ("pixels_y", 2), ("pixels_x", 3)):
             if s_shape[i] == 1 and p_shape[i] > 1:
@@ -468,7 +299,7 @@ class _Arithmetic(Family):
             kernel.primary_edge_mode = kernel.secondary_edge_mode = cfg.edge_mode
         if cfg.clip is not None:
             x0, y0, cw, ch = cfg.clip
-            kernel.clip_rect = m.Region(m.Origin(x0, y0, 0), m.Size(cw, ch, _HUGE))
+            kernel.clip_rect = m.Region(m.Origin(x0, y0, 0), m.Size(cw, ch, HUGE))
         kernel.destination_feature_channel_offset = cfg.dco
         n, c, h, w = p_shape
         if cfg.destination_size is not None:
@@ -479,22 +310,48 @@ class _Arithmetic(Family):
         state = kernel.result_state(xi, yi)
         kernel.encode(cb, xi, yi, dst, state)
         grads: dict[str, Any] = {}
-        if cotangent is not None:
+        if cotangent is not None and self.gradient is not None:
             g = m.Image.from_tensor(cotangent(dst.shape).to(device=device, dtype=dtype))
             needs_other = self.name in ("multiply", "divide")
             for key, secondary in (("x", False), ("y", True)):
                 other = (xi if secondary else yi) if needs_other else (yi if secondary else xi)
                 gk = getattr(m, self.gradient)(dev, secondary)
                 grads[key] = gk.encode(cb, g, other, state)
-        _run_buffer(cb)
-        grads = {k: _out(v.tensor) for k, v in grads.items()}
+        run_buffer(cb)
+        grads = {k: cpu64(v.tensor) for k, v in grads.items()}
         offsets = (tuple(kernel.primary_offset), tuple(kernel.secondary_offset))
         geometry = Geometry(
             p_shape, tuple(dst.shape), offsets[0], kernel.primary_edge_mode,  # type: ignore[arg-type]
             cfg.clip is not None, 0, cfg.dco, c, c,
-            params={"op": _OPS[self.name], "offsets": offsets, "natural_size": p_shape[2:]},
+            params={**self.own_params(cfg), "offsets": offsets, "natural_size": p_shape[2:]},
         )  # fmt: skip
-        return Outcome(_out(dst.tensor), grads, geometry)
+        return Outcome(cpu64(dst.tensor), grads, geometry)
+
+
+COMPARISONS = {t.name.lower().replace("_", "-"): t for t in m.ComparisonType}
+
+
+@dataclass
+class _Compare(_Arithmetic):
+    """`Compare`, forward only (MPS defines no gradient); its inputs lie on a half-integer grid,
+    so that values meet equal ones (and ones within ``--threshold``) in every dtype."""
+
+    options: frozenset[str] = _Arithmetic.options | {"comparison", "threshold"}
+    grad_names: tuple[str, ...] = ()
+
+    def inputs(self, cfg: Config, gen: torch.Generator) -> Values:
+        x = torch.randint(-3, 4, cfg.source_shape, generator=gen).double() / 2
+        y = torch.randint(-3, 4, self.secondary_shape(cfg), generator=gen).double() / 2
+        return {"x": x, "y": y}
+
+    def make_kernel(self, cfg: Config, dev: m.Device) -> Any:
+        k = m.Compare(dev)
+        k.comparison_type = COMPARISONS[cfg.comparison]
+        k.threshold = cfg.threshold
+        return k
+
+    def own_params(self, cfg: Config) -> dict[str, Any]:
+        return {"comparison": COMPARISONS[cfg.comparison].name, "threshold": cfg.threshold}
 
 
 def _families() -> dict[str, Family]:
@@ -547,6 +404,9 @@ def _families() -> dict[str, Family]:
     for op in _OPS:
         cls = op.capitalize()
         fams.append(_Arithmetic(op, cls, f"{cls}Gradient"))
+    fams.append(_Compare("compare", "Compare", None))
+    fams += more_families()
+    fams += loss_families()
     return {f.name: f for f in fams}
 
 

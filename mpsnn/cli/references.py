@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mpsnn.cli.references_loss import forward_loss
 from mpsnn.core.geometry import EdgeMode
 
 __all__ = ["REFERENCES", "Geometry", "NoEquivalent"]
@@ -385,12 +386,7 @@ def pad(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
 
 
 def arithmetic(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
-    if g.clipped or g.params["offsets"] != ((0, 0, 0), (0, 0, 0)):
-        raise NoEquivalent("offsets or a clip rect: no PyTorch equivalent for this geometry")
-    if g.destination[2:] != g.params["natural_size"]:
-        raise NoEquivalent("another destination size: no PyTorch equivalent for this geometry")
-    if any(b not in (1, a) for a, b in zip(t["x"].shape, t["y"].shape, strict=True)):
-        raise NoEquivalent("the sources do not broadcast: no PyTorch equivalent for this geometry")
+    _binary_geometry(g, t)
     op = g.params["op"]
     fn = {"+": torch.add, "-": torch.sub, "*": torch.mul, "/": torch.div}[op]
     return fn(t["x"], t["y"]), f"x {op} y  (broadcasting)"
@@ -398,6 +394,175 @@ def arithmetic(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
 
 def dropout(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
     raise NoEquivalent("PyTorch draws its own dropout mask: no PyTorch equivalent")
+
+
+# -- the Gram matrix, comparisons, reductions, correlation, resizes ------------------------------
+
+
+def gram(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
+    """Channel ``i`` at x-coordinate ``j`` of the 1-high result holds ``alpha <x_i, x_j>``."""
+    x, text = _source(t["x"], g)
+    a = g.params["alpha"]
+    y = a * torch.einsum("nihw,njhw->nij", x, x).unsqueeze(2)
+    return y, f'{a} * torch.einsum("nihw,njhw->nij", {text}, {text}).unsqueeze(2)'
+
+
+def _binary_geometry(g: Geometry, t: Tensors) -> None:
+    if g.clipped or g.params["offsets"] != ((0, 0, 0), (0, 0, 0)):
+        raise NoEquivalent("offsets or a clip rect: no PyTorch equivalent for this geometry")
+    if g.destination[2:] != g.params["natural_size"]:
+        raise NoEquivalent("another destination size: no PyTorch equivalent for this geometry")
+    if any(b not in (1, a) for a, b in zip(t["x"].shape, t["y"].shape, strict=True)):
+        raise NoEquivalent("the sources do not broadcast: no PyTorch equivalent for this geometry")
+
+
+_COMPARE = {
+    "EQUAL": (lambda x, y, e: e, "{e}"),
+    "NOT_EQUAL": (lambda x, y, e: ~e, "~{e}"),
+    "LESS": (lambda x, y, e: (x < y) & ~e, "(x < y) & ~{e}"),
+    "LESS_OR_EQUAL": (lambda x, y, e: (x <= y) | e, "(x <= y) | {e}"),
+    "GREATER": (lambda x, y, e: (x > y) & ~e, "(x > y) & ~{e}"),
+    "GREATER_OR_EQUAL": (lambda x, y, e: (x >= y) | e, "(x >= y) | {e}"),
+}
+
+
+def compare(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
+    """Equality is ``x == y`` or ``|x - y| <= threshold`` (``torch.isclose``), and the ordered
+    comparisons exclude or include it."""
+    _binary_geometry(g, t)
+    x, y = t["x"], t["y"]
+    th = g.params["threshold"]
+    fn, form = _COMPARE[g.params["comparison"]]
+    eq = torch.isclose(x, y, rtol=0.0, atol=th)
+    text = form.format(e=f"torch.isclose(x, y, rtol=0, atol={th})")
+    return fn(x, y, eq).to(torch.float64), f"({text}).double()  (broadcasting)"
+
+
+def _region(x: torch.Tensor, clip: tuple[int, int, int, int] | None) -> tuple[torch.Tensor, str]:
+    """``x`` in a source clip rect (intersected with it)."""
+    if clip is None:
+        return x, ""
+    x0, y0, w, h = clip
+    ys, xs = slice(max(y0, 0), max(y0 + h, 0)), slice(max(x0, 0), max(x0 + w, 0))
+    return x[..., ys, xs], f"[..., {ys.start}:{ys.stop}, {xs.start}:{xs.stop}]"
+
+
+_REDUCE_DIMS = {"row": 3, "column": 2, "feature-channels": 1}
+_REDUCE_FNS = {
+    "min": "amin", "max": "amax", "mean": "mean", "sum": "sum", "argument-min": "argmin",
+    "argument-max": "argmax",
+}  # fmt: skip
+
+
+def reduce(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
+    op = g.params["op"]
+    if op.startswith("feature-channels-and-weights"):
+        return _weighted_channels(g, t)
+    x, text = _source(t["x"], g)
+    x, crop = _region(x, g.params["source_clip"])
+    axis, fn_name = next(
+        (a, op.removeprefix(a + "-")) for a in _REDUCE_DIMS if op.startswith(a + "-")
+    )
+    fn, dim = _REDUCE_FNS[fn_name], _REDUCE_DIMS[axis]
+    y, text = getattr(x, fn)(dim, keepdim=True).double(), f"{text}{crop}.{fn}({dim}, keepdim=True)"
+    if op == "feature-channels-sum":
+        w = g.params["weight"]
+        y, text = w * y, f"{w} * {text}"
+    return y, text
+
+
+def _weighted_channels(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
+    c0, n = g.sco, g.channels_read
+    x, xt = _region(t["x"][:, c0 : c0 + n], g.params["source_clip"])
+    w = t["y"][:, c0 : c0 + n]
+    w, wt = (w, "") if w.shape[2:] == (1, 1) else _region(w, g.params["source_clip"])
+    text = f"(x[:, {c0}:{c0 + n}]{xt} * w[:, {c0}:{c0 + n}]{wt}).sum(1, keepdim=True)"
+    y = (x * w).sum(1, keepdim=True)
+    op = g.params["op"]
+    if op.endswith("mean"):
+        return y / n, f"{text} / {n}"
+    if op.endswith("non-zero-weights"):
+        count = (w != 0).sum(1, keepdim=True).expand_as(y)
+        y = torch.where(count > 0, y / count.clamp(min=1), torch.zeros_like(y))
+        return y, f"torch.where(count > 0, {text} / count, 0), count the non-zero weights"
+    return y, text
+
+
+def local_correlation(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
+    """Each output channel ``n (2 wx + 1) + m`` is the channel sum of ``x`` times ``y`` shifted
+    by ``((n - wy) sy, (m - wx) sx)``: an unfold of the zero-padded ``y`` with the strides as
+    dilations."""
+    c0, n = g.sco, g.channels_read
+    x, _ = _region(t["x"][:, c0 : c0 + n], g.params["source_clip"])
+    y, _ = _region(t["y"][:, c0 : c0 + n], g.params["source_clip"])
+    (wx, wy), (sx, sy) = g.params["window"], g.params["stride"]
+    b, _, h, w = x.shape
+    # y's region, placed at x's origin; taps outside it read 0 (negative pads crop)
+    pads = (wx * sx, w + wx * sx - y.shape[3], wy * sy, h + wy * sy - y.shape[2])
+    k = (2 * wy + 1, 2 * wx + 1)
+    cols = F.unfold(F.pad(y, pads), k, dilation=(sy, sx)).view(b, n, k[0] * k[1], h, w)
+    out = (x.unsqueeze(2) * cols).sum(1)
+    return out, (
+        f"(x.unsqueeze(2) * F.unfold(F.pad(y, {pads}), {k}, dilation={(sy, sx)})"
+        f".view(N, C, {k[0] * k[1]}, H, W)).sum(1)  (x, y: the regions and channels read)"
+    )
+
+
+def _whole_destination(g: Geometry, x: torch.Tensor, size: tuple[int, int]) -> None:
+    if g.offset[:2] != (0, 0) or g.destination[2:] != size:
+        raise NoEquivalent(
+            "an offset or another destination size: no PyTorch equivalent for this geometry"
+        )
+
+
+def resize_bilinear(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
+    x, text = _source(t["x"], g)
+    w, h = g.params["resize"]
+    _whole_destination(g, x, (h, w))
+    if g.edge is not EdgeMode.CLAMP:
+        raise NoEquivalent(
+            "bilinear ZERO edges read zeros at the border: no PyTorch equivalent for this geometry"
+        )
+    align = g.params["align_corners"]
+    y = F.interpolate(x, size=(h, w), mode="bilinear", align_corners=align)
+    return y, f'F.interpolate({text}, size={(h, w)}, mode="bilinear", align_corners={align})'
+
+
+_SNAP = 1e-9  # a crop position this close to an edge is on it (mpsnn.ops.resize)
+
+
+def _crop_axis(start: float, extent: float, count: int, size: int) -> tuple[Any, Any]:
+    """TensorFlow's ``crop_and_resize`` positions along one axis (pixel centres 0 .. size - 1),
+    as ``grid_sample`` coordinates, and which of them lie inside the source."""
+    k = torch.arange(count, dtype=torch.float64)
+    last = size - 1
+    if count > 1:
+        p = start * last + k * (extent * last / (count - 1))
+    else:
+        p = torch.full((1,), (start + extent / 2) * last, dtype=torch.float64)
+    p = torch.where((p > -_SNAP) & (p < 0), torch.zeros_like(p), p)
+    p = torch.where((p > last) & (p < last + _SNAP), torch.full_like(p, last), p)
+    inside = (p >= 0) & (p <= last)
+    return (2 * p / last - 1 if last else torch.zeros_like(p)), inside
+
+
+def crop_and_resize(g: Geometry, t: Tensors) -> tuple[torch.Tensor, str]:
+    x, text = _source(t["x"], g)
+    w, h = g.params["resize"]
+    _whole_destination(g, x, (h, w))
+    crops = []
+    for rx, ry, rw, rh in g.params["regions"]:
+        gy, in_y = _crop_axis(ry, rh, h, x.shape[2])
+        gx, in_x = _crop_axis(rx, rw, w, x.shape[3])
+        grid = torch.stack(torch.broadcast_tensors(gx[None, :], gy[:, None]), -1)
+        grid = grid.expand(x.shape[0], h, w, 2)
+        y = F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=True)
+        crops.append(y * (in_y[:, None] & in_x[None, :]))
+    return torch.cat(crops, 1), (
+        f"torch.cat([F.grid_sample({text}, grid_r, align_corners=True) * inside_r for each "
+        "region r], 1)  (grid_r: TensorFlow crop_and_resize's sample positions; inside_r: "
+        "those inside the source, the others 0)"
+    )
 
 
 REFERENCES: dict[str, Callable[[Geometry, Tensors], tuple[torch.Tensor, str]]] = {
@@ -423,4 +588,12 @@ REFERENCES: dict[str, Callable[[Geometry, Tensors], tuple[torch.Tensor, str]]] =
     "subtract": arithmetic,
     "multiply": arithmetic,
     "divide": arithmetic,
+    "compare": compare,
+    "gram": gram,
+    "reduce": reduce,
+    "local-correlation": local_correlation,
+    "resize-bilinear": resize_bilinear,
+    "crop-and-resize-bilinear": crop_and_resize,
+    "forward-loss": forward_loss,
+    "loss-gradient": forward_loss,
 }

@@ -6,13 +6,18 @@ process, or data-parallel on several (``--nproc N``, or ``torchrun -m mpsnn trai
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import click
 
-from mpsnn.cli.common import DTYPES, MODELS, OPTIMIZERS, OneLineCommand, UserError
+from mpsnn.cli.common import DTYPES, MODELS, OPTIMIZERS, SEED_MAX, OneLineCommand, UserError
+from mpsnn.cli.metrics_log import LOGGERS
+from mpsnn.cli.runs import DATASETS, given_options
+from mpsnn.cli.schedules import SCHEDULES
 
 __all__ = ["train"]
 
@@ -28,9 +33,12 @@ __all__ = ["train"]
 )
 @click.option(
     "--dataset",
-    type=click.Choice(["fashion-mnist", "synthetic"]),
     default="fashion-mnist",
     show_default=True,
+    metavar="NAME|PATH",
+    help=f"{' or '.join(DATASETS)}, or the path of your own data: an ImageFolder directory "
+    "(train/<class>/*.png and test/ or val/) or an .npz file (x_train, y_train, x_test, "
+    "y_test); see docs/training.md.",
 )
 @click.option("--epochs", type=click.IntRange(min=1), default=5, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True)
@@ -39,7 +47,7 @@ __all__ = ["train"]
     type=click.Choice(list(OPTIMIZERS)),
     default="adam",
     show_default=True,
-    help="One optimizer for every layer (SGD: momentum 0.9).",
+    help="One optimizer for every layer (SGD: momentum 0.9, see --momentum).",
 )
 @click.option(
     "--lr",
@@ -52,7 +60,55 @@ __all__ = ["train"]
     type=click.FloatRange(min=0, min_open=True),
     default=0.6,
     show_default=True,
-    help="Per-epoch factor of the learning rate.",
+    help="Factor of the exponential (per epoch) and step schedules.",
+)
+@click.option(
+    "--schedule",
+    type=click.Choice(list(SCHEDULES)),
+    default="exponential",
+    show_default=True,
+    help="Learning rate: constant; exponential: lr·decay^(epoch-1); step: times --lr-decay "
+    "every --step-epochs epochs; cosine: per step, to 0 at the end of the run.",
+)
+@click.option(
+    "--step-epochs",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="The step schedule's period in epochs.",
+)
+@click.option(
+    "--warmup-epochs",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Linear warmup over this many epochs (per step, from lr/warmup-steps to the rate).",
+)
+@click.option(
+    "--momentum",
+    type=float,
+    default=None,
+    help="SGD's momentum [default: 0.9] (Adam and RMSProp have none in MPS).",
+)
+@click.option(
+    "--weight-decay",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="L2 regularization of the optimizer: the gradient gains weight-decay·w.",
+)
+@click.option(
+    "--clip-grad",
+    type=float,
+    default=None,
+    help="Clamp every gradient value to [-C, C] before the update [default: off].",
+)
+@click.option(
+    "--label-smoothing",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Label smoothing of the cross-entropy loss, in [0, 1).",
 )
 @click.option(
     "--dtype",
@@ -68,7 +124,7 @@ __all__ = ["train"]
     help="auto (CUDA when available; with --resume, the device the run was on), cpu, cuda or "
     "cuda:N.",
 )
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, SEED_MAX), default=0, show_default=True)
 @click.option(
     "--limit",
     type=click.IntRange(min=1),
@@ -90,19 +146,43 @@ __all__ = ["train"]
 @click.option(
     "--resume",
     is_flag=True,
-    help="Continue the run in --checkpoint-dir exactly where its checkpoint ended.",
+    help="Continue the run in --checkpoint-dir exactly where its checkpoint ended, with its "
+    "saved options (--epochs: train to that many; --device, --no-compile: run on there, so); "
+    "with no checkpoint there, start a fresh run.",
+)
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Start a fresh run even where --checkpoint-dir holds another run's checkpoint or the "
+    "metrics log holds records: remove them first.",
 )
 @click.option(
     "--plot",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Draw training loss and test accuracy per epoch into this PNG.",
+    help="Draw the training loss and the train and test accuracy per epoch (and the PyTorch "
+    "twin's with --compare-torch) into this PNG.",
 )
 @click.option(
     "--metrics",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),
     default=None,
-    help="JSON-lines metrics log [default: <checkpoint-dir>/metrics.jsonl].",
+    help="The metrics log: a file (jsonl, csv) or a directory (tensorboard) [default: "
+    "<checkpoint-dir>/metrics.jsonl, metrics.csv or tensorboard/].",
+)
+@click.option(
+    "--logger",
+    type=click.Choice(list(LOGGERS)),
+    default="jsonl",
+    show_default=True,
+    help="Format of the metrics log: JSON lines, CSV, or TensorBoard scalars.",
+)
+@click.option(
+    "--log-every",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Steps between two progress lines (output not a terminal) and step records "
+    "[default: a tenth of an epoch].",
 )
 @click.option("--no-compile", is_flag=True, help="Encode every step eagerly (no CUDA graph).")
 @click.option(
@@ -149,40 +229,72 @@ def train(**opts: Any) -> None:  # fmt: skip
     """Train a model on a dataset with an mpsnn training graph."""
     from mpsnn.cli import distributed_train as dt
 
+    ctx = click.get_current_context()
+    given = given_options(ctx)
     if not dt.in_launched_rank():
         if opts["nproc"] > 1:  # the parent of --nproc: start the ranks and watch them
-            raise SystemExit(dt.launch_ranks(click.get_current_context(), opts))
-        _train(opts, None)
+            # the ranks' command line holds the options given here, not the defaults: a rank
+            # tells them apart by their source (a default on its command line is "given")
+            for name in set(ctx.params) - given:
+                ctx.params[name] = None
+            raise SystemExit(dt.launch_ranks(ctx, opts))
+        _train(opts, None, given)
         return
     run = dt.join_run(opts)
-    dt.run_rank(run, lambda: _train(opts, run))
+    dt.run_rank(run, lambda: _train(opts, run, given))
 
 
-def _train(opts: dict[str, Any], run: Any) -> None:
-    """The run of one process, or of one rank (``run``: its `DistributedRun`)."""
-    from mpsnn.cli.trainer import METRICS, TrainConfig, Trainer, append_metrics
+def _train(opts: dict[str, Any], run: Any, given: Collection[str] = ()) -> None:
+    """The run of one process, or of one rank (``run``: its `DistributedRun`); ``given``:
+    the options the user gave (see `mpsnn.cli.runs`). User mistakes are found before any
+    training work where they can be: the numbers, then the files."""
+    from mpsnn.cli.metrics_log import MetricsLog, default_log_path, open_log
+    from mpsnn.cli.progress import Display
+    from mpsnn.cli.runs import CHECKPOINT, check_outputs, check_schedule, prepare_fresh_run
+    from mpsnn.cli.schedules import check_training_options
+    from mpsnn.cli.trainer import TrainConfig, Trainer
 
     folder: Path | None = opts["checkpoint_dir"]
     main = run is None or run.is_main  # prints, writes metrics, plots and checkpoints
     check = {"check_every": opts["check_every"],
              "sync_batch_norm": not opts.get("local_batch_norm", False)}  # fmt: skip
-    if opts["resume"]:
-        if folder is None:
-            raise UserError("--resume needs --checkpoint-dir (where the checkpoint is)")
-        trainer = Trainer.resume(folder, run, check, epochs=opts["epochs"],
-                                 device=opts["device"])  # fmt: skip
+    logger = opts.get("logger") or "jsonl"
+    log_path = default_log_path(logger, opts["metrics"], folder)
+    metrics = None if logger == "tensorboard" else log_path  # the metrics log file
+    resume = opts["resume"]
+    if resume and opts.get("overwrite"):
+        raise UserError("--overwrite starts a fresh run: not with --resume (drop one of them)")
+    if resume and folder is None:
+        raise UserError("--resume needs --checkpoint-dir (where the checkpoint is)")
+    fallback = resume and folder is not None and not os.path.lexists(folder / CHECKPOINT)
+    if fallback:
+        resume = False
+    if not resume:
+        check_schedule(opts["lr"], opts["optimizer"], opts["lr_decay"], opts["epochs"],
+                       opts["schedule"], opts["step_epochs"])  # fmt: skip
+        check_training_options(opts, given)
+    log = MetricsLog()
+    if main:
+        check_outputs(folder, metrics, opts["plot"])
+        log = open_log(logger, log_path, fresh=not resume, overwrite=bool(opts.get("overwrite")),
+                       asked="logger" in given)  # fmt: skip
+    if resume:
+        trainer = Trainer.resume(folder, run, check, options=opts, given=given)
     else:
+        if main:
+            prepare_fresh_run(folder, metrics, bool(opts.get("overwrite")), fallback)
+            if fallback:
+                click.echo(f"no checkpoint in {folder}: starting a fresh run")
         fields = {f.name for f in dataclasses.fields(TrainConfig)}
         config = TrainConfig(**{k: v for k, v in opts.items() if k in fields})
         config.compile = not opts["no_compile"]
         trainer = Trainer(config, None, run, check)
-    metrics = opts["metrics"] or (folder / METRICS if folder is not None else None)
     if not main:
         while trainer.epoch < trainer.config.epochs:
             trainer.train_epoch()
         return
-    ui = _Display(trainer)
-    ui.header()
+    ui = Display(log, opts.get("log_every"))
+    ui.header(trainer)
     start = time.perf_counter()
     reached = None
     while trainer.epoch < trainer.config.epochs:
@@ -192,11 +304,11 @@ def _train(opts: dict[str, Any], run: Any) -> None:
             reached = record["wall_seconds"]
         if folder is not None:
             trainer.save_checkpoint(folder)
-        if metrics is not None:
-            append_metrics(metrics, {"framework": "mpsnn", **record})
+        log.epoch("mpsnn", record)
     ui.table(trainer.history)
     final = trainer.history[-1]["test_accuracy"]
     summary = {"mpsnn": (final, time.perf_counter() - start, reached)}
+    runs = {"mpsnn": trainer.history}
     if opts["compare_torch"]:
         from mpsnn.cli.torch_baseline import train_torch
 
@@ -204,123 +316,11 @@ def _train(opts: dict[str, Any], run: Any) -> None:
         summary["pytorch"] = (history[-1]["test_accuracy"], history[-1]["wall_seconds"],
                               next((r["wall_seconds"] for r in history
                                     if r["test_accuracy"] >= opts["target"]), None))  # fmt: skip
-        if metrics is not None:
-            for record in history:
-                append_metrics(metrics, {"framework": "pytorch", **record})
+        runs["pytorch"] = history
+    log.close()
     ui.summary(summary, opts["target"])
     if opts["plot"] is not None:
-        _plot(trainer.history, opts["plot"], trainer.config.model)
-        ui.console.print(f"plot written to {opts['plot']}")
+        from mpsnn.cli.plots import write_plot
 
-
-class _Display:
-    """The rich progress bar and tables (plain lines when the output is not a terminal)."""
-
-    def __init__(self, trainer: Any) -> None:
-        from rich.console import Console
-
-        self.console = Console()
-        self.trainer = trainer
-
-    def header(self) -> None:
-        t, c = self.trainer, self.trainer.config
-        params = sum(p.numel() for p in t.model.twin.parameters())
-        mode = "replayed CUDA graph" if t.step is not None and t.device.type == "cuda" else "eager"
-        why = None if t.step is None or t.device.type != "cuda" else t.step.eager_reason
-        if why is not None:
-            mode = f"eager ({why})"
-        where = t.device.name
-        if t.dist is not None:
-            local = not getattr(t.graph.data_parallel, "sync_batch_norm", True)
-            where = (f"{t.world} ranks ({t.dist.backend}, {t.device.type}"
-                     f"{', local batch norm' if local else ''})")  # fmt: skip
-        self.console.print(
-            f"mpsnn train: [bold]{c.model}[/] ({params:,} parameters) on {c.dataset} "
-            f"({len(t.train_x):,} train / {len(t.test_x):,} test images), {where}, "
-            f"{c.dtype}, batch {c.batch_size}, {c.optimizer} lr {t.learning_rate(1):g} "
-            f"(x{c.lr_decay:g}/epoch), steps {mode}"
-            + (f", resumed after epoch {t.epoch}" if t.epoch else "")
-        )
-
-    def epoch(self, trainer: Any, name: str = "mpsnn") -> dict[str, Any]:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-
-        epoch, total = trainer.epoch + 1, trainer.config.epochs
-        columns = (
-            TextColumn(f"{name} epoch {epoch}/{total}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]:.4f} acc {task.fields[acc]:.3f} "
-                       "{task.fields[rate]:,.0f} img/s"),
-            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-        )  # fmt: skip
-        t0 = time.perf_counter()
-        b = trainer.config.batch_size
-        with Progress(*columns, console=self.console, transient=True) as bar:
-            task = bar.add_task("train", total=None, loss=0.0, acc=0.0, rate=0.0)
-
-            def progress(step: int, steps: int, loss: float, acc: float) -> None:
-                rate = step * b / (time.perf_counter() - t0)
-                bar.update(task, completed=step, total=steps, loss=loss, acc=acc, rate=rate)
-
-            record = trainer.train_epoch(progress)
-        self.console.print(
-            f"{name} epoch {record['epoch']:>3}  loss {record['train_loss']:.4f}  "
-            f"train acc {record['train_accuracy']:.4f}  test acc {record['test_accuracy']:.4f}  "
-            f"{record['images_per_second']:,.0f} img/s  {record['train_seconds']:.1f} s"
-        )
-        return record
-
-    def table(self, history: list[dict[str, Any]], title: str = "mpsnn") -> None:
-        from rich.table import Table
-
-        table = Table(title=f"{title}: per epoch")
-        for col in ("epoch", "lr", "train loss", "train acc", "test acc", "img/s", "seconds"):
-            table.add_column(col, justify="right")
-        for r in history:
-            table.add_row(
-                str(r["epoch"]), f"{r['lr']:.2e}", f"{r['train_loss']:.4f}",
-                f"{r['train_accuracy']:.4f}", f"{r['test_accuracy']:.4f}",
-                f"{r['images_per_second']:,.0f}", f"{r['train_seconds']:.1f}",
-            )  # fmt: skip
-        self.console.print(table)
-
-    def summary(self, results: dict[str, tuple[float, float, float | None]], target: float) -> None:
-        from rich.table import Table
-
-        table = Table(title="summary")
-        for col in ("framework", "final test acc", "wall seconds", f"seconds to {target:.0%}"):
-            table.add_column(col, justify="right")
-        for name, (acc, wall, reached) in results.items():
-            table.add_row(name, f"{acc:.4f}", f"{wall:.1f}",
-                          "not reached" if reached is None else f"{reached:.1f}")  # fmt: skip
-        self.console.print(table)
-
-
-def _plot(history: list[dict[str, Any]], path: Path, model: str) -> None:
-    """Training loss and test accuracy per epoch, side by side."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UserError("--plot needs matplotlib (pip install matplotlib)") from None
-    epochs = [r["epoch"] for r in history]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
-    left.plot(epochs, [r["train_loss"] for r in history], marker="o")
-    left.set(xlabel="epoch", ylabel="training loss", title=f"{model}: training loss")
-    right.plot(epochs, [100 * r["test_accuracy"] for r in history], marker="o", color="C2")
-    right.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy")
-    for ax in (left, right):
-        ax.grid(alpha=0.3)
-        ax.set_xticks(epochs)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        write_plot(runs, opts["plot"], trainer.config.model)
+        ui.print(f"plot written to {opts['plot']}")

@@ -2,7 +2,8 @@
 metrics accumulated on the device, evaluation, checkpoints and exact resume.
 
 One step is one call of the model's training graph — forward, loss, gradients and the
-optimizer update, encoded eagerly or (``compile``) replayed as a CUDA graph. The loss and the
+optimizer update, encoded eagerly or (``compile``) replayed as a CUDA graph — run by
+`mpsnn.training.TrainingLoop`, the steps `mpsnn.fit` runs too. The loss and the
 number of correct predictions are summed on the device (the training graph exports its logits)
 and read only when the progress display asks, so steps are not synchronized one by one.
 
@@ -27,9 +28,9 @@ number of ranks.
 from __future__ import annotations
 
 import dataclasses
-import json
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -37,22 +38,38 @@ import torch
 
 from mpsnn.cli.common import (
     DTYPES,
-    OPTIMIZERS,
+    SEED_MAX,
     UserError,
     build_model,
     make_optimizer,
     model_class,
     parse_device,
 )
-from mpsnn.cnn.loss import LossLabels
+from mpsnn.cli.runs import (
+    CHECKPOINT,
+    DATASETS,
+    METRICS,
+    check_checkpoint,
+    check_dataset,
+    check_dropout,
+    check_layers,
+    check_schedule,
+    resumed_config,
+    writing,
+)
+from mpsnn.cli.schedules import (
+    Schedule,
+    check_training_options,
+    loss_descriptor,
+    optimizer_options,
+)
 from mpsnn.core.descriptor import FeatureChannelFormat
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
+from mpsnn.data.dataset import ImageDataset, input_statistics, standardize
+from mpsnn.training.loop import TrainingLoop, epoch_order
 
-__all__ = ["Dataset", "TrainConfig", "Trainer", "load_dataset"]
-
-CHECKPOINT = "checkpoint.mpsnn"
-METRICS = "metrics.jsonl"
+__all__ = ["CHECKPOINT", "METRICS", "Dataset", "TrainConfig", "Trainer", "load_dataset"]
 
 
 @dataclasses.dataclass
@@ -72,42 +89,36 @@ class TrainConfig:
     limit: int | None = None
     test_limit: int | None = None
     compile: bool = True
+    # the schedule, update and loss options (`mpsnn.cli.schedules`)
+    schedule: str = "exponential"
+    step_epochs: int = 2
+    warmup_epochs: float = 0.0
+    momentum: float | None = None
+    weight_decay: float = 0.0
+    clip_grad: float | None = None
+    label_smoothing: float = 0.0
 
 
-@dataclasses.dataclass
-class Dataset:
-    """Images ``(N, C, H, W)`` uint8 (raw) and labels ``(N,)`` int64, train and test."""
-
-    train_x: torch.Tensor
-    train_y: torch.Tensor
-    test_x: torch.Tensor
-    test_y: torch.Tensor
-    classes: int = 10
-
-    @property
-    def input_shape(self) -> tuple[int, int, int]:
-        return tuple(self.train_x.shape[1:])  # type: ignore[return-value]
+#: a run's data (`mpsnn.data.ImageDataset`: images, labels, class names)
+Dataset = ImageDataset
 
 
 def load_dataset(name: str, seed: int, model_shape: tuple[int, int, int] | None) -> Dataset:
-    """``fashion-mnist`` (the Debian package's idx files) or ``synthetic`` (random bytes and
-    labels in the model's input shape: for speed runs)."""
-    if name == "fashion-mnist":
-        from mpsnn.data import load_fashion_mnist
+    """``fashion-mnist`` (the Debian package's idx files), ``synthetic`` (random bytes and
+    labels in the model's input shape: for speed runs) or the path of your own data (an
+    ImageFolder directory or an ``.npz`` file), by `mpsnn.data.load_dataset`; its errors as
+    `UserError`."""
+    import re
 
-        try:
-            tx, ty = load_fashion_mnist("train")
-            vx, vy = load_fashion_mnist("test")
-        except FileNotFoundError as exc:
-            raise UserError(str(exc).removeprefix("[load_fashion_mnist] ")) from None
-        return Dataset(tx, ty, vx, vy)
-    if name == "synthetic":
-        c, h, w = model_shape or (1, 28, 28)
-        g = torch.Generator().manual_seed(seed)
-        x = torch.randint(0, 256, (12_000, c, h, w), generator=g, dtype=torch.uint8)
-        y = torch.randint(0, 10, (12_000,), generator=g)
-        return Dataset(x[:10_000], y[:10_000], x[10_000:], y[10_000:])
-    raise UserError(f"--dataset must be fashion-mnist or synthetic, got {name!r}")
+    from mpsnn.data import load_dataset as load
+
+    try:
+        return load(name, seed=seed, shape=model_shape)
+    except (ValueError, OSError) as exc:  # missing (with the fix), unreadable, corrupt
+        message = re.sub(r"^\[\w+\] ", "", str(exc))
+        if name in DATASETS:
+            raise UserError(message) from None
+        raise UserError(f"--dataset {message}") from None
 
 
 class Trainer:
@@ -119,6 +130,7 @@ class Trainer:
         distributed: this rank of a data-parallel run (None: one process).
         parallel: data parallel: keyword arguments of `mpsnn.DataParallel` (``check_every``,
             ``sync_batch_norm``).
+        origin: the checkpoint's path (for messages).
     """
 
     def __init__(
@@ -127,15 +139,21 @@ class Trainer:
         checkpoint: dict[str, Any] | None = None,
         distributed: Any = None,
         parallel: dict[str, Any] | None = None,
+        origin: Path | None = None,
     ) -> None:
         self.config = c = config
         self.dist = distributed
         self.world = 1 if distributed is None else distributed.world_size
+        self.origin = origin or Path(CHECKPOINT)
         if c.dtype not in DTYPES:
             raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {c.dtype!r}")
         for name in ("epochs", "batch_size"):
             if getattr(c, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(c, name)}")
+        if not 0 <= c.seed <= SEED_MAX:
+            raise UserError(f"--seed must be from 0 to {SEED_MAX}, got {c.seed}")
+        check_schedule(c.lr, c.optimizer, c.lr_decay, c.epochs, c.schedule, c.step_epochs)
+        check_training_options(dataclasses.asdict(c))
         if c.batch_size % self.world:
             raise UserError(
                 f"--batch-size {c.batch_size} (the global batch) must be divisible by the "
@@ -145,6 +163,10 @@ class Trainer:
         self.torch_device = self.device.torch_device
         native = model_class(c.model).input_shape
         data = load_dataset(c.dataset, c.seed, native)
+        self.fingerprint = data.fingerprint()  # of all the data (the limits are options)
+        if checkpoint is not None:
+            check_dataset(checkpoint.get("dataset"), self.fingerprint, self.origin)
+        c.dataset = data.source  # your own data: its absolute path
         if c.limit is not None:
             data.train_x, data.train_y = data.train_x[: c.limit], data.train_y[: c.limit]
         if c.test_limit is not None:
@@ -155,7 +177,8 @@ class Trainer:
                 f"got {c.batch_size}"
             )
         self.data = data
-        self.optimizer = make_optimizer(c.optimizer, self.device, c.lr)
+        self.optimizer = make_optimizer(c.optimizer, self.device, c.lr, **optimizer_options(c))
+        self.schedule = Schedule.of(c, len(data.train_x) // c.batch_size)
         self.model = build_model(c.model, self.device, self.optimizer, seed=c.seed,
                                  input_shape=data.input_shape, classes=data.classes)  # fmt: skip
         self.epoch = 0  # epochs done
@@ -167,45 +190,50 @@ class Trainer:
         self.train_x = self._prepare(data.train_x).to(t)
         self.test_x = self._prepare(data.test_x).to(t)
         self.train_y, self.test_y = data.train_y.to(t), data.test_y.to(t)
-        self.graph = self.model.training_graph(c.batch_size, storage=DTYPES[c.dtype])
-        self.inference = self.model.inference_graph(storage=DTYPES[c.dtype])
+        loss = loss_descriptor(c.batch_size, c.label_smoothing, data.classes)
+        # the steps (mpsnn.fit's): each rank's share of every batch, weighted 1 / batch_size
+        self.loop = TrainingLoop(self.model, c.batch_size, loss=loss, storage=DTYPES[c.dtype],
+                                 local_batch=c.batch_size // self.world)  # fmt: skip
+        self.graph, self.inference = self.loop.graph, self.loop.inference
         if checkpoint is not None:
-            for counter, saved in zip(self._dropout_counters(), checkpoint["dropout"], strict=True):
+            counters = self._dropout_counters()
+            check_dropout(checkpoint["dropout"], counters, self.origin)
+            for counter, saved in zip(counters, checkpoint["dropout"], strict=True):
                 counter.copy_(saved)
-        self.queue = self.device.new_command_queue()
+        self.queue = self.loop.queue
         if distributed is not None:  # before compiling: NCCL steps are recorded with them
             from mpsnn.distributed import DataParallel
 
             self.graph.data_parallel = DataParallel(**(parallel or {}))
-        self.step = self.graph.compile(self.queue) if c.compile else None
+        self.step = self.loop.compile() if c.compile else None
 
     # -- data ------------------------------------------------------------------------------
 
     def _prepare(self, x: torch.Tensor) -> torch.Tensor:
-        """Raw bytes for UNORM8 models (MPS clients feed them so); else float32 standardized
-        with the training set's mean and deviation."""
+        """Raw bytes for UNORM8 models (MPS clients feed them so; float images in [0, 1]
+        rounded to bytes); else float32 standardized with the training set's mean and
+        deviation (`mpsnn.data.standardize`)."""
         if getattr(self.model, "input_format", None) is FeatureChannelFormat.UNORM8:
-            return x
-        mean, std = self.data.train_x.float().mean() / 255, self.data.train_x.float().std() / 255
-        return (x.float() / 255 - mean) / std
+            return x if x.dtype == torch.uint8 else (x * 255).round().to(torch.uint8)
+        return standardize(x, *input_statistics(self.data.train_x))
 
     def _batch(self, x: torch.Tensor) -> ImageBatch:
         return ImageBatch(Image.from_tensor(x))
 
     # -- training ----------------------------------------------------------------------------
 
-    def learning_rate(self, epoch: int) -> float:
-        """The rate of ``epoch`` (1-based): ``lr · lr_decay^(epoch - 1)``."""
-        start = OPTIMIZERS[self.config.optimizer] if self.config.lr is None else self.config.lr
-        return start * self.config.lr_decay ** (epoch - 1)
+    def learning_rate(self, epoch: int, step: int = 0) -> float:
+        """The rate of step ``step`` (0-based) of ``epoch`` (1-based): the run's `Schedule`."""
+        return self.schedule.rate(epoch, step)
 
     def order(self, epoch: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.config.seed * 100_003 + epoch)
-        return torch.randperm(len(self.train_x), generator=g).to(self.torch_device)
+        return epoch_order(self.config.seed, epoch, len(self.train_x)).to(self.torch_device)
 
     def train_epoch(self, progress: Callable[[int, int, float, float], None] | None = None,
-                    every: int = 20) -> dict[str, Any]:  # fmt: skip
-        """Train one epoch; ``progress(step, steps, loss, accuracy)`` every ``every`` steps."""
+                    every: int | Callable[[int, int], bool] = 20) -> dict[str, Any]:  # fmt: skip
+        """Train one epoch; ``progress(step, steps, loss, accuracy)`` every ``every`` steps and
+        after the last (or after the steps where ``every(step, steps)`` holds). The optimizer
+        gets the schedule's rate before each step where it changes."""
         c = self.config
         epoch = self.epoch + 1
         lr = self.learning_rate(epoch)
@@ -215,29 +243,17 @@ class Trainer:
         steps = len(order) // b
         local = b // self.world  # this rank's slice of each global batch
         first = 0 if self.dist is None else self.dist.rank * local
-        loss_sum = torch.zeros((), device=self.torch_device, dtype=torch.float64)
-        correct = torch.zeros((), device=self.torch_device, dtype=torch.int64)
+        sums = self.loop.new_sums()
+        loss_sum, correct = sums.loss, sums.correct  # the steps add to them in place
         t0 = time.perf_counter()
+        per_step = self.schedule.per_step
         for i in range(steps):
+            if per_step and i:  # cosine or a warmup: the rate of this step
+                self.optimizer.learning_rate = self.learning_rate(epoch, i)
             idx = order[i * b + first : i * b + first + local]
-            y = self.train_y[idx]
-            # the classes are known: no scan of the device labels (which would wait)
-            labels = LossLabels(self.device, y.view(-1, 1, 1), max_index=self.data.classes - 1)
-            images = [self._batch(self.train_x[idx])]
-            if self.step is not None:
-                self.step(images, [labels])
-                labels = self.step.source_states[0][0]
-            else:
-                cb = self.queue.command_buffer()
-                self.graph.encode_batch(cb, images, [labels])
-                cb.commit()
-                if cb.error is not None:  # a failed collective (distributed) or command
-                    raise cb.error
-            # on the device, ordered after the step on the queue's stream: no wait here
-            loss_sum += labels.loss_image().tensor.sum()
-            logits = self.graph.intermediate_images[0].tensor.flatten(1)
-            correct += (logits.argmax(1) == y).sum()
-            if progress is not None and ((i + 1) % every == 0 or i + 1 == steps):
+            self.loop.train_step(self.train_x[idx], self.train_y[idx], sums)
+            if progress is not None and (every(i + 1, steps) if callable(every)
+                                         else (i + 1) % every == 0 or i + 1 == steps):  # fmt: skip
                 # this rank's images (a 1/world share of the loss sum): scaled to a mean
                 mean = float(loss_sum) * self.world / (i + 1)
                 progress(i + 1, steps, mean, int(correct) / ((i + 1) * local))
@@ -263,19 +279,12 @@ class Trainer:
         """Test accuracy of the current weights (the inference graph reloads them). Data
         parallel: rank ``r`` evaluates the ``r``-th of ``world`` contiguous shards of the test
         set and the hits are summed over the ranks."""
-        self.inference.reload_from_data_sources()
-        correct = torch.zeros((), device=self.torch_device, dtype=torch.int64)
         n = len(self.test_x)
         rank = 0 if self.dist is None else self.dist.rank
         start, stop = rank * n // self.world, (rank + 1) * n // self.world
-        for i in range(start, stop, batch):
-            j = min(i + batch, stop)
-            cb = self.queue.command_buffer()
-            out = self.inference.encode_batch(cb, [self._batch(self.test_x[i:j])])
-            cb.commit()
-            correct += (out.tensor.flatten(1).argmax(1) == self.test_y[i:j]).sum()
-            if self.dist is not None:
-                self.dist.monitor.progress()
+        mark = None if self.dist is None else self.dist.monitor.progress
+        correct = self.loop.count_correct(self.test_x[start:stop], self.test_y[start:stop],
+                                          batch, mark)  # fmt: skip
         if self.dist is not None:
             self.dist.all_reduce_sum(correct, "the test accuracy sum")
         return int(correct) / n
@@ -290,35 +299,33 @@ class Trainer:
 
     def save_checkpoint(self, folder: Path) -> Path:
         """``folder/checkpoint.mpsnn`` (atomic: a run killed while saving keeps the previous
-        one): the config, the epoch, the history, the data sources (weights, optimizer state,
-        batch-normalization statistics) and the dropout counters."""
+        one): the config, the epoch, the history, the dataset's fingerprint, the data sources
+        (weights, optimizer state, batch-normalization statistics) and the dropout counters."""
         from mpsnn.io import save
 
         if self.step is not None:
             self.step.wait_until_completed()
-        folder.mkdir(parents=True, exist_ok=True)
         path = folder / CHECKPOINT
-        save(
-            {
-                "kind": "mpsnn-train",
-                "config": dataclasses.asdict(self.config),
-                "device": str(self.device.torch_device),  # resolved ("auto" -> "cuda:0")
-                "epoch": self.epoch,
-                "history": self.history,
-                "data_sources": self.model.data_sources,
-                "dropout": self._dropout_counters(),
-            },
-            path,
-        )
+        with writing("the checkpoint", path):
+            folder.mkdir(parents=True, exist_ok=True)
+            save(
+                {
+                    "kind": "mpsnn-train",
+                    "config": dataclasses.asdict(self.config),
+                    "device": str(self.device.torch_device),  # resolved ("auto" -> "cuda:0")
+                    "epoch": self.epoch,
+                    "history": self.history,
+                    "dataset": self.fingerprint,
+                    "data_sources": self.model.data_sources,
+                    "dropout": self._dropout_counters(),
+                },
+                path,
+            )
         return path
 
     def _restore(self, ckpt: dict[str, Any]) -> None:
         sources = ckpt["data_sources"]
-        if len(sources) != len(self.model.layers):
-            raise UserError(
-                f"the checkpoint must hold the {len(self.model.layers)} layers of "
-                f"--model {self.config.model}, got {len(sources)}"
-            )
+        check_layers(sources, self.model.data_sources, self.config.model, self.origin)
         self.model.layers = [(mod, ds) for (mod, _), ds in zip(self.model.layers, sources,
                                                                strict=True)]  # fmt: skip
         optimizers = {id(ds.optimizer): ds.optimizer for ds in sources if ds.optimizer}
@@ -333,20 +340,25 @@ class Trainer:
         folder: Path,
         distributed: Any = None,
         parallel: dict[str, Any] | None = None,
-        **overrides: Any,
+        *,
+        options: dict[str, Any] | None = None,
+        given: Collection[str] = (),
     ) -> Trainer:
-        """A trainer continuing the run whose checkpoint is in ``folder`` (``overrides``:
-        settings that may change on resume, e.g. ``epochs`` to train further, ``device``), on
-        one process or as a rank of a data-parallel run (any number of ranks)."""
+        """A trainer continuing the run whose checkpoint is in ``folder``, on one process or
+        as a rank of a data-parallel run (any number of ranks). ``options``: the command
+        line's values, of which ``given`` names those the user gave (see
+        `mpsnn.cli.runs.resumed_config`: ``epochs`` to train further, ``device``,
+        ``no_compile``; other training options must equal the saved ones)."""
         from mpsnn.errors import CheckpointError
-        from mpsnn.io import load
+        from mpsnn.io import load, remove_stale_temporary_files
 
         path = folder / CHECKPOINT
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise UserError(f"--resume needs a checkpoint at {path}, got no such file")
-        requested = overrides.get("device")
-        if requested == "auto":  # (the option's default) on resume: the run's own device
-            overrides = {k: v for k, v in overrides.items() if k != "device"}
+        remove_stale_temporary_files(path)
+        options = options or {}
+        requested = options.get("device") if "device" in given else None
+        if requested == "auto":  # on resume: the run's own device
             requested = None
         if distributed is not None:
             device = distributed.device
@@ -355,47 +367,36 @@ class Trainer:
         try:
             ckpt = load(path, device)
             if distributed is None and requested is None:
+                check_checkpoint(ckpt, path, _FIELDS)
                 own = _own_device(ckpt)
                 if own.type != "cpu":
                     device = own
                     ckpt = load(path, device)
         except CheckpointError as exc:
             raise UserError(f"{path} is not a usable checkpoint: {exc}") from None
-        if not isinstance(ckpt, dict) or ckpt.get("kind") != "mpsnn-train":
-            raise UserError(f"{path} must be a checkpoint written by mpsnn train, got another file")
-        saved = dict(ckpt["config"])
-        for key, value in overrides.items():
-            if value is not None:
-                saved[key] = value
+        except OSError as exc:
+            raise UserError(f"{path} cannot be read: {exc.strerror or exc}") from None
+        check_checkpoint(ckpt, path, _FIELDS)
+        saved = resumed_config(ckpt["config"], ckpt["epoch"], options, given, path)
         if distributed is None:
             saved["device"] = str(device.torch_device)  # resolved: "auto" may mean another now
-        return cls(TrainConfig(**saved), ckpt, distributed, parallel)
+        return cls(TrainConfig(**saved), ckpt, distributed, parallel, origin=path)
 
 
-def _own_device(ckpt: Any) -> Any:
+_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
+
+
+def _own_device(ckpt: dict[str, Any]) -> Any:
     """The device a checkpointed run trained on (the resolved one its checkpoint records, else
     its ``--device``), or, where that device is not here (a CUDA run resumed on a machine
-    without that GPU), what ``auto`` picks."""
-    name = ckpt.get("device") if isinstance(ckpt, dict) else None
-    name = name or _config_of(ckpt).get("device") or "auto"
+    without that GPU, or a name this mpsnn does not know), what ``auto`` picks."""
+    name = ckpt.get("device") or ckpt["config"]["device"] or "auto"
     if name.startswith("cuda"):
-        index = int(name.partition(":")[2] or 0)
-        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        index = name.partition(":")[2] or "0"
+        if (not index.isdigit() or not torch.cuda.is_available()
+                or int(index) >= torch.cuda.device_count()):  # fmt: skip
             name = "auto"
-    return parse_device(name)
-
-
-def _config_of(ckpt: Any) -> dict[str, Any]:
-    """The saved training options of a loaded checkpoint ({} for another kind of file, which
-    `Trainer.resume` then refuses with its own message)."""
-    if isinstance(ckpt, dict) and isinstance(ckpt.get("config"), dict):
-        return ckpt["config"]
-    return {}
-
-
-def append_metrics(path: Path, record: dict[str, Any]) -> None:
-    """One JSON object per line (a log that a crash cannot leave half-parsed but for its last
-    line)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+    try:
+        return parse_device(name)
+    except UserError:
+        return parse_device("auto")

@@ -1,10 +1,18 @@
 """The network of Apple's MPS training sample (an MNIST classifier trained with
-``MPSNNGraph``), for 28×28×1 images fed as raw bytes (UNORM8: the kernels read k/255).
+``MPSNNGraph``), for images fed as raw bytes (UNORM8: the kernels read k/255); 28×28×1 by
+default.
 
-conv 5×5 1→32 (ADD_REMAINDER_TO_TOP_LEFT | ALIGN_CENTERED | SIZE_SAME) + ReLU, max pool 2/2
+conv 5×5 C→32 (ADD_REMAINDER_TO_TOP_LEFT | ALIGN_CENTERED | SIZE_SAME) + ReLU, max pool 2/2
 (``DefaultPadding.tensorflow_average_pooling()``, as the sample), conv 5×5 32→64 + ReLU, max
-pool, fully connected 7×7×64→1024 + ReLU, dropout (keep 0.5, seed 1; training only), fully
-connected 1024→classes. Weights uniform in [−0.2, 0.2), biases 0.1. 3,274,634 parameters.
+pool, fully connected (H/4)×(W/4)×64→1024 + ReLU, dropout (keep 0.5, seed 1; training only),
+fully connected 1024→classes. Weights uniform in [−0.2, 0.2), biases 0.1. 3,274,634 parameters
+for 28×28×1 images and 10 classes.
+
+Other image sizes: the sample's pooling is TensorFlow's SAME (``ceil(n / 2)``, the window past
+an odd edge reads the clamped edge pixel), PyTorch's ``MaxPool2d(2, ceil_mode=True)``: any
+size works, the first fully connected layer covering ``ceil(ceil(n / 2) / 2)`` pixels a side.
+The labels are class indices (the sample's 12-channel one-hot labels are
+``examples/apple_mnist.py``'s), so any number of classes works.
 ``examples/apple_mnist.py`` is the full port of the sample (its own data source class, its
 12-channel labels and loop); this model is the network, for ``mpsnn train --model apple-mnist``.
 """
@@ -28,7 +36,7 @@ from mpsnn.graph import (
     NeuronReLUNode,
     PoolingMaxNode,
 )
-from mpsnn.models.base import Model, conv_source, seeded
+from mpsnn.models.base import Model, conv_source, image_shape, seeded
 
 __all__ = ["AppleMNIST"]
 
@@ -45,7 +53,8 @@ def _init(module: nn.Module) -> None:
 
 
 class AppleMNIST(Model):
-    """The Apple sample's network (see the module docstring); arguments as `LeNet5`'s."""
+    """The Apple sample's network (see the module docstring); arguments as `LeNet5`'s (any
+    image size)."""
 
     name = "apple-mnist"
     input_shape = (1, 28, 28)
@@ -59,15 +68,19 @@ class AppleMNIST(Model):
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
         classes: int = 10,
+        input_shape: tuple[int, int, int] = (1, 28, 28),
     ) -> None:
         super().__init__(device)
+        channels, height, width = image_shape(self, input_shape, classes, 1, "an image")
+        self.input_shape = (channels, height, width)
         self.classes = classes
+        h, w = -(-height // 4), -(-width // 4)  # ceil(ceil(n / 2) / 2) == ceil(n / 4)
 
         def build() -> nn.Module:
             net = nn.Sequential(
-                nn.Conv2d(1, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-                nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-                nn.Linear(7 * 7 * 64, 1024), nn.ReLU(), nn.Dropout(0.5),
+                nn.Conv2d(channels, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2, ceil_mode=True),
+                nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2, ceil_mode=True),
+                nn.Flatten(), nn.Linear(h * w * 64, 1024), nn.ReLU(), nn.Dropout(0.5),
                 nn.Linear(1024, classes),
             )  # fmt: skip
             net.apply(_init)
@@ -76,8 +89,8 @@ class AppleMNIST(Model):
         self.twin = seeded(seed, build)
         c = ConvolutionDescriptor
         t = self.twin
-        specs = [(t[0], c(5, 5, 1, 32)), (t[3], c(5, 5, 32, 64)), (t[7], c(7, 7, 64, 1024)),
-                 (t[10], c(1, 1, 1024, classes))]  # fmt: skip
+        specs = [(t[0], c(5, 5, channels, 32)), (t[3], c(5, 5, 32, 64)),
+                 (t[7], c(w, h, 64, 1024)), (t[10], c(1, 1, 1024, classes))]  # fmt: skip
         self.layers = [(mod, conv_source(mod, d, device, optimizer, dtype)) for mod, d in specs]
 
     def recipe(self, image: ImageNode, *, training: bool) -> ImageNode:

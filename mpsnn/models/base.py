@@ -18,7 +18,7 @@ connected layer's weights are those of a convolution whose kernel covers its who
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -31,7 +31,7 @@ from mpsnn.core.descriptor import FeatureChannelFormat
 from mpsnn.core.device import Device
 from mpsnn.graph import Graph, ImageNode, LossNode
 
-__all__ = ["Model", "conv_source", "batch_norm_source"]
+__all__ = ["Model", "batch_norm_source", "conv_source", "image_shape"]
 
 
 def conv_source(
@@ -182,11 +182,113 @@ class Model:
                     target.running_var.copy_(ds.variance())
         return twin
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The PyTorch twin's ``state_dict`` with the data sources' current values (that of
+        `torch_module`): what ``twin.load_state_dict`` and `load_state_dict` read."""
+        return self.torch_module().state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Write a ``state_dict`` of the PyTorch twin (trained in PyTorch, or exported by
+        ``mpsnn export``) into the data sources, in place: the inverse of `state_dict`.
+
+        The tensors of the twin's module ``name`` go into the data source of that layer:
+        ``name.weight`` (OIHW, or an ``nn.Linear`` weight over a flattened CHW input) as OHWI
+        weights (see the module docstring), ``name.bias``; for batch normalization
+        ``name.weight`` / ``name.bias`` as gamma / beta and ``name.running_mean`` /
+        ``name.running_var`` as the running statistics. Values are rounded to the data
+        sources' dtype on their device. The keys must be exactly the twin's (its
+        ``state_dict()``; the ``num_batches_tracked`` counters may be left out, mpsnn keeps
+        none) and every value a floating-point tensor of the twin's shape; a refused
+        ``state_dict`` writes nothing. The optimizers' state is left as it is, and the
+        model's ``twin`` keeps its initial weights. Graphs built before read the new values
+        after ``reload_from_data_sources()``.
+
+        Raises:
+            TypeError: ``state_dict`` is not a mapping, or a value is not a tensor.
+            ValueError: missing or unexpected keys, a shape other than the twin's, or a
+                tensor that is not floating point.
+        """
+        who = type(self).__name__
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"[{who}] state_dict must be a mapping of the twin's names to tensors, got "
+                f"{type(state_dict).__name__}"
+            )
+        expected = self.twin.state_dict()
+        optional = {k for k in expected if k.endswith("num_batches_tracked")}
+        missing = sorted(set(expected) - set(state_dict) - optional)
+        unexpected = sorted(set(state_dict) - set(expected), key=str)
+        if missing or unexpected:
+            raise ValueError(
+                f"[{who}] state_dict must hold exactly the twin's tensors (the keys of "
+                f"{who}.state_dict()), got missing {missing}, unexpected {unexpected}"
+            )
+        for key, want in expected.items():
+            if key not in state_dict:
+                continue
+            value = state_dict[key]
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"[{who}] state_dict[{key!r}] must be a tensor, got {type(value).__name__}"
+                )
+            if tuple(value.shape) != tuple(want.shape):
+                raise ValueError(
+                    f"[{who}] state_dict[{key!r}] must have the shape {tuple(want.shape)}, "
+                    f"got {tuple(value.shape)}"
+                )
+            if key not in optional and not value.is_floating_point():
+                raise ValueError(
+                    f"[{who}] state_dict[{key!r}] must be a floating-point tensor, got "
+                    f"{value.dtype}"
+                )
+        names = {id(mod): name for name, mod in self.twin.named_modules()}
+        with torch.no_grad():
+            for module, ds in self.layers:
+                prefix = names[id(module)] + "." if names[id(module)] else ""
+                if isinstance(ds, TensorConvolutionDataSource):
+                    w = ds.weights()  # a view of the held OHWI values
+                    o, kh, kw, i = w.shape
+                    oihw = state_dict[prefix + "weight"].reshape(o, i, kh, kw)
+                    w.copy_(oihw.permute(0, 2, 3, 1))
+                    if ds.bias_terms() is not None:
+                        ds.bias_terms().copy_(state_dict[prefix + "bias"])
+                else:
+                    ds.gamma().copy_(state_dict[prefix + "weight"])
+                    ds.beta().copy_(state_dict[prefix + "bias"])
+                    ds.mean().copy_(state_dict[prefix + "running_mean"])
+                    ds.variance().copy_(state_dict[prefix + "running_var"])
+
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.twin.parameters())
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}: {self.parameter_count()} parameters>"
+
+
+def image_shape(
+    model: Model, input_shape: Any, classes: Any, minimum: int, why: str
+) -> tuple[int, int, int]:
+    """``input_shape`` as ``(channels, height, width)`` ints, checked: at least one channel,
+    height and width at least ``minimum`` (``why``: what needs it), and ``classes`` >= 1."""
+    who = type(model).__name__
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if (
+        not isinstance(input_shape, tuple | list)
+        or len(input_shape) != 3
+        or not all(is_int(v) for v in input_shape)
+        or input_shape[0] < 1
+        or min(input_shape[1:]) < minimum
+    ):
+        raise ValueError(
+            f"[{who}] input_shape must be (channels, height, width) with at least one channel "
+            f"and a height and width of at least {minimum} ({why}), got {input_shape!r}"
+        )
+    if not is_int(classes) or classes < 1:
+        raise ValueError(f"[{who}] classes must be an int >= 1, got {classes!r}")
+    return int(input_shape[0]), int(input_shape[1]), int(input_shape[2])
 
 
 def seeded(seed: int, build: Callable[[], nn.Module]) -> nn.Module:

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpsnn.cnn.convolution import ConvolutionDescriptor
-from mpsnn.cnn.loss import LossLabels, LossType, ReductionType
+from mpsnn.cnn.loss import LossType, ReductionType
+from mpsnn.cnn.loss_labels import LossLabels
 from mpsnn.cnn.yolo import YOLOLossDescriptor
 from mpsnn.core.descriptor import FeatureChannelFormat
 from mpsnn.core.device import Device
