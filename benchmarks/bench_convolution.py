@@ -69,8 +69,17 @@ def compare(
 
 
 def bench_standard(
-    device: str, dtype: torch.dtype, n: int, c: int, hw: int, iters: int, trials: int
+    device: str,
+    dtype: torch.dtype,
+    n: int,
+    c: int,
+    hw: int,
+    iters: int,
+    trials: int,
+    clamp_offset: bool = True,
 ) -> list[dict]:
+    """Rows of forward, gradient and step (mpsnn vs PyTorch; ``ratio`` = mpsnn / torch), then,
+    with ``clamp_offset``, the clamp+offset step against mpsnn's standard one."""
     dev = m.Device(device)
     q = dev.new_command_queue()
     gen = torch.Generator().manual_seed(0)
@@ -158,6 +167,8 @@ def bench_standard(
                 tflops=work / tm / 1e12,
             )
         )
+    if not clamp_offset:
+        return rows
     std, to = compare([mps_step, mps_step_odd], device, iters, trials)
     std_ms = std * 1e3
     rows.append(

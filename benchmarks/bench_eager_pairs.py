@@ -40,18 +40,22 @@ def precision_info() -> dict:
     return describe()
 
 
-CASES = {
+CASES = {  # model: (batch, dtype, optimizer, input shape, steps per run)
+    "cnn": (64, "float32", "adam", (1, 28, 28), 20),  # `mpsnn train`'s network and batch
     "lenet": (256, "float32", "adam", (1, 28, 28), 50),
     "resnet18": (512, "bfloat16", "sgd", (3, 32, 32), 10),
 }
 
 
-def measure(model: str, device: str, pairs: int, steps: int | None = None) -> dict:
+def measure(
+    model: str, device: str, pairs: int, steps: int | None = None, batch: int | None = None
+) -> dict:
     """Returns ``{"mpsnn_ms": [...], "torch_ms": [...], "ratios": [...], "median_ratio": ...,
     ...}``: a ratio is PyTorch's step time over mpsnn's in one pair (above 1: mpsnn is
-    faster)."""
-    batch, dtype, opt, shape, default_steps = CASES[model]
+    faster). ``steps`` and ``batch`` default to the case's."""
+    default_batch, dtype, opt, shape, default_steps = CASES[model]
     steps = steps or default_steps
+    batch = batch or default_batch
     dev = parse_device(device)
     td = dev.torch_device
     cuda = td.type == "cuda"
@@ -126,10 +130,11 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--pairs", type=int, default=11)
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None)
     p.add_argument("--label", default="")
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    r = measure(a.model, a.device, a.pairs, a.steps)
+    r = measure(a.model, a.device, a.pairs, a.steps, a.batch)
     r["label"] = a.label
     q = sorted(r["ratios"])
     print("# float32 precision: " + ", ".join(f"{k}={v}" for k, v in r["precision"].items()))

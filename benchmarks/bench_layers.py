@@ -29,9 +29,10 @@ from benchmarks.bench_convolution import compare
 _mp_bwd = torch.ops.aten.max_pool2d_with_indices_backward.default
 
 
-def copy_bandwidth(device: str) -> float:
-    """Bytes per second of a large copy (read + write)."""
-    n = (1 << 28) if device.startswith("cuda") else (1 << 25)
+def copy_bandwidth(device: str, numel: int | None = None) -> float:
+    """Bytes per second of a large copy (read + write) of ``numel`` float32 values (default
+    2**28 on CUDA, 2**25 elsewhere)."""
+    n = numel or ((1 << 28) if device.startswith("cuda") else (1 << 25))
     a = torch.empty(n, dtype=torch.float32, device=device).normal_()
     b = torch.empty_like(a)
     (t,) = compare([lambda: b.copy_(a)], device, 10, 5)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 import mpsnn as m
 from benchmarks.bench_convolution import compare
+from benchmarks.bench_layers import copy_bandwidth
 from mpsnn.ops.batch_norm import (
     bn_backward,
     bn_forward,
@@ -42,15 +43,6 @@ from mpsnn.ops.neuron import NeuronParams
 RELU = NeuronParams(1, 0.0, 0.0, 0.0, None)  # neuron type 1 (ReLU), slope 0
 EPS = 1e-5
 CHANNELS, SIZE = 64, 56
-
-
-def copy_bandwidth(device: str) -> float:
-    """Bytes per second of a large copy (read + write)."""
-    n = (1 << 28) if device.startswith("cuda") else (1 << 25)
-    a = torch.empty(n, dtype=torch.float32, device=device).normal_()
-    b = torch.empty_like(a)
-    (t,) = compare([lambda: b.copy_(a)], device, 10, 5)
-    return 2 * a.numel() * 4 / t
 
 
 def _row(case: str, impl: str, t: float, nbytes: int, bw: float, **extra: float) -> dict:

@@ -45,8 +45,12 @@ def resnet18_shapes(classes: int = 1000) -> list[tuple[int, ...]]:
     return [*shapes, (classes, 512), (classes,)]
 
 
-def bench_adam(device: str, iters: int, trials: int, bw: float) -> list[dict]:
-    shapes = resnet18_shapes()
+def bench_adam(
+    device: str, iters: int, trials: int, bw: float, shapes: list[tuple[int, ...]] | None = None
+) -> list[dict]:
+    """Rows of each implementation's step over ``shapes`` (default: ResNet-18's parameters),
+    then the ratios ``torch / mpsnn``."""
+    shapes = shapes or resnet18_shapes()
     gen = torch.Generator().manual_seed(0)
 
     def make(scale: float) -> list[torch.Tensor]:
@@ -94,7 +98,8 @@ def bench_adam(device: str, iters: int, trials: int, bw: float) -> list[dict]:
         times = dict(zip(fns, compare(list(fns.values()), device, iters, trials), strict=True))
     n = sum(x.numel() for x in w)
     nbytes = 7 * 4 * n  # read w, g, m, v; write w, m, v (float32)
-    case = f"Adam step, resnet18 ({len(shapes)} tensors, {n / 1e6:.2f}M values)"
+    model = "resnet18" if shapes == resnet18_shapes() else "parameters"
+    case = f"Adam step, {model} ({len(shapes)} tensors, {n / 1e6:.2f}M values)"
     rows = [
         dict(
             case=case,

@@ -1,0 +1,591 @@
+"""The standard benchmark table and its regression guard, in one command.
+
+    python -m benchmarks.suite                      # the device's table, compared with its baseline
+    python -m benchmarks.suite --check              # exit 1 when a row regressed
+    python -m benchmarks.suite --update             # record this run as the device's baseline
+    python -m benchmarks.suite --device cpu --quick # tiny sizes: a smoke run
+
+Every row times one piece of work through mpsnn and the same work through PyTorch in the same
+run, with the measurement functions of the ``bench_*`` scripts (warm-up, then the median of
+several trials, interleaved between the two sides, the device synchronized around each):
+
+* convolution 3x3, 64->64 channels, 56x56, batch 64 (CPU: 8): forward, gradient, and step
+  (both), bfloat16 and float32 (`benchmarks.bench_convolution`);
+* batch normalization + ReLU in training, 256x64x56x56 (CPU: 4x...): forward and backward,
+  with the bytes of the copy floor and each side's fraction of it
+  (`benchmarks.bench_normalization`);
+* one Adam update over ResNet-18's 62 parameter tensors against ``torch.optim.Adam`` (fused on
+  CUDA, foreach) (`benchmarks.bench_optim`);
+* CUDA: the LeNet-5 training step (batch 256, float32, Adam) eager and replayed, and the
+  CIFAR ResNet-18 step (batch 512, bfloat16, SGD) replayed, with peak memory, against PyTorch
+  eager (`mpsnn.cli.bench.measure`); the eager step in alternating pairs of runs
+  (`benchmarks.bench_eager_pairs`);
+* CPU: the main job's step (`mpsnn train`'s network, batch 64, Adam) eager, in alternating
+  pairs against PyTorch eager.
+
+A row's ``ratio`` is mpsnn's time over PyTorch's (above 1: mpsnn is slower). A row regressed
+when its ratio AND mpsnn's own time are both more than ``--tolerance`` (5%) above the
+baseline's: a slower or busier host moves both sides of a ratio alike, and a PyTorch side that
+drifts alone (PyTorch's eager steps are bound by the host's Python, the replayed mpsnn steps are
+not) moves the ratio but not mpsnn's time; either change alone is reported as "drift". The
+groups of regressed rows are measured once more and the better run kept, so one noisy trial is
+not a regression. The eager steps on CUDA, host-bound on both sides, vary from process to
+process by more than that and allow 30%. Baselines are JSON files, one per device, in
+``benchmarks/results/`` (``<device-slug>.json``; ``<device-slug>-quick.json`` for ``--quick``),
+committed with the code; each run also writes its own results (``--json``, by default
+``<device-slug>.last.json`` there, ignored by git).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SCHEMA = 1
+TOLERANCE = 0.05
+#: the eager training step on CUDA: host-bound on both sides, see `eager_row`
+EAGER_CUDA_TOLERANCE = 0.3
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
+
+#: keys every row has (besides extras of its group)
+ROW_KEYS = {
+    "group": str,
+    "name": str,
+    "mpsnn_ms": float,
+    "pytorch_ms": float,
+    "ratio": float,
+    "dtype": str,
+    "precision": dict,
+    "device": str,
+    "torch": str,
+    "triton": (str, type(None)),
+    "date": str,
+    "commit": (str, type(None)),
+}
+#: keys of the whole results file
+DOC_KEYS = {
+    "schema": int,
+    "device": str,
+    "slug": str,
+    "quick": bool,
+    "torch": str,
+    "triton": (str, type(None)),
+    "date": str,
+    "commit": (str, type(None)),
+    "rows": list,
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Problem sizes and repetitions of one run."""
+
+    conv: tuple[int, int, int]  # batch, channels, height = width
+    conv_dtypes: tuple[str, ...]
+    bn_batch: int
+    bn_dtypes: tuple[str, ...]
+    adam_shapes: tuple[tuple[int, ...], ...] | None  # None: ResNet-18's parameters
+    iters: int  # kernel calls per trial
+    trials: int
+    copy_numel: int | None  # None: the bench scripts' large copy
+    replays: dict[str, tuple[int, int, int]]  # model -> batch, steps, trials of a replay row
+    pairs: dict[str, tuple[int, int, int]]  # model -> batch, pairs, steps of an eager row
+
+
+def plan_for(device: str, quick: bool) -> Plan:
+    """The standard sizes on ``device`` ("cuda..." or "cpu"), or tiny ones for ``quick``.
+    Every group has sizes on every device; `DEFAULT_GROUPS` picks the ones a run times."""
+    if quick:
+        tiny = ((16, 8, 3, 3), (16,), (16,), (16, 16, 3, 3), (10, 16), (10,))
+        return Plan(
+            conv=(2, 8, 16), conv_dtypes=("float32", "bfloat16"), bn_batch=1,
+            bn_dtypes=("float32",), adam_shapes=tiny, iters=1, trials=2, copy_numel=1 << 16,
+            replays={"lenet": (16, 2, 2), "resnet18": (4, 1, 2)},
+            pairs={"lenet": (16, 2, 2), "cnn": (8, 2, 1)},
+        )  # fmt: skip
+    if device.startswith("cuda"):
+        return Plan(
+            conv=(64, 64, 56), conv_dtypes=("bfloat16", "float32"), bn_batch=256,
+            bn_dtypes=("float32", "bfloat16"), adam_shapes=None, iters=50, trials=11,
+            copy_numel=None, replays={"lenet": (256, 50, 9), "resnet18": (512, 20, 9)},
+            pairs={"lenet": (256, 21, 50), "cnn": (64, 21, 50)},
+        )  # fmt: skip
+    return Plan(
+        conv=(8, 64, 56), conv_dtypes=("float32", "bfloat16"), bn_batch=4,
+        bn_dtypes=("float32", "bfloat16"), adam_shapes=None, iters=2, trials=5,
+        copy_numel=None, replays={"lenet": (256, 5, 3), "resnet18": (64, 2, 3)},
+        pairs={"lenet": (256, 5, 5), "cnn": (64, 7, 20)},
+    )  # fmt: skip
+
+
+# -- the rows ------------------------------------------------------------------------------
+
+
+def precision_of(dtype: str) -> dict[str, Any]:
+    """A row's precision: the storage dtype, and for float32 which arithmetic each side ran
+    (mpsnn's `get_float32_matmul_precision` switch and PyTorch's TF32 flags)."""
+    if dtype != "float32":
+        return {"dtype": dtype}
+    try:
+        from mpsnn.core.precision import describe
+    except ImportError:  # a tree without the switch: mpsnn ran under PyTorch's flags
+        return {"dtype": dtype, "torch_cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+                "torch_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32}  # fmt: skip
+    return {"dtype": dtype, **describe()}
+
+
+def make_row(
+    group: str, name: str, mpsnn_ms: float, pytorch_ms: float, dtype: str, **extra: Any
+) -> dict[str, Any]:
+    """One row: ``ratio`` = ``mpsnn_ms / pytorch_ms``; the run's metadata is added later."""
+    return {"group": group, "name": name, "mpsnn_ms": float(mpsnn_ms),
+            "pytorch_ms": float(pytorch_ms), "ratio": float(mpsnn_ms) / float(pytorch_ms),
+            "dtype": dtype, "precision": precision_of(dtype), **extra}  # fmt: skip
+
+
+def _bandwidth(device: str, plan: Plan, cache: dict[str, float]) -> float:
+    from benchmarks.bench_layers import copy_bandwidth
+
+    if "copy" not in cache:
+        cache["copy"] = copy_bandwidth(device, plan.copy_numel)
+    return cache["copy"]
+
+
+def conv_rows(device: str, plan: Plan, cache: dict[str, float]) -> list[dict[str, Any]]:
+    from benchmarks.bench_convolution import bench_standard
+
+    n, c, hw = plan.conv
+    rows = []
+    for dt in plan.conv_dtypes:
+        for r in bench_standard(device, getattr(torch, dt), n, c, hw, plan.iters, plan.trials,
+                                clamp_offset=False):  # fmt: skip
+            name = f"conv3x3 {c}->{c} {hw}x{hw} b{n} {dt} {r['case']}"
+            rows.append(make_row("conv", name, r["mpsnn_ms"], r["torch_ms"], dt,
+                                 mpsnn_tflops=r["tflops"]))  # fmt: skip
+    return rows
+
+
+def bn_rows(device: str, plan: Plan, cache: dict[str, float]) -> list[dict[str, Any]]:
+    from benchmarks.bench_normalization import CHANNELS, SIZE, bench_batch_norm
+
+    bw = _bandwidth(device, plan, cache)
+    shape = f"{plan.bn_batch}x{CHANNELS}x{SIZE}x{SIZE}"
+    rows = []
+    for dt in plan.bn_dtypes:
+        out = bench_batch_norm(device, plan.bn_batch, getattr(torch, dt), plan.iters,
+                               plan.trials, bw)  # fmt: skip
+        for part in ("forward", "backward"):
+            case = f"bn+relu {part} {dt}"
+            t = next(r for r in out if r["case"] == case and r["impl"] == "torch")
+            m = next(r for r in out if r["case"] == case and r["impl"] == "mpsnn")
+            rows.append(make_row(
+                "bn", f"bn+relu {part} {shape} {dt}", m["ms"], t["ms"], dt,
+                floor_bytes=m["bytes"], copy_gbps=bw / 1e9,
+                mpsnn_floor_fraction=m["floor_fraction"],
+                pytorch_floor_fraction=t["floor_fraction"],
+                max_rel_error=m["max_rel_error"],
+            ))  # fmt: skip
+    return rows
+
+
+def adam_rows(device: str, plan: Plan, cache: dict[str, float]) -> list[dict[str, Any]]:
+    from benchmarks.bench_optim import bench_adam
+
+    bw = _bandwidth(device, plan, cache)
+    shapes = None if plan.adam_shapes is None else list(plan.adam_shapes)
+    out = bench_adam(device, plan.iters, plan.trials, bw, shapes)
+    timed = {r["impl"]: r for r in out if "ms" in r}
+    mine = timed["mpsnn adam_update"]
+    what = mine["case"].removeprefix("Adam step, ")
+    rows = []
+    for impl in ("torch Adam fused", "torch Adam foreach"):
+        if impl in timed:
+            rows.append(make_row(
+                "adam", f"adam update, {what}, vs {impl.removeprefix('torch Adam ')}",
+                mine["ms"], timed[impl]["ms"], "float32", floor_bytes=mine["bytes"],
+                copy_gbps=bw / 1e9, mpsnn_floor_fraction=mine["floor_fraction"],
+            ))  # fmt: skip
+    return rows
+
+
+def replay_row(model: str, device: str, batch: int, steps: int, trials: int) -> dict[str, Any]:
+    """The model's replayed (CUDA graph; on the CPU, compiled) training step against PyTorch
+    eager, with each side's peak memory (CUDA)."""
+    from benchmarks.bench_graph import CASES
+    from mpsnn.cli.bench import measure
+
+    case = {**CASES[model], "batch": batch}
+    out = measure(device=device, steps=steps, trials=trials, compile_modes=(),
+                  variants=("mpsnn-replay", "torch-eager"), **case)  # fmt: skip
+    mine = next(r for r in out["rows"] if r["variant"].startswith("mpsnn graph"))
+    theirs = next(r for r in out["rows"] if r["variant"] == "pytorch eager")
+    kind = mine["variant"].removeprefix("mpsnn graph, ")
+    name = f"{model} b{batch} {case['dtype']} {case['optimizer']} step {kind}"
+    peaks = {"mpsnn_peak_mib": mine["peak_mib"], "pytorch_peak_mib": theirs["peak_mib"]}
+    return make_row(model, name, mine["ms"], theirs["ms"], case["dtype"], **peaks)
+
+
+def eager_row(
+    group: str, model: str, device: str, batch: int, pairs: int, steps: int
+) -> dict[str, Any]:
+    """The model's eager step against PyTorch eager in alternating pairs of runs; the ratio is
+    the median over the pairs of mpsnn's time over PyTorch's in the pair. On CUDA both sides
+    are bound by the host's Python and launch speed, which differs from process to process
+    (the median ratio moved by 26% between three runs on one H200), so such a row carries
+    a tolerance of its own (`EAGER_CUDA_TOLERANCE`)."""
+    from benchmarks.bench_eager_pairs import CASES, measure
+
+    _, dtype, opt, _, _ = CASES[model]
+    r = measure(model, device, pairs, steps, batch)
+    extra = {"tolerance": EAGER_CUDA_TOLERANCE} if device.startswith("cuda") else {}
+    row = make_row(group, f"{model} b{batch} {dtype} {opt} step eager",
+                   statistics.median(r["mpsnn_ms"]), statistics.median(r["torch_ms"]), dtype,
+                   pairs=pairs, steps=steps, **extra)  # fmt: skip
+    row["ratio"] = statistics.median(m / t for m, t in zip(r["mpsnn_ms"], r["torch_ms"],
+                                                            strict=True))  # fmt: skip
+    return row
+
+
+def graph_rows(model: str) -> Callable[[str, Plan, dict[str, float]], list[dict[str, Any]]]:
+    def rows(device: str, plan: Plan, cache: dict[str, float]) -> list[dict[str, Any]]:
+        out = []
+        if model in plan.pairs:
+            out.append(eager_row(model, model, device, *plan.pairs[model]))
+        if model in plan.replays:
+            out.append(replay_row(model, device, *plan.replays[model]))
+        return out
+
+    return rows
+
+
+def main_job_rows(device: str, plan: Plan, cache: dict[str, float]) -> list[dict[str, Any]]:
+    return [eager_row("main", "cnn", device, *plan.pairs["cnn"])]
+
+
+GroupFn = Callable[[str, Plan, dict[str, float]], list[dict[str, Any]]]
+GROUPS: dict[str, GroupFn] = {
+    "conv": conv_rows,
+    "bn": bn_rows,
+    "adam": adam_rows,
+    "lenet": graph_rows("lenet"),
+    "resnet18": graph_rows("resnet18"),
+    "main": main_job_rows,
+}
+DEFAULT_GROUPS = {
+    "cuda": ("conv", "bn", "adam", "lenet", "resnet18"),
+    "cpu": ("conv", "bn", "adam", "main"),
+}
+
+
+def run_groups(
+    device: str, plan: Plan, groups: list[str], log: Callable[[str], None] = print
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Each group's rows, and the groups that raised (name -> the error's last line)."""
+    rows: list[dict[str, Any]] = []
+    errors: dict[str, str] = {}
+    cache: dict[str, float] = {}
+    start = time.perf_counter()
+    for g in groups:
+        try:
+            got = GROUPS[g](device, plan, cache)
+            bad = [r["name"] for r in got if not 0 < r["ratio"] < float("inf")]
+            if bad:
+                raise ValueError(f"[suite] a ratio must be finite and > 0, got one for {bad}")
+        except Exception as e:  # a failed group is reported; the others still run
+            traceback.print_exc()
+            errors[g] = f"{type(e).__name__}: {e}"
+            log(f"[{time.perf_counter() - start:5.0f} s] {g}: FAILED ({errors[g]})")
+            continue
+        rows += got
+        log(f"[{time.perf_counter() - start:5.0f} s] {g}: {len(got)} rows")
+    return rows, errors
+
+
+# -- the run's identity ----------------------------------------------------------------------
+
+
+def device_name(device: str) -> str:
+    """The device's name: the GPU's, or ``cpu <model>, <threads> threads``."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    model = platform.processor() or platform.machine()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        model = next(ln.split(":", 1)[1].strip() for ln in text.splitlines()
+                     if ln.startswith("model name"))  # fmt: skip
+    except (OSError, StopIteration):
+        pass
+    return f"cpu {model}, {torch.get_num_threads()} threads"
+
+
+def slug(name: str) -> str:
+    """A file name for a device name: lower case, runs of other characters as one ``-``."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
+
+
+def git_commit() -> str | None:
+    """HEAD's short hash, ``-dirty`` when tracked files differ from it; None outside git."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "--no-optional-locks", "-C", str(REPO), *args],
+                              capture_output=True, text=True, check=True,
+                              timeout=30).stdout.strip()  # fmt: skip
+
+    try:
+        head = git("rev-parse", "--short=12", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("-dirty" if dirty else "")
+
+
+def environment(device: str) -> dict[str, Any]:
+    """The metadata every row and the file carry."""
+    try:
+        import triton
+
+        triton_version: str | None = triton.__version__
+    except ImportError:
+        triton_version = None
+    name = device_name(device)
+    return {"device": name, "slug": slug(name), "torch": torch.__version__,
+            "triton": triton_version,
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "commit": git_commit()}  # fmt: skip
+
+
+# -- results files and the comparison --------------------------------------------------------
+
+
+def baseline_path(results_dir: Path, device_slug: str, quick: bool) -> Path:
+    """Where a device's baseline lives (``--quick`` runs have their own)."""
+    return Path(results_dir) / f"{device_slug}{'-quick' if quick else ''}.json"
+
+
+def validate(doc: Any) -> None:
+    """Raise ``ValueError`` unless ``doc`` is a results file of this schema."""
+
+    def check(obj: Any, keys: dict[str, Any], what: str) -> None:
+        if not isinstance(obj, dict):
+            raise ValueError(f"[suite] {what} must be an object, got {type(obj).__name__}")
+        for k, t in keys.items():
+            if k not in obj:
+                raise ValueError(f"[suite] {what} must have {k!r}, got keys {sorted(obj)}")
+            wrong_bool = isinstance(obj[k], bool) and t is not bool  # bool is an int
+            if wrong_bool or not isinstance(obj[k], t):
+                raise ValueError(f"[suite] {what}'s {k!r} must be {t}, got {obj[k]!r}")
+
+    check(doc, DOC_KEYS, "the results file")
+    if doc["schema"] != SCHEMA:
+        raise ValueError(f"[suite] schema must be {SCHEMA}, got {doc['schema']!r}")
+    names = set()
+    for i, row in enumerate(doc["rows"]):
+        check(row, ROW_KEYS, f"row {i}")
+        if not row["ratio"] > 0:
+            raise ValueError(f"[suite] row {row['name']!r}: ratio must be > 0, got {row['ratio']}")
+        if row["name"] in names:
+            raise ValueError(f"[suite] row names must be unique, got {row['name']!r} twice")
+        names.add(row["name"])
+
+
+def load(path: Path) -> dict[str, Any] | None:
+    """The results file at ``path`` (validated), or None when there is none."""
+    if not Path(path).exists():
+        return None
+    doc = json.loads(Path(path).read_text())
+    validate(doc)
+    return doc
+
+
+def compare_rows(
+    new: list[dict[str, Any]], old: list[dict[str, Any]], tolerance: float = TOLERANCE
+) -> list[dict[str, Any]]:
+    """One entry per row name of either list, new rows first, with ``ratio_change`` and
+    ``mpsnn_change`` (relative changes of the ratio and of mpsnn's time) and a ``status``:
+
+    * "regressed": the ratio AND mpsnn's time both grew by more than the tolerance;
+    * "improved": both shrank by more;
+    * "drift": one of them moved by more, the other did not follow: PyTorch's side or the
+      host changed, not mpsnn (reported, not a regression);
+    * "ok", "new" (no baseline row), "missing" (in the baseline, not in this run).
+
+    The tolerance is ``tolerance`` or the row's own ``tolerance``, whichever is larger."""
+    before = {r["name"]: r for r in old}
+    out = []
+    for r in new:
+        o = before.get(r["name"])
+        entry = {"name": r["name"], "group": r["group"], "ratio": r["ratio"],
+                 "mpsnn_ms": r["mpsnn_ms"], "pytorch_ms": r["pytorch_ms"]}  # fmt: skip
+        if o is None:
+            out.append({**entry, "status": "new"})
+            continue
+        tol = max(tolerance, r.get("tolerance", 0.0))
+        change = r["ratio"] / o["ratio"] - 1
+        mpsnn_change = r["mpsnn_ms"] / o["mpsnn_ms"] - 1
+        if change > tol and mpsnn_change > tol:
+            status = "regressed"
+        elif change < -tol and mpsnn_change < -tol:
+            status = "improved"
+        elif max(abs(change), abs(mpsnn_change)) > tol:
+            status = "drift"
+        else:
+            status = "ok"
+        out.append({**entry, "status": status, "baseline_ratio": o["ratio"],
+                    "ratio_change": change, "mpsnn_change": mpsnn_change})  # fmt: skip
+    seen = {r["name"] for r in new}
+    out += [{"name": o["name"], "group": o["group"], "status": "missing",
+             "baseline_ratio": o["ratio"]} for o in old if o["name"] not in seen]  # fmt: skip
+    return out
+
+
+def keep_better(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``first`` with each row that ``second`` measured again replaced by the run of the two
+    with the lower ratio (marked ``runs: 2``)."""
+    again = {r["name"]: r for r in second}
+    out = []
+    for r in first:
+        s = again.get(r["name"])
+        out.append(r if s is None else {**min(r, s, key=lambda x: x["ratio"]), "runs": 2})
+    return out
+
+
+def merged_baseline(
+    new: list[dict[str, Any]], old: list[dict[str, Any]], groups: list[str]
+) -> list[dict[str, Any]]:
+    """The rows of an updated baseline: this run's, then the old rows of groups it did not
+    run (``--only``); old rows of the groups it ran are dropped."""
+    return new + [r for r in old if r["group"] not in groups]
+
+
+# -- output ----------------------------------------------------------------------------------
+
+
+def table(comparison: list[dict[str, Any]]) -> str:
+    """The short table printed last."""
+
+    def pct(v: float | None) -> str:
+        return "" if v is None else f"{100 * v:+.1f}%"
+
+    width = max([len(c["name"]) for c in comparison] + [4])
+    lines = [f"{'row':{width}}  {'mpsnn ms':>9} {'torch ms':>9} {'ratio':>6} {'base':>6} "
+             f"{'d ratio':>8} {'d mpsnn':>8}  status"]  # fmt: skip
+    for c in comparison:
+        base = c.get("baseline_ratio")
+        if "ratio" in c:
+            nums = f"{c['mpsnn_ms']:9.3f} {c['pytorch_ms']:9.3f} {c['ratio']:6.3f}"
+        else:
+            nums = f"{'':9} {'':9} {'':6}"
+        lines.append(
+            f"{c['name']:{width}}  {nums} {'' if base is None else f'{base:.3f}':>6} "
+            f"{pct(c.get('ratio_change')):>8} {pct(c.get('mpsnn_change')):>8}  "
+            f"{c['status'].upper() if c['status'] == 'regressed' else c['status']}"
+        )
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.suite",
+                                description=__doc__.splitlines()[0])  # fmt: skip
+    add = p.add_argument
+    add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add("--quick", action="store_true", help="tiny sizes, few trials: a smoke run")
+    add("--only", default=None, help=f"comma-separated groups of {', '.join(GROUPS)}")
+    add("--json", type=Path, help="this run's results [default: <results-dir>/<slug>.last.json]")
+    add("--results-dir", default=RESULTS_DIR, type=Path, help="where the baselines are")
+    add("--check", action="store_true", help="exit 1 when a row regressed")
+    add(
+        "--update",
+        action="store_true",
+        help="make this run the baseline (<results-dir>/<slug>.json)",
+    )
+    add("--tolerance", type=float, default=TOLERANCE, help="allowed growth [default: 0.05]")
+    add("--no-confirm", action="store_true", help="do not measure regressed groups again")
+    return p
+
+
+def _baseline_notes(base_file: Path, baseline: dict[str, Any] | None, env: dict[str, Any],
+                    tolerance: float) -> list[str]:  # fmt: skip
+    if baseline is None:
+        return [f"# no baseline at {base_file}: nothing to compare with"]
+    notes = [f"# baseline: {base_file} (commit {baseline['commit']}, {baseline['date']}, torch "
+             f"{baseline['torch']}); regressed: the ratio (mpsnn / torch) and mpsnn's time both "
+             f"more than {100 * tolerance:.0f}% above the baseline's"]  # fmt: skip
+    if baseline["torch"] != env["torch"]:
+        notes.append(f"# note: the baseline ran torch {baseline['torch']}, this run {env['torch']}")
+    return notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run, compare, write; returns the exit status: 0, 1 (``--check`` and a row regressed)
+    or 2 (a group failed to run)."""
+    p = _parser()
+    a = p.parse_args(argv)
+    kind = "cuda" if a.device.startswith("cuda") else "cpu"
+    groups = a.only.split(",") if a.only else list(DEFAULT_GROUPS[kind])
+    unknown = [g for g in groups if g not in GROUPS]
+    if unknown:
+        p.error(f"--only must name groups of {', '.join(GROUPS)}, got {', '.join(unknown)}")
+    plan = plan_for(a.device, a.quick)
+    env = environment(a.device)
+    started = time.perf_counter()
+    print(f"# {env['device']} | torch {env['torch']} | triton {env['triton']} | commit "
+          f"{env['commit']} | {'quick' if a.quick else 'standard'} sizes", flush=True)  # fmt: skip
+    rows, errors = run_groups(a.device, plan, groups)
+    base_file = baseline_path(a.results_dir, env["slug"], a.quick)
+    baseline = load(base_file)
+    old_all = baseline["rows"] if baseline else []
+    old = [r for r in old_all if r["group"] in groups]  # --only: compare the groups run
+    comparison = compare_rows(rows, old, a.tolerance)
+    flagged = sorted({c["group"] for c in comparison if c["status"] == "regressed"})
+    if flagged and not a.no_confirm:
+        print(f"# measuring {', '.join(flagged)} again: a row regressed")
+        again, more = run_groups(a.device, plan, flagged)
+        errors.update(more)
+        rows = keep_better(rows, again)
+        comparison = compare_rows(rows, old, a.tolerance)
+    meta = {k: env[k] for k in ("device", "torch", "triton", "date", "commit")}
+    rows = [{**r, **meta} for r in rows]
+    doc = {"schema": SCHEMA, **env, "quick": a.quick, "groups": groups,
+           "tolerance": a.tolerance, "seconds": time.perf_counter() - started,
+           "errors": errors, "rows": rows}  # fmt: skip
+    validate(doc)
+    out = a.json or Path(a.results_dir) / f"{env['slug']}{'-quick' if a.quick else ''}.last.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    notes = [f"# results: {out}", *_baseline_notes(base_file, baseline, env, a.tolerance)]
+    if a.update and errors:
+        notes.append(f"# baseline NOT updated: {', '.join(errors)} failed")
+    elif a.update:
+        updated = {**doc, "rows": merged_baseline(rows, old_all, groups)}
+        validate(updated)
+        base_file.parent.mkdir(parents=True, exist_ok=True)
+        base_file.write_text(json.dumps(updated, indent=1) + "\n")
+        notes.append(f"# baseline updated: {base_file}")
+    notes += [f"# {g} FAILED: {e}" for g, e in errors.items()]
+    regressed = [c for c in comparison if c["status"] == "regressed"]
+    notes.append(f"# {len(regressed)} of {len(rows)} rows regressed; "
+                 f"{time.perf_counter() - started:.0f} s")  # fmt: skip
+    print("\n".join(notes))
+    print(table(comparison))
+    if errors:
+        return 2
+    return 1 if a.check and regressed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
