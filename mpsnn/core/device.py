@@ -338,7 +338,11 @@ class CommandBuffer:
         self._commands.append(_Command(name, fn))
 
     def release_after_last(self, resource: Any) -> None:
-        """Free ``resource`` (its ``_free_storage()``) once the last recorded command has run."""
+        """Free ``resource`` (its ``_free_storage()``) once the last recorded command has run
+        (at once when the buffer's work already ran: a read count dropped after the commit)."""
+        if not self._commands and self._status is not _NOT_ENQUEUED and not self._captured:
+            resource._free_storage()  # launched work is stream-ordered before later reuse
+            return
         if self._commands:
             last = self._commands[-1]
             if last.releases is None:

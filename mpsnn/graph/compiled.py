@@ -47,6 +47,7 @@ from mpsnn.core.device import CapturedCommandBuffer, CommandQueue
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.state import State
+from mpsnn.ops.optim_hyper import set_step
 from mpsnn.optim.base import journal
 
 __all__ = ["CompiledGraph"]
@@ -165,6 +166,7 @@ class CompiledGraph:
         with journal() as encodes:
             self._result = graph.encode_batch(cb, self._images, self._states)
         self._encodes = encodes
+        _start_device_counts(self._queue, encodes)
         self._captured = cb.capture()
         self._last_states = self._states
         self._captured.replay()
@@ -292,3 +294,24 @@ def _static_states(value: Any, index: int) -> list[State]:
             )
         out.append(copy())  # same layout; the values are copied on the queue's stream
     return out
+
+
+def _start_device_counts(queue: Any, encodes: list[tuple[Any, Any]]) -> None:
+    """Before a capture: each Adam's device step count set to its first recorded encode's
+    count, on the queue's stream. Captured work only adds one per update, so it must start
+    from the count the encode took (an abandoned buffer or buffers committed out of order
+    leave the device count behind ``time_step``)."""
+    first: dict[int, tuple[Any, int]] = {}
+    for opt, encode in encodes:
+        step = getattr(opt, "_step", None)
+        if step is None or encode is None:
+            continue
+        known = first.get(id(opt))
+        if known is None or encode.t < known[1]:
+            first[id(opt)] = (step, encode.t)
+    if not first:
+        return
+    ctx = queue._enter_stream() if queue._stream is not None else None  # CUDA: its stream
+    with ctx if ctx is not None else contextlib.nullcontext():
+        for step, t in first.values():
+            set_step(step, t - 1)

@@ -38,6 +38,7 @@ def encode_updates(graph: Any, step: Any) -> None:
     groups: dict[int, tuple[Any, list[Any]]] = {}  # optimizer -> [(ds, lists), ...]
     reloads: list[tuple[Any, Any]] = []
     cpu: list[tuple[Any, Any, Any]] = []
+    late: set[int] = set()  # temporary states read by a CPU-style fallback after completion
     for gnode, fkernel, states in step.updates:
         fnode = gnode.inference_node
         ds = fnode.data_source
@@ -65,17 +66,22 @@ def encode_updates(graph: Any, step: Any) -> None:
             new = ds.update(cb, state, fkernel.export_weights_and_biases(cb, True))
             if new is not None:
                 fkernel.reload_weights_and_biases(cb, new)
-            else:
+            else:  # no GPU-style update: update_on_cpu reads the state after completion
                 cpu.append((fnode, fkernel, state))
+                late.add(id(state))
             continue
         _gamma_beta(step, ds, fkernel, state, groups)  # instance and group normalization
     _update_groups(cb, groups)
     reload_weights_and_biases(cb, [(kernel, ds.state) for kernel, ds in reloads])
     for kernel, ds in step.gamma_beta_reloads:
         kernel.reload_gamma_and_beta(cb, ds._gb)
+    after = [(st, own) for st, own in held if id(st) in late]
+    if after:  # kept through the work (not freed once it is enqueued), released by the handler
+        kept = {id(st) for st, _ in after}
+        cb._hooks[:] = [h for h in cb._hooks if id(getattr(h, "resource", None)) not in kept]
     if cpu:
-        cb.add_completed_handler(_cpu_updates(cpu))
-    _release(cb, held)
+        cb.add_completed_handler(_cpu_updates(cpu, after))
+    _release(cb, [(st, own) for st, own in held if id(st) not in late])
 
 
 def _held_states(graph: Any, step: Any) -> list[tuple[State, int]]:
@@ -159,8 +165,12 @@ def _gamma_beta(step: Any, ds: Any, kernel: Any, state: Any, groups: dict) -> No
         kernel.reload_gamma_and_beta(step.cb, new)
 
 
-def _cpu_updates(layers: list[tuple[Any, Any, Any]]) -> Any:
-    """The completed handler of the CPU-style layers: update, then reload the kernels."""
+def _cpu_updates(
+    layers: list[tuple[Any, Any, Any]], after: list[tuple[State, int]] | None = None
+) -> Any:
+    """The completed handler of the CPU-style layers: update, then reload the kernels; then
+    drop the graph's reads of the temporary states ``after`` (the layers whose GPU-style
+    ``update`` returned None), which it kept for these updates."""
 
     from mpsnn.cnn.normalization.data_sources import _TensorGammaBeta
 
@@ -192,5 +202,7 @@ def _cpu_updates(layers: list[tuple[Any, Any, Any]]) -> Any:
         _update_groups(None, groups)
         for reload in reloads:
             reload()
+        if after:
+            _release(_cb, after)
 
     return handler

@@ -418,3 +418,11 @@ def test_flat_weights_of_the_wrong_length_are_refused_naming_both_lengths() -> N
         ValueError, match=r"\[Convolution\] biases must have shape \(4,\), got \(3,\)"
     ):
         conv.reload_weights_and_biases_from_data_source()
+
+
+def test_an_array_with_negative_strides_is_copied() -> None:
+    """No tensor views ``a[::-1]``: the data source copies it (values kept), not a TypeError."""
+    desc = m.ConvolutionDescriptor(3, 3, 2, 3)
+    a = np.random.default_rng(5).random(desc.weights_shape).astype(np.float32)[::-1]
+    ds = m.TensorConvolutionDataSource(desc, a)
+    assert np.array_equal(ds.weights().numpy(), a)

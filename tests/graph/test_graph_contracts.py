@@ -69,9 +69,47 @@ def test_a_read_count_a_data_source_adds_keeps_the_state_for_it(batch_form: bool
     assert kept is not None and kept.read_count == 1  # the graph dropped only its own reads
     assert_close(kept.gradient_for_weights.permute(0, 3, 1, 2), ref.w.grad, "dL/dW", 1e-10)
     assert_close(kept.gradient_for_biases, ref.b.grad, "dL/db", 1e-10)
-    kept.read_count -= 1  # the client is done: released
+    kept.read_count -= 1  # the client is done: released, and its storage freed now
+    assert all(t is None for t in kept._slots.values()) or not kept._slots
+    assert not cb._pending_releases
     with pytest.raises(StaleResourceError, match="read_count reached 0"):
         _ = kept.gradient_for_weights
+
+
+def test_a_gpu_style_update_that_returns_none_falls_back_to_update_on_cpu() -> None:
+    """A data source whose ``update`` returns None gets ``update_on_cpu`` after completion,
+    reading the gradient state the graph kept for it (then released)."""
+
+    class CpuOnly(m.TensorConvolutionDataSource):
+        seen = None
+        state = None
+
+        def update(self, command_buffer, gradient_state, source_state):
+            return None
+
+        def update_on_cpu(self, gradient_state, source_state):
+            self.state = gradient_state
+            self.seen = gradient_state.gradient_for_weights.clone()
+            return super().update_on_cpu(gradient_state, source_state)
+
+    g = gen(12)
+    base = conv_ds(g, 3, 3, 2, 3, sgd1())
+    ds = CpuOnly(base.descriptor(), base.weights().clone(), base.bias_terms().clone(), sgd1())
+    ref = TorchConv(ds)
+    graph, _ = _conv_net(ds)
+    xt, target = rand(g, 2, 2, 5, 5), rand(g, 2, 3, 5, 5)
+    cb = new_cb()
+    graph.encode_batch(cb, [m.ImageBatch.from_tensor(xt)], [m.LossLabels(DEV, target)])
+    cb.commit()
+    cb.wait_until_completed()
+    mse_reference(ref(xt), target).backward()
+    assert ds.seen is not None
+    assert_close(ds.seen.permute(0, 3, 1, 2), ref.w.grad, "dL/dW read by update_on_cpu", 1e-10)
+    with torch.no_grad():
+        updated = ref.w - ref.w.grad  # SGD, learning rate 1
+    assert_close(ds.weights().permute(0, 3, 1, 2), updated, "weights after the CPU update", 1e-10)
+    with pytest.raises(StaleResourceError):  # the graph released it after the update
+        _ = ds.state.gradient_for_weights
 
 
 def test_without_a_client_read_the_graph_releases_the_update_states() -> None:
@@ -418,3 +456,31 @@ def test_a_captured_adam_update_advances_the_device_count_at_each_replay() -> No
         captured.replay()
         captured.wait_until_completed()
         assert int(adam._step[0]) == 2 + k  # relative: each replay adds one
+
+
+def test_a_capture_starts_adams_device_count_at_its_recorded_encode() -> None:
+    """An abandoned encode leaves Adam's device step count behind ``time_step``; captured work
+    only adds one per update, so `CompiledGraph` sets the count the recorded encode took
+    before capturing (checked here on the CPU, where the function runs the same way)."""
+    from mpsnn.graph.compiled import _start_device_counts
+    from mpsnn.optim.base import journal
+
+    opt = m.Adam(DEV)
+    w = torch.zeros(4, dtype=torch.float64)
+    mom, vel = torch.zeros_like(w), torch.zeros_like(w)
+    queue = DEV.new_command_queue()
+
+    def encode() -> m.CommandBuffer:
+        cb = queue.command_buffer()
+        opt.encode(cb, input_gradient_vector=torch.ones_like(w), input_values_vector=w,
+                   result_values_vector=w, input_momentum_vector=mom,
+                   input_velocity_vector=vel)  # fmt: skip
+        return cb
+
+    encode().commit()  # t = 1 ran
+    encode()  # t = 2, abandoned
+    with journal() as encodes:
+        encode()  # t = 3: the step a capture would record
+    assert opt.time_step == 3 and int(opt._step[0]) == 1
+    _start_device_counts(queue, encodes)
+    assert int(opt._step[0]) == 2  # the recorded update (adds one) runs with t = 3

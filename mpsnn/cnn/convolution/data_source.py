@@ -59,15 +59,16 @@ def is_dense(t: torch.Tensor) -> bool:
 
 def _as_float_tensor(who: str, name: str, value: Any) -> torch.Tensor:
     """``value`` as a floating-point tensor: a tensor's own memory (detached), or a writable
-    array's (shared); a read-only array is copied (nothing may write through it);
+    array's (shared); a read-only array is copied (nothing may write through it), and so is
+    one with negative strides (``a[::-1]``: PyTorch has no such views);
     float16/bfloat16 are widened to float32 (a copy)."""
     if isinstance(value, torch.Tensor):
         t = value.detach()
     else:
         try:
             a = np.asarray(value)
-            if not a.flags.writeable:
-                a = a.copy()
+            if not a.flags.writeable or any(st < 0 for st in a.strides):
+                a = a.copy()  # read-only, or negative strides (no tensor can view them)
             t = torch.as_tensor(a)
         except Exception as exc:
             raise TypeError(
