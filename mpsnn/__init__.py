@@ -106,6 +106,7 @@ from mpsnn.cnn.reduce import (
     ReduceRowSum,
     ReduceUnary,
 )
+from mpsnn.cnn.reduce_spatial import ReduceSpatialMean, ReduceSpatialMeanGradient
 from mpsnn.cnn.resize import (
     CropAndResizeBilinear,
     CropAndResizeBilinearGradient,
@@ -278,6 +279,8 @@ from mpsnn.graph.reduction_nodes import (
     ReductionRowMeanNode,
     ReductionRowMinNode,
     ReductionRowSumNode,
+    ReductionSpatialMeanGradientNode,
+    ReductionSpatialMeanNode,
     UnaryReductionNode,
 )
 from mpsnn.graph.resize_nodes import (
@@ -400,6 +403,8 @@ __all__ = [
     "ReduceRowMean",
     "ReduceRowMin",
     "ReduceRowSum",
+    "ReduceSpatialMean",
+    "ReduceSpatialMeanGradient",
     "ReduceUnary",
     "ReductionColumnMaxNode",
     "ReductionColumnMeanNode",
@@ -415,6 +420,8 @@ __all__ = [
     "ReductionRowMeanNode",
     "ReductionRowMinNode",
     "ReductionRowSumNode",
+    "ReductionSpatialMeanGradientNode",
+    "ReductionSpatialMeanNode",
     "UnaryReductionNode",
     "forward_kernel_of",
     "ForwardRecord",

@@ -7,6 +7,7 @@ PyTorch equivalents in `mpsnn.cli.references`; this module parses the command li
 from __future__ import annotations
 
 import json
+from math import inf
 from typing import Any
 
 import click
@@ -107,6 +108,28 @@ class _Region(click.ParamType):
         return nums
 
 
+class _Anchors(click.ParamType):
+    """``WxH,WxH,...``: anchor boxes, positive numbers in grid cells."""
+
+    name = "WxH[,WxH...]"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> tuple[tuple[float, float], ...]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            pairs = [tuple(float(v) for v in p.lower().split("x")) for p in str(value).split(",")]
+        except ValueError:
+            pairs = []
+        if not pairs or any(len(p) != 2 or not min(p) > 0 or max(p) == inf for p in pairs):
+            self.fail(
+                f"expected WxH[,WxH...] with positive finite numbers (e.g. 1x2,1x1,2x1), "
+                f"got {value!r}",
+                param,
+                ctx,
+            )
+        return tuple((p[0], p[1]) for p in pairs)
+
+
 class _Padding(click.ParamType):
     name = "POLICY"
 
@@ -135,6 +158,11 @@ compare, reduce, local-correlation and forward-loss check the forward only (MPS
 defines no gradient for the first three); reduce runs the kernel --op names.
 loss-gradient checks ForwardLoss and the LossGradient of the predictions and
 of the labels (--loss picks the loss type, --reduction its reduction).
+yolo-loss checks YOLOLoss's loss image and its gradient (the destination; one
+cotangent value per image scales that image's gradient) against a float64
+restatement of the documented loss (--anchors, --classes, --rescore,
+--reduction; --size's channels are A·(5+K)); with --rescore the gradient
+holds the IoU target constant and has no adjoint test.
 \b
 Errors: max |a - e| and the relative error ||a - e|| / ||e|| (2-norms).
 Tolerances on the relative error: float64 1e-10, float32 1e-5, float16 5e-3,
@@ -281,7 +309,7 @@ as an explicit destination does.
 @click.option(
     "--reduction",
     type=click.Choice(list(REDUCTIONS)),
-    help="Forward-loss, loss-gradient: the reduction per image (mean).",
+    help="Forward-loss, loss-gradient, yolo-loss: the reduction per image (mean).",
 )
 @click.option(
     "--reduce-across-batch",
@@ -293,7 +321,18 @@ as an explicit destination does.
     "--loss-weights",
     is_flag=True,
     default=None,
-    help="Forward-loss, loss-gradient: a weights image (random, some of it 0).",
+    help="Forward-loss, loss-gradient, yolo-loss: a weights image (random, some of it 0).",
+)
+@click.option(
+    "--anchors",
+    type=_Anchors(),
+    help="Yolo-loss: the anchor boxes' width x height in grid cells (1x2,1x1,2x1).",
+)
+@click.option("--classes", type=click.IntRange(min=1), help="Yolo-loss: the classes (2).")
+@click.option(
+    "--rescore/--no-rescore",
+    default=None,
+    help="Yolo-loss: the confidence target times the predicted box's IoU (on).",
 )
 @click.option("--dtype", type=click.Choice(_DTYPES), default="float32", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
@@ -345,7 +384,7 @@ def check(ctx: click.Context, **options: Any) -> None:
     saved = precision.get_float32_matmul_precision()
     precision.set_float32_matmul_precision("highest")
     try:
-        report = run_check(make_config(family, values))
+        report = run_check(make_config(family, family.complete(values, given)))
     except (ValueError, TypeError, UnsupportedError) as e:
         raise _OneLineError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
     except (MemoryError, RuntimeError) as e:
@@ -441,7 +480,8 @@ def _render(r: dict[str, Any]) -> None:
         errors.add_row(_mark(c["passed"]), c["name"], c["reference"], mx, rel, tol)
     console.print(errors)
     if not r["adjoint"]:
-        console.print(Text("adjoint test in float64 on the cpu: none (no gradient)", style="bold"))
+        why = r.get("adjoint_note") or "no gradient"
+        console.print(Text(f"adjoint test in float64 on the cpu: none ({why})", style="bold"))
     adj = table("", "gradient", "inner products", "rel. diff", "tol.")
     for a in r["adjoint"]:
         products = f"<J v, w>  = {a['lhs']:.15g}\n<v, g(w)> = {a['rhs']:.15g}"

@@ -15,7 +15,10 @@ a gradient, random ``v`` (shaped like the input) and ``w`` (like the destination
 and ``<v, g_k(w)>`` must agree, ``J_k v`` by central differences of the forward (step 1, exact,
 when the forward is affine in that input; else 1e-5), ``g_k(w)`` from the gradient kernel.
 A forward-only family (no gradient kernel: MPS defines none) has no gradient checks and no
-adjoint test.
+adjoint test; a family whose gradient is not the derivative of its forward by design (the YOLO
+loss with ``rescore``) has no adjoint test either, and the report says why (``adjoint_note``).
+A loss computing its own gradient (the gradient of each image's loss summed) takes one
+cotangent value per image, which scales that image's gradient (`Family.per_image_cotangent`).
 """
 
 from __future__ import annotations
@@ -92,6 +95,8 @@ def _torch_reference(
     out, text = REFERENCES[cfg.family](got.geometry, inputs)
     g = got.geometry
     block = None if cot is None else cot[:, g.dco : g.dco + g.channels_written]
+    if block is not None and fam.per_image_cotangent:
+        block = block.expand(out.shape)
     if block is not None and out.shape == block.shape and out.requires_grad:
         out.backward(block)
     grads = {
@@ -104,7 +109,8 @@ def _adjoint(cfg: Config, values: Values, dst_shape: tuple[int, ...]) -> list[di
     fam = FAMILIES[cfg.family]
     names = fam.gradient_inputs(cfg)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    w = torch.randn(dst_shape, generator=gen, dtype=torch.float64)
+    w_shape = (dst_shape[0], 1, 1, 1) if fam.per_image_cotangent else dst_shape
+    w = torch.randn(w_shape, generator=gen, dtype=torch.float64)
     vs = {k: torch.randn(values[k].shape, generator=gen, dtype=torch.float64) for k in names}
     grads = fam.run(cfg, values, "cpu", torch.float64, lambda shape: w).grads
     rows = []
@@ -114,7 +120,7 @@ def _adjoint(cfg: Config, values: Values, dst_shape: tuple[int, ...]) -> list[di
         plus = fam.run(cfg, {**values, k: values[k] + step * vs[k]}, "cpu", torch.float64).y
         minus = fam.run(cfg, {**values, k: values[k] - step * vs[k]}, "cpu", torch.float64).y
         jv = (plus - minus) / (2 * step)
-        lhs = float((jv * w).sum())
+        lhs = float((jv * w).sum())  # a per-image cotangent broadcasts over each image
         rhs = float((vs[k] * grads[k]).sum())
         tol = ADJOINT_TOLERANCES[0 if linear else 1]
         diff = abs(lhs - rhs) / max(abs(lhs), abs(rhs), 1e-300)
@@ -171,7 +177,8 @@ def run_check(cfg: Config) -> dict[str, Any]:
             _errors(got.grads[k], tgrads[k], tol, GRADIENT_NAMES[k], "PyTorch autograd")
             for k in names
         ]
-    adjoint = _adjoint(cfg, values, tuple(got.y.shape)) if names else []
+    no_adjoint = fam.no_adjoint(cfg) if names else None
+    adjoint = _adjoint(cfg, values, tuple(got.y.shape)) if names and no_adjoint is None else []
     failures = [
         f"{c['name']} vs {c['reference']}: "
         + (c.get("note") or f"relative error {c['relative_error']:.2e} > {c['tolerance']:.0e}")
@@ -205,6 +212,7 @@ def run_check(cfg: Config) -> dict[str, Any]:
         "tolerance": tol,
         "checks": checks,
         "adjoint": adjoint,
+        "adjoint_note": no_adjoint,
         "passed": not failures,
         "failures": failures,
     }

@@ -1,7 +1,8 @@
 """How ``mpsnn check`` drives each kernel family: its inputs, one forward + gradient run, and
 what the run resolved (`Geometry`, for the PyTorch references in `mpsnn.cli.references`); the
-table of families, `FAMILIES` (the newer families are in `mpsnn.cli.families_more` and
-`mpsnn.cli.families_loss`, the pieces they are built from in `mpsnn.cli.family`).
+table of families, `FAMILIES` (the newer families are in `mpsnn.cli.families_more`,
+`mpsnn.cli.families_loss` and `mpsnn.cli.families_yolo`, the pieces they are built from in
+`mpsnn.cli.family`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from mpsnn.cli.families_loss import loss_families
 from mpsnn.cli.families_more import more_families
+from mpsnn.cli.families_yolo import yolo_families
 from mpsnn.cli.family import (
     GEOMETRY,
     HUGE,
@@ -407,6 +409,7 @@ def _families() -> dict[str, Family]:
     fams.append(_Compare("compare", "Compare", None))
     fams += more_families()
     fams += loss_families()
+    fams += yolo_families()
     return {f.name: f for f in fams}
 
 

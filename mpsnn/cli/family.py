@@ -119,6 +119,9 @@ class Config:
     reduction: str = "mean"
     reduce_across_batch: bool = False
     loss_weights: bool = False
+    anchors: tuple[tuple[float, float], ...] = ((1.0, 2.0), (1.0, 1.0), (2.0, 1.0))
+    classes: int = 2
+    rescore: bool = True
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     seed: int = 0
@@ -178,6 +181,11 @@ class Family:
     linear: bool = True  # the forward is affine in each input (exact differences)
     reads_result: bool = False  # the gradient's source_image is the forward's result
     grad_names: tuple[str, ...] = ("x",)
+    # The kernel's gradient is that of the sum of each image's output (a loss computing its own
+    # gradient): the check's cotangent is one value per image, (N, 1, 1, 1), which scales each
+    # image's gradient; that is the vector-Jacobian product of the cotangent broadcast over
+    # the image, which the references and the adjoint test use.
+    per_image_cotangent: bool = False
 
     # -- what subclasses provide -----------------------------------------------------------
 
@@ -209,6 +217,15 @@ class Family:
         """The inputs this configuration checks a gradient of (``grad_names``, unless the
         configuration leaves one without a gradient)."""
         return self.grad_names
+
+    def no_adjoint(self, cfg: Config) -> str | None:
+        """Why this configuration's gradients have no adjoint test (None: they have one)."""
+        return None
+
+    def complete(self, values: dict[str, Any], given: set[str]) -> dict[str, Any]:
+        """The command line's values (``given``: the options given) with what this family
+        derives from them; raises ValueError for values that do not go together."""
+        return values
 
     # -- the run -----------------------------------------------------------------------------
 

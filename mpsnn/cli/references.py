@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from mpsnn.cli.references_loss import forward_loss
+from mpsnn.cli.references_yolo import yolo_loss
 from mpsnn.core.geometry import EdgeMode
 
 __all__ = ["REFERENCES", "Geometry", "NoEquivalent"]
@@ -596,4 +597,5 @@ REFERENCES: dict[str, Callable[[Geometry, Tensors], tuple[torch.Tensor, str]]] =
     "crop-and-resize-bilinear": crop_and_resize,
     "forward-loss": forward_loss,
     "loss-gradient": forward_loss,
+    "yolo-loss": yolo_loss,
 }

@@ -1,10 +1,13 @@
 """Graph nodes of the Gram matrix, the comparison and the reductions (MPS
 ``MPSNNGramMatrixCalculationNode`` and its gradient node, ``MPSNNComparisonNode``,
-``MPSNNUnaryReductionNode`` and its ``MPSNNReduction…Node`` subclasses).
+``MPSNNUnaryReductionNode`` and its ``MPSNNReduction…Node`` subclasses, and
+``MPSNNReductionSpatialMeanGradientNode``).
 
 The comparison and the reductions have no gradient in MPS (their gradient-node requests fail),
 and none here: asking one of these nodes for its gradient filters raises a `ValueError` that
-says so, and so does a training graph that reaches one. Set ``stop_gradient`` on the node's
+says so, and so does a training graph that reaches one. The spatial mean is the exception, as
+in MPS: `ReductionSpatialMeanNode` has a gradient node, `ReductionSpatialMeanGradientNode`,
+and training graphs walk through it. Set ``stop_gradient`` on the node's
 ``result_image`` to end a training graph's walk there. MPS has no node for the binary
 reductions or the local correlation; use their kernels.
 """
@@ -16,6 +19,7 @@ from typing import Any, ClassVar
 import mpsnn.cnn.reduce as red
 from mpsnn.cnn.compare import Compare, ComparisonType
 from mpsnn.cnn.gram import GramMatrixCalculation, GramMatrixCalculationGradient
+from mpsnn.cnn.reduce_spatial import ReduceSpatialMean, ReduceSpatialMeanGradient
 from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.device import Device
 from mpsnn.core.geometry import RECT_NO_CLIP, Region
@@ -43,6 +47,8 @@ __all__ = [
     "ReductionRowMeanNode",
     "ReductionRowMinNode",
     "ReductionRowSumNode",
+    "ReductionSpatialMeanGradientNode",
+    "ReductionSpatialMeanNode",
     "UnaryReductionNode",
 ]
 
@@ -226,3 +232,35 @@ class ReductionFeatureChannelsSumNode(UnaryReductionNode):
 
 
 register_gradient_nodes(UnaryReductionNode, _no_gradient)
+
+
+class ReductionSpatialMeanNode(UnaryReductionNode):
+    """A `ReduceSpatialMean` (MPS ``MPSNNReductionSpatialMeanNode``): the mean over x and y of
+    each channel, a 1x1 result per image; ``clip_rect_source`` as for every reduction node.
+    Unlike the other reductions it has a gradient (`ReductionSpatialMeanGradientNode`), so a
+    training graph walks through it."""
+
+    _kernel_class = ReduceSpatialMean
+    _has_state = True
+
+    def _gradient_kernel(self, device: Device) -> Any:
+        return ReduceSpatialMeanGradient(device)
+
+
+class ReductionSpatialMeanGradientNode(UnaryGradientNode):
+    """The gradient of a `ReductionSpatialMeanNode` (MPS
+    ``MPSNNReductionSpatialMeanGradientNode``; kernel `ReduceSpatialMeanGradient`): the incoming
+    1x1 gradient divided by the number of pixels averaged, on each of them; reads the forward
+    source."""
+
+
+def _spatial_mean_gradient(forward: FilterNode, incoming: list[ImageNode]) -> list[Any]:
+    if len(incoming) != 1:
+        raise ValueError(
+            f"[{type(forward).__name__}] a one-input filter takes one incoming gradient, "
+            f"got {len(incoming)}"
+        )
+    return [ReductionSpatialMeanGradientNode(incoming[0], forward)]
+
+
+register_gradient_nodes(ReductionSpatialMeanNode, _spatial_mean_gradient)

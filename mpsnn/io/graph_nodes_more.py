@@ -11,7 +11,7 @@ the result image); a forward loss node's predictions, labels, weights (or none),
 descriptor (shared, as the node keeps it) and ``reduce_across_batch``; an initial gradient
 node's source. A Gram matrix node's and a forward loss node's ``property_call_back`` and a
 scale node's ``transform_provider`` are code and are refused. The gradient nodes of the Gram
-matrix, the resizes and the forward loss are saved as the other gradient nodes are
+matrix, the spatial mean, the resizes and the forward loss are saved as the other gradient nodes are
 (`mpsnn.io.graph_training`).
 """
 
@@ -225,6 +225,7 @@ def _register() -> None:
     )
     for cls in (
         red.GramMatrixCalculationGradientNode,
+        red.ReductionSpatialMeanGradientNode,
         rs.ResizeBilinearGradientNode,
         rs.CropAndResizeBilinearGradientNode,
         ln.LossGradientNode,

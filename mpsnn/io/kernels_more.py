@@ -3,9 +3,9 @@ split loss kernels (`mpsnn.io.kernels` has the other kernels and what every `CNN
 
 A `BinaryKernel` saves what it is configured with: each source's offset, edge mode, strides and
 channel range, the shared clip rect, destination channel offset and padding, label and options.
-The gradient kernels saved here (the Gram matrix's and the resizes') keep their arguments and
-the geometry properties set on them by hand: what they report from their last forward is not
-theirs (a loaded kernel reports again after its next encode).
+The gradient kernels saved here (the Gram matrix's, the spatial mean's and the resizes') keep
+their arguments and the geometry properties set on them by hand: what they report from their
+last forward is not theirs (a loaded kernel reports again after its next encode).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from mpsnn.cnn.correlation import LocalCorrelation
 from mpsnn.cnn.gram import GramMatrixCalculation, GramMatrixCalculationGradient
 from mpsnn.cnn.loss import LossDescriptor, LossType, ReductionType
 from mpsnn.cnn.loss_split import ForwardLoss, InitialGradient, LossGradient
+from mpsnn.cnn.reduce_spatial import ReduceSpatialMean, ReduceSpatialMeanGradient
 from mpsnn.cnn.resize import (
     CropAndResizeBilinear,
     CropAndResizeBilinearGradient,
@@ -248,7 +249,7 @@ def _enc_gradient_kernel(k: GradientKernel, enc: Encoder) -> dict[str, Any]:
     out = _enc_shared(k)
     if isinstance(k, GramMatrixCalculationGradient):
         out["alpha"] = k.alpha
-    else:
+    elif not isinstance(k, ReduceSpatialMeanGradient):  # the spatial mean's takes no argument
         out.update(_enc_resize_args(k))
     # the properties set by hand (the others report the last forward: not the kernel's own)
     out["geometry"] = {n: _enc_geometry_value(n, getattr(k, "_" + n)) for n in sorted(k._explicit)}
@@ -261,6 +262,8 @@ _GEOMETRY_NAMES = {*_OFFSETS, *_EDGES, *_BINARY_INTS, *_GRADIENT_INTS}
 def _dec_gradient_kernel(f: Fields, kind: type) -> Any:
     if kind is GramMatrixCalculationGradient:
         k = kind(f.device, f.get_float("alpha"))
+    elif kind is ReduceSpatialMeanGradient:
+        k = kind(f.device)
     else:
         k = _dec_resize_args(f, kind)
     _dec_shared(f, k)
@@ -280,18 +283,22 @@ _REDUCE_UNARY = (
     red.ReduceColumnMin, red.ReduceColumnMax, red.ReduceColumnMean, red.ReduceColumnSum,
     red.ReduceFeatureChannelsMin, red.ReduceFeatureChannelsMax, red.ReduceFeatureChannelsMean,
     red.ReduceFeatureChannelsSum, red.ReduceFeatureChannelsArgumentMin,
-    red.ReduceFeatureChannelsArgumentMax,
+    red.ReduceFeatureChannelsArgumentMax, ReduceSpatialMean,
 )  # fmt: skip
 _REDUCE_BINARY = (
     red.ReduceFeatureChannelsAndWeightsMean, red.ReduceFeatureChannelsAndWeightsSum,
     LocalCorrelation,
+)  # fmt: skip
+_GRADIENT_KERNELS = (
+    GramMatrixCalculationGradient, ReduceSpatialMeanGradient, ResizeBilinearGradient,
+    CropAndResizeBilinearGradient,
 )  # fmt: skip
 _FAMILIES: tuple[tuple[tuple[type, ...], Any, Any], ...] = (
     (_REDUCE_UNARY, _enc_reduce_unary, _dec_reduce_unary),
     (_REDUCE_BINARY, _enc_reduce_binary, _dec_reduce_binary),
     ((ResizeBilinear, CropAndResizeBilinear), _enc_resize, _dec_resize),
     (
-        (GramMatrixCalculationGradient, ResizeBilinearGradient, CropAndResizeBilinearGradient),
+        _GRADIENT_KERNELS,
         _enc_gradient_kernel,
         _dec_gradient_kernel,
     ),

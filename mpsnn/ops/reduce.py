@@ -10,6 +10,9 @@ size 1.
   pooling does).
 * `weighted_channels`: ``sum_c x[c] * w[c]``, divided by the channel count (mean) or by the
   number of non-zero weights (0 where every weight is 0).
+* `spatial_mean`: the mean over ``y`` and ``x`` of each image's channels, ``(N, C, 1, 1)``;
+  `spatial_mean_backward`, its adjoint: the incoming gradient divided by the ``H·W`` values
+  averaged, on every pixel of the region the forward read, 0 elsewhere.
 * `local_correlation`: ``O[k(m, n)] = sum_c A[c, y, x] * B[c, y + N[n], x + M[m]]`` with
   ``M[m] = (m - wx) * sx``, ``N[n] = (n - wy) * sy`` and ``k(m, n) = n * (2 wx + 1) + m``;
   taps of ``B`` outside its block read 0.
@@ -21,7 +24,14 @@ import torch
 
 from mpsnn.ops._dtypes import acc_dtype
 
-__all__ = ["REDUCE_OPS", "local_correlation", "reduce_block", "weighted_channels"]
+__all__ = [
+    "REDUCE_OPS",
+    "local_correlation",
+    "reduce_block",
+    "spatial_mean",
+    "spatial_mean_backward",
+    "weighted_channels",
+]
 
 #: the operations `reduce_block` knows
 REDUCE_OPS = ("min", "max", "mean", "sum", "argmin", "argmax")
@@ -45,6 +55,29 @@ def reduce_block(x: torch.Tensor, op: str, dim: int, weight: float = 1.0) -> tor
     if op == "mean":
         return s / x.shape[dim]
     return s if weight == 1.0 else s * weight
+
+
+def spatial_mean(x: torch.Tensor) -> torch.Tensor:
+    """``mean_{y, x} x[n, c, y, x]``: ``(N, C, 1, 1)`` in the accumulation dtype."""
+    acc = acc_dtype(x.dtype)
+    return x.sum((2, 3), keepdim=True, dtype=acc) / (x.shape[2] * x.shape[3])
+
+
+def spatial_mean_backward(
+    grad: torch.Tensor, x: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]
+) -> torch.Tensor:
+    """The adjoint of `spatial_mean` of the block ``x[:, :, y0 : y0 + h, x0 : x0 + w]`` of the
+    forward source ``x`` (``rows = (y0, h)``, ``cols = (x0, w)``): ``grad`` ``(N, C, 1, 1)``
+    divided by ``h·w`` on that block, 0 on the rest of ``x``'s ``(N, C, H, W)``; in the wider
+    of the two dtypes (``x`` is read for its shape and dtype only)."""
+    (y0, h), (x0, w) = rows, cols
+    dtype = torch.promote_types(grad.dtype, x.dtype)
+    share = (grad.to(dtype) / (h * w)).expand(-1, -1, h, w)
+    if (y0, x0, h, w) == (0, 0, *x.shape[2:]):
+        return share.contiguous()
+    dx = x.new_zeros(x.shape, dtype=dtype)
+    dx[:, :, y0 : y0 + h, x0 : x0 + w] = share
+    return dx
 
 
 def weighted_channels(x: torch.Tensor, w: torch.Tensor, mode: str) -> torch.Tensor:
