@@ -96,6 +96,11 @@ def describe(run: Any) -> dict[str, str]:
     }
 
 
+# what torch.save and safetensors raise for a failed write (not OSError: a C++ enforce or a
+# Rust error): turned into one Error line
+_WRITE_ERRORS = frozenset({"RuntimeError", "SafetensorError"})
+
+
 @contextlib.contextmanager
 def _atomically(out: Path) -> Iterator[Path]:
     """A temporary path beside ``out``, renamed onto it when the block succeeds (removed when
@@ -113,6 +118,10 @@ def _atomically(out: Path) -> Iterator[Path]:
         tmp = None
     except OSError as exc:
         raise UserError(f"writing {out} failed: {exc.strerror or exc}") from None
+    except Exception as exc:  # the writers' own errors (torch.save, safetensors): a full disk
+        if isinstance(exc, UserError) or type(exc).__name__ not in _WRITE_ERRORS:
+            raise
+        raise UserError(f"writing {out} failed: {exc}") from None
     finally:
         if tmp is not None:
             with contextlib.suppress(OSError):

@@ -19,6 +19,7 @@ import click
 import torch
 
 from mpsnn.cli.common import OneLineCommand, UserError
+from mpsnn.data.imagefolder import _COLOUR, _GRAY
 
 __all__ = ["predict", "read_image"]
 
@@ -72,6 +73,10 @@ def predict(
         click.echo(f"{r['file']}\t{r['class_index']}\t{r['class_name']}\t{r['probability']:.4f}")
 
 
+# the modes the dataset reader takes: 8-bit grayscale or colour
+_MODES = frozenset(_GRAY | _COLOUR)
+
+
 def read_image(path: Path, shape: tuple[int, int, int], resize: bool = False) -> torch.Tensor:
     """The image file ``path`` as ``(C, H, W)`` uint8 for a model of input ``shape`` (see the
     module docstring); a `UserError` for a file Pillow cannot read, a model of another channel
@@ -86,10 +91,17 @@ def read_image(path: Path, shape: tuple[int, int, int], resize: bool = False) ->
             f"mpsnn predict reads grayscale or RGB images: the model's input must have 1 or 3 "
             f"channels, got {channels}"
         )
+    if path.exists() and not path.is_file():  # a FIFO would block, a device never end
+        raise UserError(f"{path} must be an image file, got a directory or a special file")
     try:
         with Image.open(path) as img:
             img.seek(0)
             img.load()
+            if img.mode not in _MODES:  # 16-bit or float pixels would be clamped to 8 bits
+                raise UserError(
+                    f"{path} must be an 8-bit grayscale or colour image (Pillow modes "
+                    f"{', '.join(sorted(_MODES))}), got mode {img.mode}"
+                )
             converted = img.convert("L" if channels == 1 else "RGB")
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__

@@ -164,9 +164,19 @@ def check_file(path: Path, option: str) -> None:
 
 def check_outputs(folder: Path | None, metrics: Path | None, plot: Path | None) -> None:
     """Everything a run will write, checked before any training work: the checkpoint
-    directory, the metrics log and the plot (writable, a format matplotlib writes)."""
+    directory, the metrics log and the plot (writable, a format matplotlib writes), and no two
+    of them the same file."""
     if folder is not None:
         _check_directory(folder, "--checkpoint-dir")
+    named = [("--metrics", metrics), ("--plot", plot)]
+    taken = {(folder / CHECKPOINT).resolve(): "the checkpoint"} if folder is not None else {}
+    for option, path in named:
+        if path is None:
+            continue
+        other = taken.get(path.resolve())
+        if other is not None:
+            raise UserError(f"{option} must name a file of its own, got {path}, {other}")
+        taken[path.resolve()] = f"the {option} file"
     if metrics is not None:
         check_file(metrics, "--metrics")
     if plot is not None:

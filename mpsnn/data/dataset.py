@@ -84,11 +84,15 @@ class ImageDataset:
 
 def input_statistics(train_x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The mean and standard deviation of the training images on the [0, 1] scale (float32
-    scalars): ``uint8`` images count as ``k / 255``."""
-    if train_x.dtype == torch.uint8:
-        return train_x.float().mean() / 255, train_x.float().std() / 255
+    scalars): ``uint8`` images count as ``k / 255``. A standard deviation of 0 (constant
+    images) or not finite (a single value) is taken as 1: the inputs are then only centred."""
     x = train_x.float()
-    return x.mean(), x.std()
+    scale = 255 if train_x.dtype == torch.uint8 else 1
+    mean = x.mean() / scale
+    std = x.std() / scale if x.numel() > 1 else torch.ones((), dtype=torch.float32)
+    if not bool(torch.isfinite(std)) or float(std) == 0.0:
+        std = torch.ones((), dtype=torch.float32)
+    return mean, std
 
 
 def standardize(x: torch.Tensor, mean: Any, std: Any) -> torch.Tensor:

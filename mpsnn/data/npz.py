@@ -71,6 +71,11 @@ def _images(x: np.ndarray, where: str) -> np.ndarray:
     return np.ascontiguousarray(x)
 
 
+#: the most classes a dataset may have (a label is a class index: a stray huge label would
+#: otherwise make a model, and class names, of that many classes)
+MAX_CLASSES = 1 << 16
+
+
 def _labels(y: np.ndarray, count: int, where: str) -> np.ndarray:
     if not (np.issubdtype(y.dtype, np.integer) and y.dtype != np.bool_):
         raise _fail(f"{where} must hold integer labels, got dtype {y.dtype}")
@@ -80,12 +85,20 @@ def _labels(y: np.ndarray, count: int, where: str) -> np.ndarray:
         raise _fail(f"{where} must hold one label per image ({count},), got shape {y.shape}")
     if len(y) and int(y.min()) < 0:
         raise _fail(f"{where} must hold labels >= 0, got {int(y.min())}")
+    if len(y) and int(y.max()) >= MAX_CLASSES:  # (compared as Python ints: no wrap-around)
+        raise _fail(f"{where} must hold labels < {MAX_CLASSES}, got {int(y.max())}")
     return y.astype(np.int64)
+
+
+def _kind(path: Path) -> str:
+    return "a directory" if path.is_dir() else "a special file (a FIFO, a device, a socket)"
 
 
 def load_npz(path: str | os.PathLike[str]) -> ImageDataset:
     """The dataset in the ``.npz`` file ``path`` (see the module docstring)."""
     path = Path(path).expanduser().resolve()
+    if path.exists() and not path.is_file():  # a FIFO or a device would block or never end
+        raise _fail(f"{path} must be a regular .npz file, got {_kind(path)}")
     try:
         archive = np.load(path, allow_pickle=False)
         if not isinstance(archive, np.lib.npyio.NpzFile):

@@ -221,6 +221,7 @@ def _check_tensor_ref(ref: dict[str, Any], header: dict[str, Any], where: str) -
     if (
         set(ref) != {"$tensor", "dtype", "shape"}
         or type(name) is not str
+        or type(ref["dtype"]) is not str
         or ref["dtype"] not in NAMES
         or type(ref["shape"]) is not list
     ):

@@ -214,7 +214,7 @@ def _writing(pid: int, path: str) -> bool:
         return True
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # no such process (no pid is that large)
         return False
     except OSError:  # alive, another user's (or not ours to probe)
         return True
@@ -344,7 +344,9 @@ def _check_entry(name: str, entry: Any) -> None:
         type(entry) is not dict
         or set(entry) != {"dtype", "shape", "data_offsets"}
         or type(entry["shape"]) is not list
-        or any(type(d) is not int or d < 0 for d in entry["shape"])
+        or any(type(d) is not int or not 0 <= d < 2**62 for d in entry["shape"])
+        or math.prod(d for d in entry["shape"] if d) >= 2**62  # an int64 element count
+        or type(entry["dtype"]) is not str
         or type(entry["data_offsets"]) is not list
         or len(entry["data_offsets"]) != 2
         or any(type(o) is not int or o < 0 for o in entry["data_offsets"])
