@@ -2,8 +2,10 @@
 
 By default the test split the run evaluated after every epoch (its dataset, its first
 ``--test-limit`` images), through the same inference graph, batches and input preparation: the
-accuracy equals the ``test_accuracy`` the run recorded for the checkpoint's epoch. The loss is
-the mean softmax cross-entropy (natural logarithm) of the logits, computed in float64 from them.
+accuracy equals the ``test_accuracy`` the run recorded for the checkpoint's epoch. With
+``--dataset``, the run's own data is not read (the checkpoint records the input
+standardization): the run's data may have moved there. The loss is the mean softmax
+cross-entropy (natural logarithm) of the logits, computed in float64 from them.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def evaluate(
     written by mpsnn train, or the --checkpoint-dir holding it."""
     from mpsnn.cli.trained import open_checkpoint
 
-    run = open_checkpoint(checkpoint, device)
+    run = open_checkpoint(checkpoint, device, read_data=dataset is None)
     result = evaluate_run(run, dataset, test_limit)
     if as_json:
         click.echo(json.dumps(result))
@@ -74,7 +76,9 @@ def evaluate_run(run: Any, dataset: str | None = None, limit: int | None = None)
     t = run.trainer
     name = run.config.dataset if dataset is None else dataset
     own = dataset is None or dataset == run.config.dataset
-    if own and (limit is None or limit == run.config.test_limit):
+    if own and limit is None:
+        limit = run.config.test_limit  # the run's own test images
+    if own and run.has_data and limit == run.config.test_limit:
         x, y = t.test_x, t.test_y  # the run's own, prepared: its evaluation exactly
     else:
         x, y = _test_split(run, name, limit)

@@ -11,7 +11,8 @@ The format is OUT's suffix:
   ``onnxscript`` packages (not onnxruntime).
 
 The twin is the checkpoint's model (``config.model``) built for the run's dataset (its image
-shape and classes), holding the checkpoint's weights (`mpsnn.cli.trained`). Files are written
+shape and classes), holding the checkpoint's weights (`mpsnn.cli.trained`); the checkpoint
+alone is read (the run's dataset only for a checkpoint of an older version). Files are written
 atomically (a temporary file beside OUT, renamed onto it).
 """
 
@@ -65,7 +66,7 @@ def export(checkpoint: Path, out: Path) -> None:
             )
     if out.is_dir():
         raise UserError(f"OUT must be a file to write, got the directory {out}")
-    run = open_checkpoint(checkpoint, "cpu")
+    run = open_checkpoint(checkpoint, "cpu", read_data=False)
     meta = describe(run)
     twin = run.model.torch_module().eval()
     write = {".pt": _write_pt, ".safetensors": _write_safetensors, ".onnx": _write_onnx}[suffix]

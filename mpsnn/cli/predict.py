@@ -54,7 +54,7 @@ def predict(
     --resize)."""
     from mpsnn.cli.trained import open_checkpoint
 
-    run = open_checkpoint(checkpoint, device)
+    run = open_checkpoint(checkpoint, device, read_data=False)
     images = torch.stack([read_image(f, run.input_shape, resize) for f in files])
     logits = run.logits(run.prepare(images)).double()
     probabilities = torch.softmax(logits, dim=1)

@@ -334,8 +334,9 @@ _CONFIG: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "label_smoothing": ("a number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1),
 }  # fmt: skip
 _KEYS = {"kind", "config", "epoch", "history", "data_sources", "dropout"}
-# the resolved device and the dataset's fingerprint (absent in checkpoints of older versions)
-_OPTIONAL_KEYS = {"dataset", "device"}
+# the resolved device, the dataset's fingerprint and the input standardization (absent in
+# checkpoints of older versions)
+_OPTIONAL_KEYS = {"dataset", "device", "inputs"}
 #: a dataset fingerprint's fields and their checks
 _FINGERPRINT: dict[str, Callable[[Any], bool]] = {
     "source": lambda v: isinstance(v, str),
@@ -362,8 +363,8 @@ def check_checkpoint(ckpt: Any, path: Path, fields: Collection[str]) -> None:
     keys = set(ckpt)
     if not _KEYS <= keys <= _KEYS | _OPTIONAL_KEYS:
         raise bad(
-            f"it must hold the keys {sorted(_KEYS)} (and optionally 'dataset', 'device'), got "
-            f"{sorted(keys)}"
+            f"it must hold the keys {sorted(_KEYS)} (and optionally 'dataset', 'device', "
+            f"'inputs'), got {sorted(keys)}"
         )
     config = ckpt["config"]
     required = set(fields) - set(ADDED_OPTIONS)  # a checkpoint from before these lacks them
@@ -387,6 +388,17 @@ def check_checkpoint(ckpt: Any, path: Path, fields: Collection[str]) -> None:
         raise bad(
             f"its dataset must be the fingerprint of the data it trained on (the fields "
             f"{sorted(_FINGERPRINT)}), got {_show(record)}"
+        )
+    inputs = ckpt.get("inputs")
+    if "inputs" in ckpt and not (
+        isinstance(inputs, dict)
+        and set(inputs) == {"mean", "std"}
+        and all(_is_number(v) and math.isfinite(v) for v in inputs.values())
+        and inputs["std"] > 0
+    ):
+        raise bad(
+            f"its inputs must be the input standardization {{'mean': a finite number, 'std': a "
+            f"finite number > 0}}, got {_show(inputs)}"
         )
     epoch, epochs = ckpt["epoch"], config["epochs"]
     if type(epoch) is not int or not 1 <= epoch <= epochs:
@@ -463,16 +475,21 @@ def _short(ds: Any) -> str:
     return "no weights"
 
 
-def check_dataset(saved: dict[str, Any] | None, own: dict[str, Any], path: Path) -> None:
+def check_dataset(
+    saved: dict[str, Any] | None, own: dict[str, Any], path: Path, training: bool = True
+) -> None:
     """The dataset a resumed run found against the fingerprint its checkpoint recorded
     (`mpsnn.data.ImageDataset.fingerprint`): every field but the source must be equal. A
-    checkpoint without one (of an older version) is accepted for the named datasets only."""
+    checkpoint without one (of an older version) is accepted for the named datasets only.
+    ``training``: the check of ``mpsnn train --resume``, whose message also offers a fresh
+    run (``--overwrite``); else of a command that only reads the run (export, predict, eval)."""
+    fix = ", or start a fresh run (--overwrite)" if training else ""
     if saved is None:
         if own["kind"] in DATASETS:
             return
         raise UserError(
             f"{path} is not a usable checkpoint: it must record the dataset it trained on to "
-            f"resume on {own['source']}, got none"
+            f"{'resume on' if training else 'use the data at'} {own['source']}, got none"
         )
     differ = [
         f"{name} {_show(own[name])} (saved: {_show(saved[name])})"
@@ -482,8 +499,7 @@ def check_dataset(saved: dict[str, Any] | None, own: dict[str, Any], path: Path)
     if differ:
         raise UserError(
             f"the data at {own['source']} must be the data the run saved in {path} trained on, "
-            f"got other data: {', '.join(differ)}; restore that data, or start a fresh run "
-            f"(--overwrite)"
+            f"got other data: {', '.join(differ)}; restore that data{fix}"
         )
 
 

@@ -131,6 +131,11 @@ class Trainer:
         parallel: data parallel: keyword arguments of `mpsnn.DataParallel` (``check_every``,
             ``sync_batch_norm``).
         origin: the checkpoint's path (for messages).
+        data: the run's data, already read and checked against ``checkpoint`` by the caller
+            (None: read ``config.dataset`` and check it here). For inference only
+            (`mpsnn.cli.trained`) it may hold no images: then ``statistics`` must be given.
+        statistics: ``(mean, std)`` of the input standardization (None: `input_statistics`
+            of the training images, after ``--limit``).
     """
 
     def __init__(
@@ -140,6 +145,9 @@ class Trainer:
         distributed: Any = None,
         parallel: dict[str, Any] | None = None,
         origin: Path | None = None,
+        *,
+        data: Dataset | None = None,
+        statistics: tuple[float, float] | None = None,
     ) -> None:
         self.config = c = config
         self.dist = distributed
@@ -162,16 +170,26 @@ class Trainer:
         self.device = parse_device(c.device) if distributed is None else distributed.device
         self.torch_device = self.device.torch_device
         native = model_class(c.model).input_shape
-        data = load_dataset(c.dataset, c.seed, native)
-        self.fingerprint = data.fingerprint()  # of all the data (the limits are options)
-        if checkpoint is not None:
-            check_dataset(checkpoint.get("dataset"), self.fingerprint, self.origin)
+        given = data is not None
+        if data is None:
+            data = load_dataset(c.dataset, c.seed, native)
+            self.fingerprint = data.fingerprint()  # of all the data (the limits are options)
+            if checkpoint is not None:
+                check_dataset(checkpoint.get("dataset"), self.fingerprint, self.origin)
+        else:  # checked by the caller; a stand-in without images has the saved fingerprint
+            saved = None if checkpoint is None else checkpoint.get("dataset")
+            self.fingerprint = saved if saved is not None else data.fingerprint()
         c.dataset = data.source  # your own data: its absolute path
         if c.limit is not None:
             data.train_x, data.train_y = data.train_x[: c.limit], data.train_y[: c.limit]
         if c.test_limit is not None:
             data.test_x, data.test_y = data.test_x[: c.test_limit], data.test_y[: c.test_limit]
-        if len(data.train_x) < c.batch_size:
+        if statistics is None:
+            mean, std = input_statistics(data.train_x)
+            statistics = (float(mean), float(std))
+        #: ``(mean, std)`` of the input standardization (float32 values; saved in checkpoints)
+        self.statistics = statistics
+        if not given and len(data.train_x) < c.batch_size:
             raise UserError(
                 f"--batch-size must be <= the {len(data.train_x)} training images, "
                 f"got {c.batch_size}"
@@ -215,7 +233,7 @@ class Trainer:
         deviation (`mpsnn.data.standardize`)."""
         if getattr(self.model, "input_format", None) is FeatureChannelFormat.UNORM8:
             return x if x.dtype == torch.uint8 else (x * 255).round().to(torch.uint8)
-        return standardize(x, *input_statistics(self.data.train_x))
+        return standardize(x, *self.statistics)
 
     def _batch(self, x: torch.Tensor) -> ImageBatch:
         return ImageBatch(Image.from_tensor(x))
@@ -299,8 +317,9 @@ class Trainer:
 
     def save_checkpoint(self, folder: Path) -> Path:
         """``folder/checkpoint.mpsnn`` (atomic: a run killed while saving keeps the previous
-        one): the config, the epoch, the history, the dataset's fingerprint, the data sources
-        (weights, optimizer state, batch-normalization statistics) and the dropout counters."""
+        one): the config, the epoch, the history, the dataset's fingerprint, the input
+        standardization (``inputs``: ``{"mean", "std"}``, floats), the data sources (weights,
+        optimizer state, batch-normalization statistics) and the dropout counters."""
         from mpsnn.io import save
 
         if self.step is not None:
@@ -316,6 +335,7 @@ class Trainer:
                     "epoch": self.epoch,
                     "history": self.history,
                     "dataset": self.fingerprint,
+                    "inputs": {"mean": self.statistics[0], "std": self.statistics[1]},
                     "data_sources": self.model.data_sources,
                     "dropout": self._dropout_counters(),
                 },

@@ -53,8 +53,9 @@ def _config(key: str, value: object) -> Callable[[dict], None]:
 
 _CASES = {
     "no config": (_pop("config"), "it must hold the keys ['config', 'data_sources', 'dropout', "
-                  "'epoch', 'history', 'kind'] (and optionally 'dataset', 'device'), got "
-                  "['data_sources', 'dataset', 'device', 'dropout', 'epoch', 'history', 'kind']"),
+                  "'epoch', 'history', 'kind'] (and optionally 'dataset', 'device', 'inputs'), "
+                  "got ['data_sources', 'dataset', 'device', 'dropout', 'epoch', 'history', "
+                  "'inputs', 'kind']"),
     "no dropout": (_pop("dropout"), "it must hold the keys"),
     "extra key": (_set("notes", "hi"), "it must hold the keys"),
     "extra config key": (_config("nesterov", True), "its config must hold the options "

@@ -126,6 +126,9 @@ CASES: dict[type, Callable] = {
     m.ResizeBilinear: _unary(
         m.ResizeBilinear(DEV, 4, 4), m.ResizeBilinearGradient(DEV, 4, 4), (2, 3, 4, 4)
     ),
+    m.ReduceSpatialMean: _unary(
+        m.ReduceSpatialMean(DEV), m.ReduceSpatialMeanGradient(DEV), (2, 3, 4, 4)
+    ),
     m.GramMatrixCalculation: _unary(
         m.GramMatrixCalculation(DEV, 0.5), m.GramMatrixCalculationGradient(DEV, 0.5), (2, 3, 4, 4)
     ),
