@@ -36,6 +36,7 @@ import torch
 
 from mpsnn.cnn.arithmetic import Arithmetic
 from mpsnn.core._checks import check_enum
+from mpsnn.core.binary import BinaryKernel
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
@@ -122,21 +123,10 @@ class Compare(Arithmetic):
         # what `Arithmetic` records at encode: the comparison as configured now
         return functools.partial(compare, self._comparison_type, self._threshold)
 
-    @property
-    def is_state_modified(self) -> bool:
-        return False
+    # -- no gradient, so no state: a plain binary kernel's, not Arithmetic's -----------------
 
-    # -- no gradient, so no state -----------------------------------------------------------
-
-    def result_state(
-        self,
-        primary_image: Image,
-        secondary_image: Image,
-        source_states: Any = None,
-        destination_image: Image | None = None,
-    ) -> State | None:
-        """None: a comparison has no gradient (MPS defines none)."""
-        return None
+    is_state_modified = BinaryKernel.is_state_modified
+    result_state = BinaryKernel.result_state
 
     def temporary_result_state(
         self,

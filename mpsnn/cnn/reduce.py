@@ -127,8 +127,12 @@ class ReduceUnary(CNNKernel):
     def clip_rect_source(self, value: Region) -> None:
         self._clip_src = check_type(type(self).__name__, "clip_rect_source", value, Region)
 
+    def _reduces(self, dim: int) -> bool:
+        """Whether the result has size 1 along ``dim`` (1: channels, 2: y, 3: x)."""
+        return dim == self._dim
+
     def _destination_channels(self, source_channels: int) -> int:
-        return 1 if self._dim == _CHANNELS else source_channels
+        return 1 if self._reduces(_CHANNELS) else source_channels
 
     def _policy(self, source_images: Any, source_states: Any) -> tuple[ImageDescriptor, Offset]:
         src = source_images[0]
@@ -141,8 +145,8 @@ class ReduceUnary(CNNKernel):
                 f"got {self._sco}"
             )
         channels = self._destination_channels(min(self._smax, c - self._sco))
-        h = 1 if self._dim == _COLUMN else ny
-        w = 1 if self._dim == _ROW else nx
+        h = 1 if self._reduces(_COLUMN) else ny
+        w = 1 if self._reduces(_ROW) else nx
         return ImageDescriptor(src.feature_channel_format, w, h, channels, nz), self._offset
 
     def _window(
@@ -159,8 +163,8 @@ class ReduceUnary(CNNKernel):
         _, _, y, ny, x, nx = source_region(who, "clip_rect_source", self._clip_src, shape, False)
         axes = []
         for start, size, skip, count, full, reduced, name in (
-            (y, ny, span.skip_y, span.count_y, span.source_height, self._dim == _COLUMN, "y"),
-            (x, nx, span.skip_x, span.count_x, span.source_width, self._dim == _ROW, "x"),
+            (y, ny, span.skip_y, span.count_y, span.source_height, self._reduces(_COLUMN), "y"),
+            (x, nx, span.skip_x, span.count_x, span.source_width, self._reduces(_ROW), "x"),
         ):
             if reduced:  # one output, reading the whole region
                 if skip:
@@ -187,55 +191,36 @@ class ReduceUnary(CNNKernel):
         return lambda x: reduce_block(x[:, :, rows, cols], op, dim, weight)
 
 
-def _unary(name: str, dim: int, op: str, doc: str) -> type:
+def _unary(name: str, dim: int, op: str, what: str) -> type:
+    doc = f"{what} (MPS ``MPSNN{name}``)."
     return type(name, (ReduceUnary,), {"__doc__": doc, "_dim": dim, "_op": op})
 
 
-ReduceRowMin = _unary(
-    "ReduceRowMin", _ROW, "min", "The minimum of each row (MPS ``MPSNNReduceRowMin``)."
-)
-ReduceRowMax = _unary(
-    "ReduceRowMax", _ROW, "max", "The maximum of each row (MPS ``MPSNNReduceRowMax``)."
-)
-ReduceRowMean = _unary(
-    "ReduceRowMean", _ROW, "mean", "The mean of each row (MPS ``MPSNNReduceRowMean``)."
-)
-ReduceRowSum = _unary(
-    "ReduceRowSum", _ROW, "sum", "The sum of each row (MPS ``MPSNNReduceRowSum``)."
-)
-ReduceColumnMin = _unary(
-    "ReduceColumnMin", _COLUMN, "min", "The minimum of each column (MPS ``MPSNNReduceColumnMin``)."
-)
-ReduceColumnMax = _unary(
-    "ReduceColumnMax", _COLUMN, "max", "The maximum of each column (MPS ``MPSNNReduceColumnMax``)."
-)
-ReduceColumnMean = _unary(
-    "ReduceColumnMean", _COLUMN, "mean", "The mean of each column (MPS ``MPSNNReduceColumnMean``)."
-)
-ReduceColumnSum = _unary(
-    "ReduceColumnSum", _COLUMN, "sum", "The sum of each column (MPS ``MPSNNReduceColumnSum``)."
-)
+_ARG = "as a float counted from the first channel read; the first wins ties"
+ReduceRowMin = _unary("ReduceRowMin", _ROW, "min", "The minimum of each row")
+ReduceRowMax = _unary("ReduceRowMax", _ROW, "max", "The maximum of each row")
+ReduceRowMean = _unary("ReduceRowMean", _ROW, "mean", "The mean of each row")
+ReduceRowSum = _unary("ReduceRowSum", _ROW, "sum", "The sum of each row")
+ReduceColumnMin = _unary("ReduceColumnMin", _COLUMN, "min", "The minimum of each column")
+ReduceColumnMax = _unary("ReduceColumnMax", _COLUMN, "max", "The maximum of each column")
+ReduceColumnMean = _unary("ReduceColumnMean", _COLUMN, "mean", "The mean of each column")
+ReduceColumnSum = _unary("ReduceColumnSum", _COLUMN, "sum", "The sum of each column")
 ReduceFeatureChannelsMin = _unary(
-    "ReduceFeatureChannelsMin", _CHANNELS, "min",
-    "The minimum over each pixel's channels (MPS ``MPSNNReduceFeatureChannelsMin``).",
-)  # fmt: skip
+    "ReduceFeatureChannelsMin", _CHANNELS, "min", "The minimum over each pixel's channels"
+)
 ReduceFeatureChannelsMax = _unary(
-    "ReduceFeatureChannelsMax", _CHANNELS, "max",
-    "The maximum over each pixel's channels (MPS ``MPSNNReduceFeatureChannelsMax``).",
-)  # fmt: skip
+    "ReduceFeatureChannelsMax", _CHANNELS, "max", "The maximum over each pixel's channels"
+)
 ReduceFeatureChannelsMean = _unary(
-    "ReduceFeatureChannelsMean", _CHANNELS, "mean",
-    "The mean over each pixel's channels (MPS ``MPSNNReduceFeatureChannelsMean``).",
-)  # fmt: skip
+    "ReduceFeatureChannelsMean", _CHANNELS, "mean", "The mean over each pixel's channels"
+)
 ReduceFeatureChannelsArgumentMin = _unary(
     "ReduceFeatureChannelsArgumentMin", _CHANNELS, "argmin",
-    "The index of each pixel's minimum channel, as a float counted from the first channel "
-    "read; the first wins ties (MPS ``MPSNNReduceFeatureChannelsArgumentMin``).",
+    f"The index of each pixel's minimum channel, {_ARG}",
 )  # fmt: skip
 ReduceFeatureChannelsArgumentMax = _unary(
     "ReduceFeatureChannelsArgumentMax", _CHANNELS, "argmax",
-    "The index of each pixel's maximum channel, as a float counted from the first channel "
-    "read; the first wins ties (MPS ``MPSNNReduceFeatureChannelsArgumentMax``).",
+    f"The index of each pixel's maximum channel, {_ARG}",
 )  # fmt: skip
 
 

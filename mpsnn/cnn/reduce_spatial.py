@@ -24,12 +24,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpsnn.cnn.reduce import ReduceUnary, source_region
+from mpsnn.cnn.reduce import _CHANNELS, ReduceUnary
 from mpsnn.core.binary import GradientKernel
 from mpsnn.core.cnn_kernel import Forward, Records
-from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.device import CommandBuffer
-from mpsnn.core.geometry import AxisWindow, DestinationSpan, Offset, Window
+from mpsnn.core.geometry import Window
 from mpsnn.core.gradient_command import Backward
 from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord, GradientState
@@ -42,36 +41,10 @@ class ReduceSpatialMean(ReduceUnary):
     """The mean over x and y of each channel of each image: a 1x1 result per image (see the
     module docstring; the kernel of MPS's ``MPSNNReductionSpatialMeanNode``)."""
 
-    _op = "mean"
     _gradient_state_class = GradientState
 
-    def _policy(self, source_images: Any, source_states: Any) -> tuple[ImageDescriptor, Offset]:
-        src = source_images[0]
-        who = type(self).__name__
-        _, nz, *_ = source_region(who, "clip_rect_source", self._clip_src, src.shape)
-        c = src.shape[1]
-        if self._sco >= c:
-            raise ValueError(
-                f"[{who}] source_feature_channel_offset must be < the source's {c} channels, "
-                f"got {self._sco}"
-            )
-        channels = min(self._smax, c - self._sco)
-        return ImageDescriptor(src.feature_channel_format, 1, 1, channels, nz), self._offset
-
-    def _axis_windows(self, span: DestinationSpan) -> tuple[AxisWindow, AxisWindow]:
-        who = type(self).__name__
-        shape = (1, 1, span.source_height, span.source_width)
-        _, _, y, ny, x, nx = source_region(who, "clip_rect_source", self._clip_src, shape, False)
-        for skip, name in ((span.skip_y, "y"), (span.skip_x, "x")):
-            if skip:  # both axes are reduced: the one result pixel is at the clip rect's origin
-                raise ValueError(
-                    f"[{who}] the clip rect's {name} origin must be inside the destination (the "
-                    f"result has one pixel, at the origin), got {-skip}"
-                )
-        return (
-            AxisWindow(y, 1, ny, 1, 1, span.source_height),
-            AxisWindow(x, 1, nx, 1, 1, span.source_width),
-        )
+    def _reduces(self, dim: int) -> bool:
+        return dim != _CHANNELS  # y and x
 
     def _make_forward(self, window: Window, records: Records, memo: dict[str, Any]) -> Forward:
         ay, ax = window.y, window.x

@@ -137,6 +137,41 @@ class _ResizeSize:
         return self._resize[1]
 
 
+class _BilinearSettings(_ResizeSize):
+    """The settings `ResizeBilinear` and its gradient share."""
+
+    _align: bool
+
+    def _set_bilinear(self, width: int, height: int, align_corners: bool) -> None:
+        self._set_size(width, height)
+        self._align = check_type(type(self).__name__, "align_corners", align_corners, bool)
+
+    @property
+    def align_corners(self) -> bool:
+        return self._align
+
+
+class _CropSettings(_ResizeSize):
+    """The settings `CropAndResizeBilinear` and its gradient share."""
+
+    _regions: tuple[NormalizedRegion, ...]
+
+    def _set_crop(
+        self, width: int, height: int, count: int, regions: Sequence[Sequence[float]]
+    ) -> None:
+        self._set_size(width, height)
+        self._regions = check_regions(type(self).__name__, count, regions)
+
+    @property
+    def number_of_regions(self) -> int:
+        return len(self._regions)
+
+    @property
+    def regions(self) -> tuple[NormalizedRegion, ...]:
+        """The regions ``(x, y, width, height)``, normalized, as floats."""
+        return self._regions
+
+
 class _Resampling(_ResizeSize, CNNKernel):
     """A kernel whose destination is ``resize_width x resize_height``: the returning encode
     sizes it so; the written pixels are counted from the clip rect's origin."""
@@ -175,7 +210,7 @@ class _Resampling(_ResizeSize, CNNKernel):
         raise NotImplementedError
 
 
-class ResizeBilinear(_Resampling):
+class ResizeBilinear(_BilinearSettings, _Resampling):
     """Bilinear resize to ``resize_width x resize_height`` (MPS ``MPSNNResizeBilinear``).
 
     Destination pixel ``u`` (counted from the clip rect's origin) samples the source at
@@ -195,14 +230,9 @@ class ResizeBilinear(_Resampling):
     def __init__(
         self, device: Device, resize_width: int, resize_height: int, align_corners: bool = False
     ) -> None:
-        self._set_size(resize_width, resize_height)
+        self._set_bilinear(resize_width, resize_height, align_corners)
         super().__init__(device)
-        self._align = check_type(type(self).__name__, "align_corners", align_corners, bool)
         self._edge_mode = EdgeMode.CLAMP
-
-    @property
-    def align_corners(self) -> bool:
-        return self._align
 
     def _make_axes(self, window: Window) -> tuple[ResizeAxis, ResizeAxis]:
         clamp = self._edge_mode is EdgeMode.CLAMP
@@ -220,7 +250,7 @@ class ResizeBilinear(_Resampling):
         return ResizeRecord(self._resize, self._align, self._axes(window, memo))
 
 
-class CropAndResizeBilinear(_Resampling):
+class CropAndResizeBilinear(_CropSettings, _Resampling):
     """Crops resized bilinearly (MPS ``MPSNNCropAndResizeBilinear``), TensorFlow's
     ``crop_and_resize`` sampling.
 
@@ -250,18 +280,8 @@ class CropAndResizeBilinear(_Resampling):
         number_of_regions: int,
         regions: Sequence[Sequence[float]],
     ) -> None:
-        self._set_size(resize_width, resize_height)
-        self._regions = check_regions(type(self).__name__, number_of_regions, regions)
+        self._set_crop(resize_width, resize_height, number_of_regions, regions)
         super().__init__(device)
-
-    @property
-    def number_of_regions(self) -> int:
-        return len(self._regions)
-
-    @property
-    def regions(self) -> tuple[NormalizedRegion, ...]:
-        """The regions ``(x, y, width, height)``, normalized, as floats."""
-        return self._regions
 
     def _destination_channels(self, source_channels: int) -> int:
         return source_channels * len(self._regions)
@@ -292,7 +312,7 @@ class CropAndResizeBilinear(_Resampling):
 
 
 @gradient_of(ResizeBilinear)
-class ResizeBilinearGradient(_ResizeSize, GradientKernel):
+class ResizeBilinearGradient(_BilinearSettings, GradientKernel):
     """Gradient of `ResizeBilinear` with respect to its source (an mpsnn extension): each
     output's gradient spread on its taps, ``dx[i] = sum of w g[u]``. The resize size and
     ``align_corners`` must equal the forward's."""
@@ -302,13 +322,8 @@ class ResizeBilinearGradient(_ResizeSize, GradientKernel):
     def __init__(
         self, device: Device, resize_width: int, resize_height: int, align_corners: bool = False
     ) -> None:
-        self._set_size(resize_width, resize_height)
+        self._set_bilinear(resize_width, resize_height, align_corners)
         super().__init__(device)
-        self._align = check_type(type(self).__name__, "align_corners", align_corners, bool)
-
-    @property
-    def align_corners(self) -> bool:
-        return self._align
 
     def _check_forward(self, record: ForwardRecord) -> None:
         p: ResizeRecord = record.params
@@ -327,7 +342,7 @@ class ResizeBilinearGradient(_ResizeSize, GradientKernel):
 
 
 @gradient_of(CropAndResizeBilinear)
-class CropAndResizeBilinearGradient(_ResizeSize, GradientKernel):
+class CropAndResizeBilinearGradient(_CropSettings, GradientKernel):
     """Gradient of `CropAndResizeBilinear` with respect to its source (an mpsnn extension;
     the regions are constants): every crop's gradient spread on its taps and summed over the
     regions. The size and regions must equal the forward's."""
@@ -342,17 +357,8 @@ class CropAndResizeBilinearGradient(_ResizeSize, GradientKernel):
         number_of_regions: int,
         regions: Sequence[Sequence[float]],
     ) -> None:
-        self._set_size(resize_width, resize_height)
-        self._regions = check_regions(type(self).__name__, number_of_regions, regions)
+        self._set_crop(resize_width, resize_height, number_of_regions, regions)
         super().__init__(device)
-
-    @property
-    def number_of_regions(self) -> int:
-        return len(self._regions)
-
-    @property
-    def regions(self) -> tuple[NormalizedRegion, ...]:
-        return self._regions
 
     def _check_forward(self, record: ForwardRecord) -> None:
         p: CropAndResizeRecord = record.params

@@ -25,7 +25,7 @@ from mpsnn.core.device import Device
 from mpsnn.core.geometry import RECT_NO_CLIP, Region
 from mpsnn.core.image import Image
 from mpsnn.graph.forward_nodes import _ArithmeticNode
-from mpsnn.graph.gradient_nodes import UnaryGradientNode
+from mpsnn.graph.gradient_nodes import UnaryGradientNode, _unary
 from mpsnn.graph.nodes import FilterNode, ImageNode, UnaryNode, register_gradient_nodes
 from mpsnn.graph.step import _Step
 
@@ -113,16 +113,7 @@ class GramMatrixCalculationGradientNode(UnaryGradientNode):
         super()._run(step, kernel)
 
 
-def _gram_gradient(forward: FilterNode, incoming: list[ImageNode]) -> list[Any]:
-    if len(incoming) != 1:
-        raise ValueError(
-            f"[{type(forward).__name__}] a one-input filter takes one incoming gradient, "
-            f"got {len(incoming)}"
-        )
-    return [GramMatrixCalculationGradientNode(incoming[0], forward)]
-
-
-register_gradient_nodes(GramMatrixCalculationNode, _gram_gradient)
+register_gradient_nodes(GramMatrixCalculationNode, _unary(GramMatrixCalculationGradientNode))
 
 
 def _no_gradient(forward: FilterNode, incoming: list[ImageNode]) -> list[Any]:
@@ -254,13 +245,4 @@ class ReductionSpatialMeanGradientNode(UnaryGradientNode):
     source."""
 
 
-def _spatial_mean_gradient(forward: FilterNode, incoming: list[ImageNode]) -> list[Any]:
-    if len(incoming) != 1:
-        raise ValueError(
-            f"[{type(forward).__name__}] a one-input filter takes one incoming gradient, "
-            f"got {len(incoming)}"
-        )
-    return [ReductionSpatialMeanGradientNode(incoming[0], forward)]
-
-
-register_gradient_nodes(ReductionSpatialMeanNode, _spatial_mean_gradient)
+register_gradient_nodes(ReductionSpatialMeanNode, _unary(ReductionSpatialMeanGradientNode))

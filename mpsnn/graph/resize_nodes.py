@@ -13,10 +13,9 @@ from typing import Any
 
 import mpsnn.cnn.resize as rs
 import mpsnn.cnn.scale as sc
-from mpsnn.core._checks import check_type
 from mpsnn.core.device import Device
 from mpsnn.core.geometry import Size
-from mpsnn.graph.gradient_nodes import UnaryGradientNode
+from mpsnn.graph.gradient_nodes import UnaryGradientNode, _unary
 from mpsnn.graph.nodes import GradientFilterNode, ImageNode, UnaryNode, register_gradient_nodes
 from mpsnn.graph.step import _Step
 
@@ -31,7 +30,7 @@ __all__ = [
 ]
 
 
-class ResizeBilinearNode(UnaryNode):
+class ResizeBilinearNode(rs._BilinearSettings, UnaryNode):
     """Bilinear resize (the node of `mpsnn.ResizeBilinear`; an mpsnn extension)."""
 
     def __init__(
@@ -41,22 +40,8 @@ class ResizeBilinearNode(UnaryNode):
         resize_height: int,
         align_corners: bool = False,
     ) -> None:
-        who = type(self).__name__
-        self._resize = rs.check_size(who, resize_width, resize_height)
-        self._align = check_type(who, "align_corners", align_corners, bool)
+        self._set_bilinear(resize_width, resize_height, align_corners)
         super().__init__(source)
-
-    @property
-    def resize_width(self) -> int:
-        return self._resize[0]
-
-    @property
-    def resize_height(self) -> int:
-        return self._resize[1]
-
-    @property
-    def align_corners(self) -> bool:
-        return self._align
 
     def _make_kernel(self, device: Device) -> Any:
         k = rs.ResizeBilinear(device, *self._resize, self._align)
@@ -67,7 +52,7 @@ class ResizeBilinearNode(UnaryNode):
         return rs.ResizeBilinearGradient(device, *self._resize, self._align)
 
 
-class CropAndResizeBilinearNode(UnaryNode):
+class CropAndResizeBilinearNode(rs._CropSettings, UnaryNode):
     """Crop and resize (the node of `mpsnn.CropAndResizeBilinear`; an mpsnn extension): its
     result has ``number_of_regions`` times the source's channels."""
 
@@ -79,26 +64,8 @@ class CropAndResizeBilinearNode(UnaryNode):
         number_of_regions: int,
         regions: Sequence[Sequence[float]],
     ) -> None:
-        who = type(self).__name__
-        self._resize = rs.check_size(who, resize_width, resize_height)
-        self._regions = rs.check_regions(who, number_of_regions, regions)
+        self._set_crop(resize_width, resize_height, number_of_regions, regions)
         super().__init__(source)
-
-    @property
-    def resize_width(self) -> int:
-        return self._resize[0]
-
-    @property
-    def resize_height(self) -> int:
-        return self._resize[1]
-
-    @property
-    def number_of_regions(self) -> int:
-        return len(self._regions)
-
-    @property
-    def regions(self) -> tuple[tuple[float, float, float, float], ...]:
-        return self._regions
 
     def _make_kernel(self, device: Device) -> Any:
         k = rs.CropAndResizeBilinear(device, *self._resize, len(self._regions), self._regions)
@@ -117,18 +84,6 @@ class ResizeBilinearGradientNode(UnaryGradientNode):
 class CropAndResizeBilinearGradientNode(UnaryGradientNode):
     """The gradient node of `CropAndResizeBilinearNode` (with respect to its source; the
     regions are constants)."""
-
-
-def _unary(node_class: type) -> Any:
-    def factory(forward: Any, incoming: list[ImageNode]) -> list[Any]:
-        if len(incoming) != 1:
-            raise ValueError(
-                f"[{type(forward).__name__}] a one-input filter takes one incoming gradient, "
-                f"got {len(incoming)}"
-            )
-        return [node_class(incoming[0], forward)]
-
-    return factory
 
 
 register_gradient_nodes(ResizeBilinearNode, _unary(ResizeBilinearGradientNode))

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import mpsnn as m
-from tests.helpers import DEVICES, assert_close, run
+from tests.cnn.test_reduce import encode_binary
+from tests.helpers import DEVICES, assert_close
 
 
 def _reference(a, b, wx, wy, sx, sy):
@@ -31,26 +32,6 @@ def _reference(a, b, wx, wy, sx, sy):
     return out
 
 
-def _encode(dev, k, a, b, dst=None, batch=False):
-    cb = dev.new_command_queue().command_buffer()
-    if batch:
-        out = k.encode_batch(
-            cb,
-            m.ImageBatch.from_tensor(a),
-            m.ImageBatch.from_tensor(b),
-            None if dst is None else m.ImageBatch.from_tensor(dst),
-        ).image
-    else:
-        out = k.encode(
-            cb,
-            m.Image.from_tensor(a),
-            m.Image.from_tensor(b),
-            None if dst is None else m.Image.from_tensor(dst),
-        )
-    run(cb)
-    return out.tensor
-
-
 CASES = [(0, 0, 1, 1), (1, 1, 1, 1), (2, 1, 1, 2), (1, 2, 2, 1), (3, 0, 2, 1)]
 
 
@@ -63,7 +44,7 @@ def test_matches_loop_reference(batch, wx, wy, sx, sy, device) -> None:
     a = torch.randn(2, 3, 5, 6, generator=gen, dtype=torch.float64)
     b = torch.randn(2, 3, 5, 6, generator=gen, dtype=torch.float64)
     k = m.LocalCorrelation(dev, wx, wy, sx, sy)
-    y = _encode(dev, k, a.to(device), b.to(device), batch=batch)
+    y = encode_binary(dev, k, a.to(device), b.to(device), batch=batch)
     assert y.shape == (2, (2 * wx + 1) * (2 * wy + 1), 5, 6)
     assert_close(y, _reference(a, b, wx, wy, sx, sy), "local correlation", tol=1e-14)
 
@@ -74,7 +55,7 @@ def test_channel_order_is_x_fastest() -> None:
     a = torch.zeros(1, 1, 5, 5, dtype=torch.float64)
     a[0, 0, 2, 2] = 1.0
     b = torch.arange(25, dtype=torch.float64).view(1, 1, 5, 5)
-    y = _encode(dev, m.LocalCorrelation(dev, 2, 1), a, b)
+    y = encode_binary(dev, m.LocalCorrelation(dev, 2, 1), a, b)
     assert y.shape[1] == 15
     got = y[0, :, 2, 2].tolist()
     want = [float(b[0, 0, 2 + dy, 2 + dx]) for dy in (-1, 0, 1) for dx in (-2, -1, 0, 1, 2)]
@@ -92,7 +73,7 @@ def test_regions_of_different_sizes_channels_and_shared_secondary() -> None:
     k.primary_source_feature_channel_offset = 1
     k.primary_source_feature_channel_max_count = 3
     k.secondary_source_feature_channel_offset = 1
-    y = _encode(dev, k, a, b, batch=True)
+    y = encode_binary(dev, k, a, b, batch=True)
     want = _reference(a[:, 1:4, 1:5, 1:6], b[:, 1:4, 0:5, 2:5], 1, 1, 2, 1)
     assert_close(y, want, "regions and channels", tol=1e-14)
 
@@ -103,7 +84,7 @@ def test_storage_formats(dtype) -> None:
     dev = m.Device("cpu")
     a = torch.randn(1, 8, 4, 5, generator=gen).to(dtype)
     b = torch.randn(1, 8, 4, 5, generator=gen).to(dtype)
-    y = _encode(dev, m.LocalCorrelation(dev, 1, 1), a, b)
+    y = encode_binary(dev, m.LocalCorrelation(dev, 1, 1), a, b)
     assert y.dtype == dtype
     tol = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     assert_close(y, _reference(a.double(), b.double(), 1, 1, 1, 1), "correlation", tol=tol)

@@ -215,7 +215,8 @@ def _weights_kernel(dev, mode):
     return m.ReduceFeatureChannelsAndWeightsSum(dev, mode == "non_zero")
 
 
-def _encode2(dev, k, x, w, dst=None, batch=False):
+def encode_binary(dev, k, x, w, dst=None, batch=False):
+    """The result of one binary encode (``encode``, or ``encode_batch`` with ``batch``)."""
     cb = dev.new_command_queue().command_buffer()
     if batch:
         out = k.encode_batch(
@@ -248,7 +249,7 @@ def test_weighted_channels_against_loops(batch, weights, mode, device) -> None:
     w[w.abs() < 0.5] = 0.0  # some zero weights
     w[0, :, 0, 0] = 0.0  # a pixel (or every pixel) with no non-zero weight
     k = _weights_kernel(dev, mode)
-    y = _encode2(dev, k, x.to(device), w.to(device), batch=batch)
+    y = encode_binary(dev, k, x.to(device), w.to(device), batch=batch)
     assert_close(y, _weighted_reference(x, w, mode), f"{mode} {weights}", tol=1e-14)
 
 
@@ -265,13 +266,13 @@ def test_weighted_channels_regions_channels_and_destination() -> None:
     k.secondary_source_feature_channel_offset = 1
     k.secondary_source_feature_channel_max_count = 4
     k.primary_offset = m.Offset(5, 5, 0)  # ignored: the clip rects replace the offsets
-    y = _encode2(dev, k, x, w)
+    y = encode_binary(dev, k, x, w)
     want = _weighted_reference(x[:, 2:6, 1:4, 2:6], w[:, 1:5, 2:3, 1:2], "sum")
     assert_close(y, want, "regions and channels", tol=1e-14)
     k.clip_rect = m.Region.make(1, -1, 9, 3, z=1, depth=1)
     k.destination_feature_channel_offset = 1
     dst = torch.randn(2, 2, 4, 6, generator=gen, dtype=torch.float64)
-    out = _encode2(dev, k, x, w, dst.clone())
+    out = encode_binary(dev, k, x, w, dst.clone())
     expect = dst.clone()
     expect[1:2, 1:2, 0:2, 1:5] = want[:1, :, 1:3, 0:4]  # rows from 1 past the clip origin
     assert_close(out, expect, "into a destination", tol=1e-14)
@@ -282,7 +283,7 @@ def test_weighted_channels_storage_formats(dtype) -> None:
     gen = torch.Generator().manual_seed(26)
     x = torch.randn(2, 8, 3, 4, generator=gen).to(dtype)
     w = torch.randn(2, 8, 1, 1, generator=gen).to(dtype)
-    y = _encode2(m.Device("cpu"), m.ReduceFeatureChannelsAndWeightsMean(m.Device("cpu")), x, w)
+    y = encode_binary(m.Device("cpu"), m.ReduceFeatureChannelsAndWeightsMean(m.Device("cpu")), x, w)
     assert y.dtype == dtype
     tol = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     want = (x.double() * w.double()).sum(1, keepdim=True) / 8

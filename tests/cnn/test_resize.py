@@ -69,6 +69,21 @@ def test_resize_matches_interpolate_and_autograd(rw, rh, align, dtype, device) -
     assert fwd.resize_width == rw and fwd.resize_height == rh and fwd.align_corners is align
 
 
+def _check_adjoint(kernels, x, dst, configure, gen, what) -> torch.Tensor:
+    """<J v, w> = <v, J^T w> for random ``v`` and cotangent ``w`` (the forward is linear in
+    ``x``: ``J v`` is the difference of two encodes); returns ``J^T w``. ``kernels()`` makes a
+    fresh (forward, gradient) pair for each encode."""
+    v = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    cot = torch.randn(dst.shape, generator=gen, dtype=torch.float64)
+    jv = (
+        _encode(*kernels(), x + v, dst=dst, configure=configure)[0]
+        - _encode(*kernels(), x, dst=dst, configure=configure)[0]
+    )
+    _, dx = _encode(*kernels(), x, cot, dst=dst, configure=configure)
+    assert_adjoint(jv, cot, v, dx, what, tol=1e-12)
+    return dx
+
+
 def _resize_position(u, offset, size, resize, align):
     if align:
         return offset + (u * (size - 1) / (resize - 1) if resize > 1 else 0.0)
@@ -118,14 +133,7 @@ def test_resize_general_geometry_formula_and_adjoint(align, edge) -> None:
                     + fy * fx * read(n + 1, i0 + 1, j0 + 1)
                 )
     assert_close(y, want, "resize general geometry", tol=1e-13)
-    v = torch.randn(x.shape, generator=gen, dtype=torch.float64)
-    cot = torch.randn(dst.shape, generator=gen, dtype=torch.float64)
-    jv = (
-        _encode(*kernels(), x + v, dst=dst, configure=configure)[0]
-        - _encode(*kernels(), x, dst=dst, configure=configure)[0]
-    )
-    _, dx = _encode(*kernels(), x, cot, dst=dst, configure=configure)
-    assert_adjoint(jv, cot, v, dx, "resize adjoint", tol=1e-12)
+    _check_adjoint(kernels, x, dst, configure, gen, "resize adjoint")
 
 
 # -- CropAndResizeBilinear -------------------------------------------------------------------
@@ -275,14 +283,7 @@ def test_crop_geometry_clip_rect_channel_offsets_and_adjoint() -> None:
     # destination pixel (r, c) is crop pixel (r - 2, c + 1), counted from the clip origin
     want[:, 3:7, 2:5, 0:4] = full[:, :, 0:3, 1:5]
     assert_close(y, want, "crop geometry", tol=1e-14)
-    v = torch.randn(x.shape, generator=gen, dtype=torch.float64)
-    cot = torch.randn(dst.shape, generator=gen, dtype=torch.float64)
-    jv = (
-        _encode(*kernels(), x + v, dst=dst, configure=configure)[0]
-        - _encode(*kernels(), x, dst=dst, configure=configure)[0]
-    )
-    _, dx = _encode(*kernels(), x, cot, dst=dst, configure=configure)
-    assert_adjoint(jv, cot, v, dx, "crop adjoint", tol=1e-12)
+    dx = _check_adjoint(kernels, x, dst, configure, gen, "crop adjoint")
     assert torch.equal(dx[:, [0, 3]], torch.zeros_like(dx[:, [0, 3]]))  # channels not read
 
 

@@ -8,7 +8,7 @@ after one step ``w_before - w_after`` is the gradient (exact up to one rounding 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ __all__ = [
     "ce_loss",
     "ce_reference",
     "conv_ds",
+    "conv_sandwich",
     "encode",
     "gen",
     "mse_loss",
@@ -44,6 +45,7 @@ __all__ = [
     "rand",
     "sgd1",
     "training",
+    "training_seen",
 ]
 
 
@@ -161,6 +163,28 @@ def training(
     graph = m.Graph(DEV, terminals[0].result_image, needed)
     graph.format = fmt
     return graph, terminals
+
+
+def training_seen(loss: m.LossNode) -> tuple[m.Graph, list[Any], list[str]]:
+    """`training` of ``loss``, with the class names of the gradient nodes the walk made."""
+    seen: list[str] = []
+    graph, terminals = training(loss, handler=lambda gn, *rest: seen.append(type(gn).__name__))
+    return graph, terminals, seen
+
+
+def conv_sandwich(
+    g: torch.Generator,
+    first: tuple[int, int, int, int],
+    middle: Callable[[m.ImageNode], m.ImageNode],
+    second: tuple[int, int, int, int],
+) -> tuple[m.ConvolutionNode, tuple[Any, Any], m.LossNode]:
+    """``x -> conv first -> middle -> conv second -> MSE loss``, the convolutions' data
+    sources (`conv_ds` of ``(kw, kh, cin, cout)``, made in that order) stepped by `sgd1`:
+    (the second convolution node, the two data sources, the loss node)."""
+    d1, d2 = conv_ds(g, *first, sgd1()), conv_ds(g, *second, sgd1())
+    c1 = m.ConvolutionNode(m.ImageNode("x"), d1)
+    c2 = m.ConvolutionNode(middle(c1.result_image), d2)
+    return c2, (d1, d2), mse_loss(c2.result_image)
 
 
 def new_cb() -> m.CommandBuffer:

@@ -15,14 +15,12 @@ from tests.graph._helpers import (
     TOL,
     TorchConv,
     assert_close,
-    conv_ds,
+    conv_sandwich,
     encode,
     gen,
-    mse_loss,
     mse_reference,
     rand,
-    sgd1,
-    training,
+    training_seen,
 )
 
 REGIONS = [(0.1, 0.05, 0.7, 0.8), (-0.2, 0.3, 1.1, 0.6)]
@@ -49,17 +47,14 @@ def test_inference_graph_of_resize_then_crop() -> None:
 @pytest.mark.parametrize("align", [False, True])
 def test_training_graph_walks_through_resize_and_crop(align) -> None:
     g = gen(42)
-    d1, d2 = conv_ds(g, 3, 3, 2, 3, sgd1()), conv_ds(g, 3, 3, 6, 2, sgd1())
+
+    def middle(h: m.ImageNode) -> m.ImageNode:
+        resized = m.ResizeBilinearNode(h, 11, 8, align)
+        return m.CropAndResizeBilinearNode(resized.result_image, 5, 6, 2, REGIONS).result_image
+
+    _, (d1, d2), loss = conv_sandwich(g, (3, 3, 2, 3), middle, (3, 3, 6, 2))
     t1, t2 = TorchConv(d1), TorchConv(d2)
-    x = m.ImageNode("x")
-    c1 = m.ConvolutionNode(x, d1)
-    resized = m.ResizeBilinearNode(c1.result_image, 11, 8, align)
-    crop = m.CropAndResizeBilinearNode(resized.result_image, 5, 6, 2, REGIONS)
-    c2 = m.ConvolutionNode(crop.result_image, d2)
-    seen: list[str] = []
-    graph, terminals = training(
-        mse_loss(c2.result_image), handler=lambda gn, *rest: seen.append(type(gn).__name__)
-    )
+    graph, terminals, seen = training_seen(loss)
     assert "ResizeBilinearGradientNode" in seen and "CropAndResizeBilinearGradientNode" in seen
     assert [type(t).__name__ for t in terminals] == ["ConvolutionGradientNode"]
 

@@ -19,14 +19,13 @@ from tests.graph._helpers import (
     TOL,
     TorchConv,
     assert_close,
-    conv_ds,
+    conv_sandwich,
     encode,
     gen,
     mse_loss,
     mse_reference,
     rand,
-    sgd1,
-    training,
+    training_seen,
 )
 
 
@@ -83,16 +82,16 @@ def test_transform_provider_is_asked_at_every_encode() -> None:
 
 def test_training_graph_stops_at_a_scale_node() -> None:
     g = gen(53)
-    d1, d2 = conv_ds(g, 3, 3, 2, 3, sgd1()), conv_ds(g, 3, 3, 3, 2, sgd1())
+    nodes: list[m.LanczosScaleNode] = []
+
+    def middle(h: m.ImageNode) -> m.ImageNode:
+        nodes.append(m.LanczosScaleNode(h, m.Size(9, 7)))
+        return nodes[0].result_image
+
+    c2, (d1, d2), loss = conv_sandwich(g, (3, 3, 2, 3), middle, (3, 3, 3, 2))
+    (scaled,) = nodes
     t1, t2 = TorchConv(d1), TorchConv(d2)
-    x = m.ImageNode("x")
-    c1 = m.ConvolutionNode(x, d1)
-    scaled = m.LanczosScaleNode(c1.result_image, m.Size(9, 7))
-    c2 = m.ConvolutionNode(scaled.result_image, d2)
-    seen: list[str] = []
-    graph, terminals = training(
-        mse_loss(c2.result_image), handler=lambda gn, *rest: seen.append(type(gn).__name__)
-    )
+    graph, terminals, seen = training_seen(loss)
     # The walk ends at the scale node: no gradient for it, c1 or the input.
     assert seen == ["ConvolutionGradientNode"]
     assert terminals[0].inference_node is c2

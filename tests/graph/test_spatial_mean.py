@@ -16,14 +16,12 @@ from tests.graph._helpers import (
     TOL,
     TorchConv,
     assert_close,
-    conv_ds,
+    conv_sandwich,
     encode,
     gen,
-    mse_loss,
     mse_reference,
     rand,
-    sgd1,
-    training,
+    training_seen,
 )
 from tests.io._helpers import _roundtrip
 
@@ -127,20 +125,17 @@ def test_the_result_pixel_is_at_the_clip_rect_origin_which_must_be_inside() -> N
 
 
 def _graph(g: torch.Generator):
-    d1, d2 = conv_ds(g, 3, 3, 2, 4, sgd1()), conv_ds(g, 1, 1, 4, 3, sgd1())
-    x = m.ImageNode("x")
-    c1 = m.ConvolutionNode(x, d1)
-    mean = m.ReductionSpatialMeanNode(c1.result_image)
-    c2 = m.ConvolutionNode(mean.result_image, d2)
-    return x, (d1, d2), mse_loss(c2.result_image)
+    def middle(h: m.ImageNode) -> m.ImageNode:
+        return m.ReductionSpatialMeanNode(h).result_image
+
+    return conv_sandwich(g, (3, 3, 2, 4), middle, (1, 1, 4, 3))
 
 
 def test_training_graph_walks_through_the_node_against_autograd() -> None:
     g = gen(6)
     _, (d1, d2), loss = _graph(g)
     t1, t2 = TorchConv(d1), TorchConv(d2)
-    seen: list[str] = []
-    graph, terminals = training(loss, handler=lambda gn, *rest: seen.append(type(gn).__name__))
+    graph, terminals, seen = training_seen(loss)
     assert "ReductionSpatialMeanGradientNode" in seen
     assert [type(t).__name__ for t in terminals] == ["ConvolutionGradientNode"]
 
