@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -74,12 +74,23 @@ class ReductionType(enum.IntEnum):
 _INDEX_LABELS = (LossType.SOFTMAX_CROSS_ENTROPY, LossType.CATEGORICAL_CROSS_ENTROPY)
 _PER_PIXEL = (*_INDEX_LABELS, LossType.COSINE_DISTANCE)
 
+#: a loss's math: ``(predictions, labels, weights) -> (loss image, gradient)``
+_Compute = Callable[
+    [torch.Tensor, torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]
+]
 
-def _finite(who: str, name: str, value: Any, minimum: float | None = None) -> float:
+
+def _finite(
+    who: str, name: str, value: Any, minimum: float | None = None, positive: bool = False
+) -> float:
+    """``value`` as a float: a finite real number (not a bool), ``>= minimum`` when given,
+    ``> 0`` when ``positive``."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"[{who}] {name} must be a number, got {type(value).__name__}")
     if not math.isfinite(value):
         raise ValueError(f"[{who}] {name} must be finite, got {value}")
+    if positive and value <= 0:
+        raise ValueError(f"[{who}] {name} must be > 0, got {value}")
     if minimum is not None and value < minimum:
         raise ValueError(f"[{who}] {name} must be >= {minimum}, got {value}")
     return float(value)
@@ -135,12 +146,8 @@ class LossDescriptor:
                 f"got {number_of_classes!r}"
             )
         self.number_of_classes = number_of_classes
-        self.epsilon = _finite(who, "epsilon", epsilon)
-        if self.epsilon <= 0:
-            raise ValueError(f"[{who}] epsilon must be > 0, got {epsilon}")
-        self.delta = _finite(who, "delta", delta)
-        if self.delta <= 0:
-            raise ValueError(f"[{who}] delta must be > 0, got {delta}")
+        self.epsilon = _finite(who, "epsilon", epsilon, positive=True)
+        self.delta = _finite(who, "delta", delta, positive=True)
 
     def _params(self) -> LossParams:
         return LossParams(
@@ -163,7 +170,147 @@ class LossDescriptor:
         )
 
 
-class Loss(CNNKernel):
+class _LabelsLoss(CNNKernel):
+    """The encode of a loss whose labels are `LossLabels` (`Loss`, `mpsnn.cnn.yolo.YOLOLoss`):
+    the gradient image is the destination and each `LossLabels` gets its images of the loss
+    image. A subclass names itself in ``_who`` and checks its labels in `_prepare`."""
+
+    _who = "Loss"
+
+    def encode(  # type: ignore[override]
+        self,
+        command_buffer: CommandBuffer,
+        source_image: Image,
+        labels: LossLabels,
+        destination_image: Image | None = None,
+    ) -> Image:
+        """The gradient image; the loss goes into ``labels`` (see the class)."""
+        self._check_command_buffer(command_buffer)
+        self._check_image(command_buffer, source_image, "source_image")
+        lab = [self._check_state(command_buffer, labels, "labels", LossLabels)]
+        return self._encode_loss(command_buffer, source_image, lab, destination_image, False)
+
+    @image_sequences("source_images", destinations=("destination_images",))
+    def encode_batch(  # type: ignore[override]
+        self,
+        command_buffer: CommandBuffer,
+        source_images: ImageBatch,
+        labels_batch: LossLabels | Sequence[LossLabels],
+        destination_images: ImageBatch | None = None,
+    ) -> ImageBatch:
+        """Batch form: ``labels_batch`` is one `LossLabels` per image (a StateBatch), or one
+        `LossLabels` holding the whole batch."""
+        cb = command_buffer
+        self._check_command_buffer(cb)
+        src = self._check_batch(cb, source_images, "source_images")
+        if isinstance(labels_batch, LossLabels):
+            lab = [self._check_state(cb, labels_batch, "labels_batch", LossLabels)]
+        else:
+            if not isinstance(labels_batch, Sequence) or isinstance(labels_batch, str | bytes):
+                raise TypeError(
+                    f"[{self._who}] labels_batch must be a LossLabels or a sequence of them, "
+                    f"got {type(labels_batch).__name__}"
+                )
+            lab = [self._check_state(cb, s, "labels_batch", LossLabels) for s in labels_batch]
+        dst = None
+        if destination_images is not None:
+            dst = self._check_batch(cb, destination_images, "destination_images")
+        out = self._encode_loss(cb, src, lab, dst, True)
+        return destination_images if destination_images is not None else ImageBatch(out)
+
+    def _prepare(
+        self, c: int, h: int, w: int, labels: list[LossLabels]
+    ) -> tuple[tuple[int, int, int], _Compute, Callable[[CommandBuffer], None] | None]:
+        """Checks the labels against predictions of ``c`` channels and ``h x w``; returns the
+        loss image's ``(C, H, W)``, the math ``(y, labels, weights) -> (loss, gradient)`` and
+        what to do once the command is encoded (or None)."""
+        raise NotImplementedError
+
+    def _encode_loss(
+        self,
+        cb: CommandBuffer,
+        src: Image,
+        labels: list[LossLabels],
+        dst: Image | None,
+        batch: bool,
+    ) -> Image:
+        who = self._who
+        n, c, h, w = src._shape
+        clip = self._clip
+        if (
+            self._offset[:2] != (0, 0)
+            or clip.origin[:2] != (0, 0)
+            or clip.size.width < w
+            or clip.size.height < h
+            or self._sco != 0
+            or self._dco != 0
+        ):
+            raise UnsupportedError(
+                f"[{who}] a loss reads whole images: offset.x/y, the clip rect's x and y range "
+                "and the channel offsets must keep their defaults, got "
+                f"offset={self._offset} clip_rect={clip} "
+                f"channel offsets {self._sco}/{self._dco}"
+            )
+        if batch:
+            first, dz, count = 0, 0, n
+        else:  # the images the clip rect covers, as every kernel (`resolve_images`)
+            dst_n = dst._shape[0] if dst is not None else max(1, n - self._offset.z)
+            first, dz, count = resolve_images(who, n, dst_n, self._offset.z, clip, False)
+        total = sum(lab.number_of_images for lab in labels)
+        if total != count:
+            covers = (
+                ""
+                if batch
+                else f" the encode covers ({count}: images {first}..{first + count - 1} of the "
+                f"{n}-image source)"
+            )
+            raise ValueError(
+                f"[{who}] the labels must hold one image per source image"
+                f"{covers or f' ({count})'}, got {total}"
+            )
+        lshape, compute, finish = self._prepare(c, h, w, labels)
+        if dst is not None:
+            self._check_destination(cb, dst, "destination_image", src)
+            if dst._shape[1:] != (c, h, w) or dst._shape[0] < dz + count:
+                raise ValueError(
+                    f"[{who}] the destination must be {w}x{h}x{c} like the source, got "
+                    f"{dst.width}x{dst.height}x{dst.feature_channels}"
+                )
+        gfmt = _result_format(src._fmt)
+        images = count if batch else max(1, n - first)  # a returned destination: every kernel's
+        grad_out = dst if dst is not None else ImageDescriptor._make(gfmt, w, h, c, images)
+        fmt = src._fmt if src._fmt is FeatureChannelFormat.FLOAT64 else FeatureChannelFormat.FLOAT32
+        loss_desc = ImageDescriptor._make(fmt, lshape[2], lshape[1], lshape[0], count)
+        several = len(labels) > 1
+        has_weights = labels[0]._weights is not None  # `_prepare` checked they all agree
+        whole = first == 0 and count == n  # no slice to make (a batch encode)
+
+        def run(grad: Image, loss: Image) -> None:
+            y = src._read()
+            if not whole:
+                y = y[first : first + count]
+            if several:
+                t = torch.cat([lab._labels for lab in labels])
+                wt = torch.cat([lab._weights for lab in labels]) if has_weights else None
+            else:
+                t, wt = labels[0]._labels, labels[0]._weights
+            value, g = compute(y, t, wt)
+            grad._write_block(g, dz, 0, 0, 0, y)
+            loss._write_block(value, 0, 0, 0, 0)
+
+        loss_image = Image._make(self._device, loss_desc)
+        views = _split(loss_image, [lab.number_of_images for lab in labels])
+        outs = self._apply(
+            cb, Encoding(run, (grad_out, loss_image), (src, *labels), (), None, batch)
+        )
+        if finish is not None:
+            finish(cb)
+        for lab, view in zip(labels, views, strict=True):
+            lab._loss = view
+        return outs[0]  # type: ignore[return-value]
+
+
+class Loss(_LabelsLoss):
     """A loss and its gradient in one encode (MPS ``MPSCNNLoss``).
 
     Args:
@@ -227,92 +374,13 @@ class Loss(CNNKernel):
     def delta(self) -> float:
         return self._desc.delta
 
-    # -- encode ---------------------------------------------------------------------------
+    # -- encode (`_LabelsLoss`) ------------------------------------------------------------
 
-    def encode(  # type: ignore[override]
-        self,
-        command_buffer: CommandBuffer,
-        source_image: Image,
-        labels: LossLabels,
-        destination_image: Image | None = None,
-    ) -> Image:
-        """The gradient image; the loss goes into ``labels`` (see the class)."""
-        self._check_command_buffer(command_buffer)
-        self._check_image(command_buffer, source_image, "source_image")
-        lab = [self._check_state(command_buffer, labels, "labels", LossLabels)]
-        return self._encode_loss(command_buffer, source_image, lab, destination_image, False)
-
-    @image_sequences("source_images", destinations=("destination_images",))
-    def encode_batch(  # type: ignore[override]
-        self,
-        command_buffer: CommandBuffer,
-        source_images: ImageBatch,
-        labels_batch: LossLabels | Sequence[LossLabels],
-        destination_images: ImageBatch | None = None,
-    ) -> ImageBatch:
-        """Batch form: ``labels_batch`` is one `LossLabels` per image (a StateBatch), or one
-        `LossLabels` holding the whole batch."""
-        cb = command_buffer
-        self._check_command_buffer(cb)
-        src = self._check_batch(cb, source_images, "source_images")
-        if isinstance(labels_batch, LossLabels):
-            lab = [self._check_state(cb, labels_batch, "labels_batch", LossLabels)]
-        else:
-            if not isinstance(labels_batch, Sequence) or isinstance(labels_batch, str | bytes):
-                raise TypeError(
-                    "[Loss] labels_batch must be a LossLabels or a sequence of them, "
-                    f"got {type(labels_batch).__name__}"
-                )
-            lab = [self._check_state(cb, s, "labels_batch", LossLabels) for s in labels_batch]
-        dst = None
-        if destination_images is not None:
-            dst = self._check_batch(cb, destination_images, "destination_images")
-        out = self._encode_loss(cb, src, lab, dst, True)
-        return destination_images if destination_images is not None else ImageBatch(out)
-
-    def _encode_loss(
-        self,
-        cb: CommandBuffer,
-        src: Image,
-        labels: list[LossLabels],
-        dst: Image | None,
-        batch: bool,
-    ) -> Image:
+    def _prepare(
+        self, c: int, h: int, w: int, labels: list[LossLabels]
+    ) -> tuple[tuple[int, int, int], _Compute, Callable[[CommandBuffer], None] | None]:
         who = "Loss"
-        n, c, h, w = src._shape
-        clip = self._clip
-        if (
-            self._offset[:2] != (0, 0)
-            or clip.origin[:2] != (0, 0)
-            or clip.size.width < w
-            or clip.size.height < h
-            or self._sco != 0
-            or self._dco != 0
-        ):
-            raise UnsupportedError(
-                "[Loss] a loss reads whole images: offset.x/y, the clip rect's x and y range "
-                "and the channel offsets must keep their defaults, got "
-                f"offset={self._offset} clip_rect={clip} "
-                f"channel offsets {self._sco}/{self._dco}"
-            )
-        if batch:
-            first, dz, count = 0, 0, n
-        else:  # the images the clip rect covers, as every kernel (`resolve_images`)
-            dst_n = dst._shape[0] if dst is not None else max(1, n - self._offset.z)
-            first, dz, count = resolve_images(who, n, dst_n, self._offset.z, clip, False)
         kinds = {lab._index for lab in labels}
-        total = sum(lab.number_of_images for lab in labels)
-        if total != count:
-            covers = (
-                ""
-                if batch
-                else f" the encode covers ({count}: images {first}..{first + count - 1} of the "
-                f"{n}-image source)"
-            )
-            raise ValueError(
-                f"[{who}] the labels must hold one image per source image"
-                f"{covers or f' ({count})'}, got {total}"
-            )
         if len(kinds) != 1:
             raise ValueError(f"[{who}] labels must all be float or all class indices, got both")
         index = kinds.pop()
@@ -348,68 +416,44 @@ class Loss(CNNKernel):
         per_pixel = kind in _PER_PIXEL
         none = self._desc.reduction_type is ReductionType.NONE
         lshape = ((c if not per_pixel else 1), h, w) if none else (1, 1, 1)
-        for lab in labels:
-            size = lab._loss_size
-            if size is not None and (size.depth, size.height, size.width) != lshape:
-                raise ValueError(
-                    f"[{who}] loss_image_size must be {Size(lshape[2], lshape[1], lshape[0])} "
-                    f"for {self._desc.reduction_type.name}, got {size}"
-                )
-        if dst is not None:
-            self._check_destination(cb, dst, "destination_image", src)
-            if dst._shape[1:] != (c, h, w) or dst._shape[0] < dz + count:
-                raise ValueError(
-                    f"[{who}] the destination must be {w}x{h}x{c} like the source, got "
-                    f"{dst.width}x{dst.height}x{dst.feature_channels}"
-                )
-        gfmt = _result_format(src._fmt)
-        images = count if batch else max(1, n - first)  # a returned destination: every kernel's
-        grad_out = dst if dst is not None else ImageDescriptor._make(gfmt, w, h, c, images)
-        fmt = src._fmt if src._fmt is FeatureChannelFormat.FLOAT64 else FeatureChannelFormat.FLOAT32
-        loss_desc = ImageDescriptor._make(fmt, lshape[2], lshape[1], lshape[0], count)
+        _check_loss_size(who, labels, lshape, self._desc.reduction_type)
         params = self._params
-        several = len(labels) > 1
-        has_weights = weighted.pop() is not None
-        whole = first == 0 and count == n  # no slice to make (a batch encode)
+        if not index:
+            return lshape, lambda y, t, wt: loss_forward_backward(y, t, wt, params), None
         # class indices: their range, written by the command on the device and read by the
         # command buffer's completion check (`_index_check`). On CUDA the command copies it
         # into pinned host memory made here (outside any capture) on its own stream, so the
         # check reads host memory once the work completed: no device read, no wait (a capture
         # records the copy, and each replay writes the same host buffer)
         written: list[torch.Tensor | None] = [None]
-        cuda = index and self._device.torch_device.type == "cuda"
+        cuda = self._device.torch_device.type == "cuda"
         host = torch.empty(2, dtype=torch.int64, pin_memory=True) if cuda else None
 
-        def run(grad: Image, loss: Image) -> None:
-            y = src._read()
-            if not whole:
-                y = y[first : first + count]
-            if several:
-                t = torch.cat([lab._labels for lab in labels])
-                wt = torch.cat([lab._weights for lab in labels]) if has_weights else None
-            else:
-                t, wt = labels[0]._labels, labels[0]._weights
-            bounds = None
-            if index:
-                bounds = torch.empty(2, dtype=torch.int64, device=t.device)
-                written[0] = bounds
+        def compute(
+            y: torch.Tensor, t: torch.Tensor, wt: torch.Tensor | None
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            bounds = torch.empty(2, dtype=torch.int64, device=t.device)
+            written[0] = bounds
             value, g = loss_forward_backward(y, t, wt, params, index_bounds=bounds)
-            if host is not None and bounds is not None and bounds.is_cuda:
+            if host is not None and bounds.is_cuda:
                 host.copy_(bounds, non_blocking=True)
                 written[0] = host
-            grad._write_block(g, dz, 0, 0, 0, y)
-            loss._write_block(value, 0, 0, 0, 0)
+            return value, g
 
-        loss_image = Image._make(self._device, loss_desc)
-        views = _split(loss_image, [lab.number_of_images for lab in labels])
-        outs = self._apply(
-            cb, Encoding(run, (grad_out, loss_image), (src, *labels), (), None, batch)
-        )
-        if index:
-            cb._check_after_last(_index_check(written, c))
-        for lab, view in zip(labels, views, strict=True):
-            lab._loss = view
-        return outs[0]  # type: ignore[return-value]
+        return lshape, compute, lambda cb: cb._check_after_last(_index_check(written, c))
+
+
+def _check_loss_size(
+    who: str, labels: list[LossLabels], lshape: tuple[int, int, int], reduction: ReductionType
+) -> None:
+    """Each label's ``loss_image_size``, when given, must be the loss image's ``(C, H, W)``."""
+    for lab in labels:
+        size = lab._loss_size
+        if size is not None and (size.depth, size.height, size.width) != lshape:
+            raise ValueError(
+                f"[{who}] loss_image_size must be {Size(lshape[2], lshape[1], lshape[0])} "
+                f"for {reduction.name}, got {size}"
+            )
 
 
 def _index_check(written: list[torch.Tensor | None], classes: int) -> Any:
@@ -432,7 +476,8 @@ def _index_check(written: list[torch.Tensor | None], classes: int) -> Any:
 
 
 def _split(image: Image, counts: list[int]) -> list[Image]:
-    """Views of consecutive images of ``image``, ``counts[i]`` images each."""
+    """Views of consecutive images of ``image``, ``counts[i]`` images each (one loss image per
+    `LossLabels`)."""
     if len(counts) == 1:
         return [image]
     batch = ImageBatch(image)

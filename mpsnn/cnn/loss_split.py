@@ -40,12 +40,11 @@ supported): ``offset``, the clip rect and the channel offsets keep their default
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mpsnn.cnn.loss import LossDescriptor, LossType, ReductionType
+from mpsnn.cnn.loss import _PER_PIXEL, LossDescriptor, LossType, ReductionType, _finite
 from mpsnn.core._checks import check_type
 from mpsnn.core.binary import BinaryKernel
 from mpsnn.core.cnn_kernel import CNNKernel, Forward, Records
@@ -67,12 +66,6 @@ from mpsnn.ops.loss_split import (
 
 __all__ = ["ForwardLoss", "ForwardLossRecord", "InitialGradient", "LossGradient"]
 
-_PER_PIXEL = (
-    LossType.SOFTMAX_CROSS_ENTROPY,
-    LossType.CATEGORICAL_CROSS_ENTROPY,
-    LossType.COSINE_DISTANCE,
-)
-
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ForwardLossRecord:
@@ -81,18 +74,6 @@ class ForwardLossRecord:
 
     params: LossParams
     reduce_across_batch: bool
-
-
-def _number(who: str, name: str, value: Any, positive: bool = False, minimum: Any = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"[{who}] {name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value):
-        raise ValueError(f"[{who}] {name} must be finite, got {value}")
-    if positive and value <= 0:
-        raise ValueError(f"[{who}] {name} must be > 0, got {value}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"[{who}] {name} must be >= {minimum}, got {value}")
-    return float(value)
 
 
 def loss_image_shape(
@@ -143,7 +124,7 @@ class _LossProperties:
 
     @weight.setter
     def weight(self, value: float) -> None:
-        self._desc.weight = _number(type(self).__name__, "weight", value)
+        self._desc.weight = _finite(type(self).__name__, "weight", value)
 
     @property
     def label_smoothing(self) -> float:
@@ -151,7 +132,7 @@ class _LossProperties:
 
     @label_smoothing.setter
     def label_smoothing(self, value: float) -> None:
-        self._desc.label_smoothing = _number(
+        self._desc.label_smoothing = _finite(
             type(self).__name__, "label_smoothing", value, minimum=0.0
         )
 
@@ -161,7 +142,7 @@ class _LossProperties:
 
     @epsilon.setter
     def epsilon(self, value: float) -> None:
-        self._desc.epsilon = _number(type(self).__name__, "epsilon", value, positive=True)
+        self._desc.epsilon = _finite(type(self).__name__, "epsilon", value, positive=True)
 
     @property
     def delta(self) -> float:
@@ -169,7 +150,7 @@ class _LossProperties:
 
     @delta.setter
     def delta(self, value: float) -> None:
-        self._desc.delta = _number(type(self).__name__, "delta", value, positive=True)
+        self._desc.delta = _finite(type(self).__name__, "delta", value, positive=True)
 
     def _loss_params(self) -> LossParams:
         return self._desc._params()

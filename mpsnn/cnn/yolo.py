@@ -22,24 +22,23 @@ class one-hot``); `mpsnn.ops.yolo.boxes_to_labels` makes them from boxes.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from mpsnn.cnn.loss import Loss, LossDescriptor, LossType, ReductionType
+from mpsnn.cnn.loss import (
+    Loss,
+    LossDescriptor,
+    LossType,
+    ReductionType,
+    _check_loss_size,
+    _Compute,
+    _finite,
+    _LabelsLoss,
+)
 from mpsnn.cnn.loss_labels import LossLabels
 from mpsnn.core._checks import check_enum, check_int, check_type
-from mpsnn.core.cnn_kernel import CNNKernel
-from mpsnn.core.descriptor import FeatureChannelFormat, ImageDescriptor, _result_format
-from mpsnn.core.device import CommandBuffer, Device
-from mpsnn.core.encode import Encoding
-from mpsnn.core.geometry import Size
-from mpsnn.core.image import Image
-from mpsnn.core.image_batch import ImageBatch
-from mpsnn.core.kernel import image_sequences, resolve_images
-from mpsnn.errors import UnsupportedError
+from mpsnn.core.device import Device
 from mpsnn.ops.yolo import PER_PIXEL_TYPES, YOLOParams, yolo_loss_forward_backward
 
 __all__ = ["YOLOLoss", "YOLOLossDescriptor"]
@@ -50,14 +49,6 @@ _SUB_LOSSES = (
     ("confidence_loss_descriptor", "_confidence"),
     ("classes_loss_descriptor", "_classes"),
 )
-
-
-def _number(who: str, name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"[{who}] {name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value):
-        raise ValueError(f"[{who}] {name} must be finite, got {value}")
-    return float(value)
 
 
 def _anchors(who: str, value: Any) -> tuple[tuple[float, float], ...]:
@@ -199,30 +190,28 @@ class YOLOLossDescriptor:
     def _get_sub(self, slot: str) -> LossDescriptor:
         return getattr(self, slot)  # type: ignore[no-any-return]
 
-    def _set_sub(self, name: str, slot: str, value: Any) -> None:
-        check_type("YOLOLossDescriptor", name, value, LossDescriptor)
-        object.__setattr__(self, slot, value)
+    def _sub(name: str, slot: str, doc: str) -> property:  # type: ignore[misc]
+        def put(self: YOLOLossDescriptor, value: LossDescriptor) -> None:
+            check_type("YOLOLossDescriptor", name, value, LossDescriptor)
+            object.__setattr__(self, slot, value)
 
-    xy_loss_descriptor = property(
-        lambda self: self._xy,
-        lambda self, v: self._set_sub("xy_loss_descriptor", "_xy", v),
-        doc="The XY loss (on the sigmoid of X and Y), a `LossDescriptor`.",
+        return property(lambda self: getattr(self, slot), put, doc=doc)
+
+    xy_loss_descriptor = _sub(
+        "xy_loss_descriptor", "_xy", "The XY loss (on the sigmoid of X and Y), a `LossDescriptor`."
     )
-    wh_loss_descriptor = property(
-        lambda self: self._wh,
-        lambda self, v: self._set_sub("wh_loss_descriptor", "_wh", v),
-        doc="The WH loss (on raw W and H), a `LossDescriptor`.",
+    wh_loss_descriptor = _sub(
+        "wh_loss_descriptor", "_wh", "The WH loss (on raw W and H), a `LossDescriptor`."
     )
-    confidence_loss_descriptor = property(
-        lambda self: self._confidence,
-        lambda self, v: self._set_sub("confidence_loss_descriptor", "_confidence", v),
-        doc="The confidence loss (on raw C), a `LossDescriptor`.",
-    )
-    classes_loss_descriptor = property(
-        lambda self: self._classes,
-        lambda self, v: self._set_sub("classes_loss_descriptor", "_classes", v),
-        doc="The class loss (on the raw class channels), a `LossDescriptor`.",
-    )
+    confidence_loss_descriptor = _sub(
+        "confidence_loss_descriptor", "_confidence",
+        "The confidence loss (on raw C), a `LossDescriptor`.",
+    )  # fmt: skip
+    classes_loss_descriptor = _sub(
+        "classes_loss_descriptor", "_classes",
+        "The class loss (on the raw class channels), a `LossDescriptor`.",
+    )  # fmt: skip
+    del _sub
 
     # -- the other fields ----------------------------------------------------------------
 
@@ -260,7 +249,7 @@ class YOLOLossDescriptor:
             return self._scales[index]
 
         def put(self: YOLOLossDescriptor, value: float) -> None:
-            self._scales[index] = _number("YOLOLossDescriptor", name, value)
+            self._scales[index] = _finite("YOLOLossDescriptor", name, value)
 
         return property(get, put)
 
@@ -277,7 +266,7 @@ class YOLOLossDescriptor:
 
     @min_iou_for_object_presence.setter
     def min_iou_for_object_presence(self, value: float) -> None:
-        self._min_iou = _number("YOLOLossDescriptor", "min_iou_for_object_presence", value)
+        self._min_iou = _finite("YOLOLossDescriptor", "min_iou_for_object_presence", value)
 
     @property
     def max_iou_for_object_absence(self) -> float:
@@ -285,7 +274,7 @@ class YOLOLossDescriptor:
 
     @max_iou_for_object_absence.setter
     def max_iou_for_object_absence(self, value: float) -> None:
-        self._max_iou = _number("YOLOLossDescriptor", "max_iou_for_object_absence", value)
+        self._max_iou = _finite("YOLOLossDescriptor", "max_iou_for_object_absence", value)
 
     # -- copies and parameters -----------------------------------------------------------
 
@@ -335,7 +324,7 @@ def _read_only(name: str) -> property:
     return property(lambda self: getattr(self._desc, name), doc=f"The descriptor's ``{name}``.")
 
 
-class YOLOLoss(CNNKernel):
+class YOLOLoss(_LabelsLoss):
     """The YOLO loss and its gradient in one encode (MPS ``MPSCNNYOLOLoss``).
 
     Args:
@@ -355,6 +344,8 @@ class YOLOLoss(CNNKernel):
     four sub-descriptors (MPS's ``lossXY``, ...); the descriptor's other fields are read-only
     properties.
     """
+
+    _who = "YOLOLoss"
 
     def __init__(self, device: Device, loss_descriptor: YOLOLossDescriptor) -> None:
         super().__init__(device)
@@ -394,50 +385,11 @@ class YOLOLoss(CNNKernel):
     number_of_anchor_boxes = _read_only("number_of_anchor_boxes")
     anchor_boxes = _read_only("anchor_boxes")
 
-    # -- encode ---------------------------------------------------------------------------
+    # -- encode (`_LabelsLoss`) ------------------------------------------------------------
 
-    def encode(  # type: ignore[override]
-        self,
-        command_buffer: CommandBuffer,
-        source_image: Image,
-        labels: LossLabels,
-        destination_image: Image | None = None,
-    ) -> Image:
-        """The gradient image; the loss goes into ``labels`` (see the class)."""
-        self._check_command_buffer(command_buffer)
-        self._check_image(command_buffer, source_image, "source_image")
-        lab = [self._check_state(command_buffer, labels, "labels", LossLabels)]
-        return self._encode_loss(command_buffer, source_image, lab, destination_image, False)
-
-    @image_sequences("source_images", destinations=("destination_images",))
-    def encode_batch(  # type: ignore[override]
-        self,
-        command_buffer: CommandBuffer,
-        source_images: ImageBatch,
-        labels_batch: LossLabels | Sequence[LossLabels],
-        destination_images: ImageBatch | None = None,
-    ) -> ImageBatch:
-        """Batch form: ``labels_batch`` is one `LossLabels` per image (a StateBatch), or one
-        `LossLabels` holding the whole batch."""
-        cb = command_buffer
-        self._check_command_buffer(cb)
-        src = self._check_batch(cb, source_images, "source_images")
-        if isinstance(labels_batch, LossLabels):
-            lab = [self._check_state(cb, labels_batch, "labels_batch", LossLabels)]
-        else:
-            if not isinstance(labels_batch, Sequence) or isinstance(labels_batch, str | bytes):
-                raise TypeError(
-                    "[YOLOLoss] labels_batch must be a LossLabels or a sequence of them, "
-                    f"got {type(labels_batch).__name__}"
-                )
-            lab = [self._check_state(cb, s, "labels_batch", LossLabels) for s in labels_batch]
-        dst = None
-        if destination_images is not None:
-            dst = self._check_batch(cb, destination_images, "destination_images")
-        out = self._encode_loss(cb, src, lab, dst, True)
-        return destination_images if destination_images is not None else ImageBatch(out)
-
-    def _check_layout(self, c: int, h: int, w: int, labels: list[LossLabels]) -> None:
+    def _prepare(
+        self, c: int, h: int, w: int, labels: list[LossLabels]
+    ) -> tuple[tuple[int, int, int], _Compute, None]:
         who = "YOLOLoss"
         a = self._desc.number_of_anchor_boxes
         if c % a or c // a < 6:
@@ -457,119 +409,10 @@ class YOLOLoss(CNNKernel):
                     f"[{who}] labels must be {w}x{h} with at least the predictions' {c} "
                     f"channels, got {t.shape[3]}x{t.shape[2]}x{t.shape[1]}"
                 )
-        none = self._desc.reduction_type is ReductionType.NONE
-        lshape = (c, h, w) if none else (1, 1, 1)
-        for lab in labels:
-            size = lab._loss_size
-            if size is not None and (size.depth, size.height, size.width) != lshape:
-                raise ValueError(
-                    f"[{who}] loss_image_size must be {Size(lshape[2], lshape[1], lshape[0])} "
-                    f"for {self._desc.reduction_type.name}, got {size}"
-                )
-
-    def _encode_loss(
-        self,
-        cb: CommandBuffer,
-        src: Image,
-        labels: list[LossLabels],
-        dst: Image | None,
-        batch: bool,
-    ) -> Image:
-        who = "YOLOLoss"
-        n, c, h, w = src._shape
-        clip = self._clip
-        if (
-            self._offset[:2] != (0, 0)
-            or clip.origin[:2] != (0, 0)
-            or clip.size.width < w
-            or clip.size.height < h
-            or self._sco != 0
-            or self._dco != 0
-        ):
-            raise UnsupportedError(
-                f"[{who}] a loss reads whole images: offset.x/y, the clip rect's x and y range "
-                "and the channel offsets must keep their defaults, got "
-                f"offset={self._offset} clip_rect={clip} "
-                f"channel offsets {self._sco}/{self._dco}"
-            )
-        if batch:
-            first, dz, count = 0, 0, n
-        else:  # the images the clip rect covers, as every kernel (`resolve_images`)
-            dst_n = dst._shape[0] if dst is not None else max(1, n - self._offset.z)
-            first, dz, count = resolve_images(who, n, dst_n, self._offset.z, clip, False)
-        total = sum(lab.number_of_images for lab in labels)
-        if total != count:
-            covers = (
-                ""
-                if batch
-                else f" the encode covers ({count}: images {first}..{first + count - 1} of the "
-                f"{n}-image source)"
-            )
-            raise ValueError(
-                f"[{who}] the labels must hold one image per source image"
-                f"{covers or f' ({count})'}, got {total}"
-            )
-        self._check_layout(c, h, w, labels)
-        weighted = {lab._weights is None for lab in labels}
-        if len(weighted) != 1:
+        reduction = self._desc.reduction_type
+        lshape = (c, h, w) if reduction is ReductionType.NONE else (1, 1, 1)
+        _check_loss_size(who, labels, lshape, reduction)
+        if len({lab._weights is None for lab in labels}) != 1:
             raise ValueError(f"[{who}] labels must all have weights or all none, got a mix")
-        if dst is not None:
-            self._check_destination(cb, dst, "destination_image", src)
-            if dst._shape[1:] != (c, h, w) or dst._shape[0] < dz + count:
-                raise ValueError(
-                    f"[{who}] the destination must be {w}x{h}x{c} like the source, got "
-                    f"{dst.width}x{dst.height}x{dst.feature_channels}"
-                )
-        none = self._desc.reduction_type is ReductionType.NONE
-        lshape = (c, h, w) if none else (1, 1, 1)
-        gfmt = _result_format(src._fmt)
-        images = count if batch else max(1, n - first)  # a returned destination: every kernel's
-        grad_out = dst if dst is not None else ImageDescriptor._make(gfmt, w, h, c, images)
-        fmt = src._fmt if src._fmt is FeatureChannelFormat.FLOAT64 else FeatureChannelFormat.FLOAT32
-        loss_desc = ImageDescriptor._make(fmt, lshape[2], lshape[1], lshape[0], count)
         params = self._params
-        several = len(labels) > 1
-        has_weights = not weighted.pop()
-        whole = first == 0 and count == n
-
-        def run(grad: Image, loss: Image) -> None:
-            y = src._read()
-            if not whole:
-                y = y[first : first + count]
-            if several:
-                t = torch.cat([lab._labels for lab in labels])
-                wt = torch.cat([lab._weights for lab in labels]) if has_weights else None
-            else:
-                t, wt = labels[0]._labels, labels[0]._weights
-            value, g = yolo_loss_forward_backward(y, t, wt, params)
-            grad._write_block(g, dz, 0, 0, 0, y)
-            loss._write_block(value, 0, 0, 0, 0)
-
-        loss_image = Image._make(self._device, loss_desc)
-        views = _split(loss_image, [lab.number_of_images for lab in labels])
-        outs = self._apply(
-            cb, Encoding(run, (grad_out, loss_image), (src, *labels), (), None, batch)
-        )
-        for lab, view in zip(labels, views, strict=True):
-            lab._loss = view
-        return outs[0]  # type: ignore[return-value]
-
-
-def _split(image: Image, counts: list[int]) -> list[Image]:
-    """Views of consecutive images of ``image``, ``counts[i]`` images each (one loss image per
-    `LossLabels`)."""
-    if len(counts) == 1:
-        return [image]
-    batch = ImageBatch(image)
-    out, start = [], 0
-    for k in counts:
-        if k == 1:
-            out.append(batch[start])
-        else:
-            view = Image.__new__(Image)
-            _, c, h, w = image.shape
-            Image.__init__(view, image.device, ImageDescriptor._make(image._fmt, w, h, c, k))
-            view._base, view._index = image, start
-            out.append(view)
-        start += k
-    return out
+        return lshape, lambda y, t, wt: yolo_loss_forward_backward(y, t, wt, params), None

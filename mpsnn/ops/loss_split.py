@@ -50,6 +50,7 @@ import torch
 
 from mpsnn.ops._dtypes import acc_dtype
 from mpsnn.ops.loss import (
+    _PER_PIXEL,
     CATEGORICAL_CROSS_ENTROPY,
     COSINE_DISTANCE,
     HINGE,
@@ -69,7 +70,6 @@ from mpsnn.ops.loss import (
 
 __all__ = ["LABEL_GRADIENT_TYPES", "forward_loss", "label_gradient", "prediction_gradient"]
 
-_PER_PIXEL = frozenset({SOFTMAX_CROSS_ENTROPY, CATEGORICAL_CROSS_ENTROPY, COSINE_DISTANCE})
 #: the loss types whose gradient with respect to the labels is defined (all but KL).
 LABEL_GRADIENT_TYPES = frozenset(range(10)) - {KULLBACK_LEIBLER_DIVERGENCE}
 

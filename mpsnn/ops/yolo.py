@@ -93,11 +93,9 @@ import torch
 
 from mpsnn.ops._dtypes import acc_dtype, device_constant
 from mpsnn.ops.loss import (
-    CATEGORICAL_CROSS_ENTROPY,
-    COSINE_DISTANCE,
+    _PER_PIXEL,
     MEAN,
     NONE,
-    SOFTMAX_CROSS_ENTROPY,
     SUM_BY_NON_ZERO_WEIGHTS,
     LossParams,
     loss_forward_backward,
@@ -114,7 +112,7 @@ __all__ = [
 
 # Loss types whose value is one per pixel over the channels (classes): allowed for the class
 # loss only.
-PER_PIXEL_TYPES = frozenset({SOFTMAX_CROSS_ENTROPY, CATEGORICAL_CROSS_ENTROPY, COSINE_DISTANCE})
+PER_PIXEL_TYPES = _PER_PIXEL
 _EXP_LIMIT = 50.0  # |tw|, |th| for the rescore IoU: e^100 overflows float32 to inf, not NaN
 
 
