@@ -6,7 +6,7 @@ An encode goes through the same steps for every family (`mpsnn.core.encode`):
 2. plan, once per configuration: size the destination with the padding policy when none is
    given (the policy's changes to ``offset`` and friends are returned, not kept), resolve the
    `Window` (images, channels, per-axis windows) and let the family check it;
-3. build the typed `ForwardRecord` and the command closure;
+3. build the typed `ForwardRecord` and the command closure (`mpsnn.core.forward_command`);
 4. apply: allocate the destination, record the command, write the records into the states,
    set the properties the policy chose, drop the read counts of what was read.
 
@@ -30,6 +30,7 @@ from mpsnn.core._checks import check_enum, check_int, check_positive, check_type
 from mpsnn.core.descriptor import _FORMAT_TO_DTYPE, ImageDescriptor, _result_format
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.encode import Encoding
+from mpsnn.core.forward_command import forward_command
 from mpsnn.core.geometry import (
     _HUGE,
     RECT_NO_CLIP,
@@ -452,7 +453,7 @@ class CNNKernel(SharedProperties, Kernel):
             forward = self._make_forward(window, records, memo)
             out: Any = dst if dst is not None else desc  # given, or a descriptor to allocate
             out_dtype = out._dtype if dst is not None else _FORMAT_TO_DTYPE[out._fmt]
-            run = _forward_command(forward, src, window, out_dtype, memo)
+            run = forward_command(forward, src, window, out_dtype, memo)
         except BaseException:
             self._restore_geometry(saved)
             raise
@@ -568,44 +569,6 @@ class CNNKernel(SharedProperties, Kernel):
         span = DestinationSpan(offset, y0 - clip.origin.y, ny, x0 - clip.origin.x, nx, sh, sw)
         ay, ax = self._axis_windows(span)
         return Window(ay, ax, z_src, z_dst, images, self._sco, n_read, self._dco, n_write, y0, x0)
-
-
-def _forward_command(
-    forward: Forward, src: Image, w: Window, out_dtype: torch.dtype, memo: dict[str, Any]
-) -> Callable[[Image], None]:
-    """The command of one encode: read the source block, run ``forward``, write its result.
-
-    ``out_dtype``: the dtype of the destination the encode gives or allocates. ``memo`` is the
-    plan's (`_plan`: the same window and source shape): what the window says is read there
-    once per configuration, not at every encode."""
-    where = memo.get("command")
-    if where is None:
-        z0, n, c0, nc = w.src_image, w.images, w.src_channel, w.src_channels
-        whole = z0 == 0 and n == src._shape[0] and c0 == 0 and nc == src._shape[1]
-        index = None if whole else (slice(z0, z0 + n), slice(c0, c0 + nc))  # None: common
-        where = memo["command"] = (index, w.dst_image, w.dst_channel, w.dst_y, w.dst_x)
-    index, dz, dc, dy, dx = where
-    # The formats are known now: decide the compute dtype once (an allocator that returns an
-    # image of another format is still served right, when the command runs).
-    wide = _compute_dtype(out_dtype, src)
-
-    def run(dst: Image) -> None:
-        dtype = wide if dst._dtype is out_dtype else _compute_dtype(dst._dtype, src)
-        data = src._read(dtype)
-        x = data if index is None else data[index]
-        if dtype is not None and x.dtype != dtype:
-            x = x.to(dtype)
-        dst._write_block(forward(x), dz, dc, dy, dx, data)
-
-    return run
-
-
-def _compute_dtype(out_dtype: torch.dtype, src: Image) -> torch.dtype | None:
-    """Mixed formats: the math runs in the wider of the source's and the destination's dtypes;
-    None when that is the dtype the source reads in."""
-    if out_dtype is src._dtype:  # the common case: a source reads its own dtype or a wider one
-        return None
-    return out_dtype if out_dtype.itemsize > src._read_dtype.itemsize else None
 
 
 def _as_list(states: Any) -> list[Any]:

@@ -13,8 +13,9 @@ Nothing is guaranteed to have run before `CommandBuffer.commit`.
   garbage-collected.
 
 An encoded CUDA buffer can be *captured* instead of committed (`CommandBuffer.capture`): its work is
-recorded once into a CUDA graph; each `CapturedCommandBuffer.replay` reads the current contents
-of the input images (refill them in place) and writes the same output storage.
+recorded once into a CUDA graph (`mpsnn.core.capture`); each `CapturedCommandBuffer.replay` reads
+the current contents of the input images (refill them in place) and writes the same output
+storage.
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ from typing import Any
 import torch
 
 from mpsnn.core import replays as _replays
+from mpsnn.core.capture import CapturedCommandBuffer, allocated_before_capture, record_graph
 from mpsnn.core.completion import _WORKERS as _WORKERS
 from mpsnn.core.completion import _CompletionWorker
 from mpsnn.core.completion import _drain_workers as _drain_workers
 from mpsnn.errors import UnsupportedError
 
 __all__ = [
-    "CapturedCommandBuffer",
     "CommandBuffer",
     "CommandBufferStatus",
     "CommandQueue",
@@ -389,24 +390,32 @@ class CommandBuffer:
                 "[CommandBuffer] a command buffer is committed once, "
                 f"got commit() with status {self._status.name}"
             )
-        self._status = _COMMITTED
-        q = self._queue
-        stream = q._stream
-        if stream is None:
+        if self._queue._stream is None:
+            self._status = _COMMITTED
             self._run()
             self._complete()
             return
+        self._launch(self._run)
+
+    def _launch(self, work: Callable[[], None]) -> None:
+        """Run ``work`` (a commit's or a replay's) on the queue's stream, record the completion
+        event after it, and hand the buffer to the queue's completion worker when it has
+        completed handlers."""
+        self._status = _COMMITTED
+        q = self._queue
         ctx = q._enter_stream()
         if ctx is None:
-            self._run()
+            work()
         else:
             with ctx:
-                self._run()
+                work()
         self._event = q._take_event()
-        self._event.record(stream)
+        self._event.record(q._stream)
         if self._handlers:
             self._done = threading.Event()
             q._completion_worker().submit(self)
+        else:
+            self._done = None
 
     def capture(self) -> CapturedCommandBuffer:
         """Record the work once into a CUDA graph instead of running it (CUDA only).
@@ -431,54 +440,33 @@ class CommandBuffer:
                 "[CommandBuffer] capture() records CUDA graphs and needs a CUDA queue, got a "
                 "CPU queue; on the CPU commit the work instead"
             )
-        graph = torch.cuda.CUDAGraph()
-        keep = self._allocated_before_capture()
+        keep = allocated_before_capture(self)
         self._status = _COMMITTED
         self._captured = True
-        device = q._device.torch_device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(q._stream)  # inputs written on the queue's stream are ready
-        try:
-            with (
-                _replays.recording(),
-                torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"),
-            ):
-                self._run()
-        except Exception as exc:
-            if self.error is None:
-                self._record_error(exc, "(capture)")
-        q._stream.wait_stream(side)
+        graph = record_graph(self, q._stream, q._device.torch_device)
         if self.error is not None:
             self._complete()
             raise self.error
         self._status = _COMPLETED  # replays re-commit it
-        captured = CapturedCommandBuffer(self, graph)
-        captured._keep_alive = keep
-        return captured
+        return CapturedCommandBuffer(self, graph, keep)
 
-    def _allocated_before_capture(self) -> list[torch.Tensor]:
-        """The storage of the temporaries this buffer releases that exists already (made at
-        encode time, e.g. an exported weights state). Released during the capture, it would
-        go back to PyTorch's allocator and to later allocations while every replay still uses
-        it: the captured buffer keeps it. (Storage allocated during the capture comes from the
-        graph's private pool, where later commands of the same graph may reuse it.)"""
-        resources = list(self._pending_releases)
-        for cmd in self._commands:
-            resources.extend(cmd.releases or ())
-        resources.extend(r for h in self._hooks if (r := getattr(h, "resource", None)) is not None)
-        keep: list[torch.Tensor] = []
-        seen: set[int] = set()
-        for res in resources:
-            if id(res) in seen:
-                continue
-            seen.add(id(res))
-            storage = getattr(res, "_storage", None)  # images: None until a command writes
-            if isinstance(storage, torch.Tensor):
-                keep.append(storage)
-            resources_of = getattr(res, "resources", None)
-            if storage is None and callable(resources_of):  # states
-                keep.extend(t for t in resources_of() if isinstance(t, torch.Tensor))
-        return keep
+    def _replay(self, graph: torch.cuda.CUDAGraph) -> None:
+        """Launch the captured ``graph`` of this buffer's work once more
+        (`CapturedCommandBuffer.replay`)."""
+        self._wait_if_committed()  # one replay at a time: outputs are shared
+        self.error = None
+        self.failed_command = None
+
+        def work() -> None:
+            graph.replay()
+            _replays.replayed()  # the recorded kernels rewrote their tensors in place
+
+        self._launch(work)
+
+    def _wait_if_committed(self) -> None:
+        """Wait for the work launched last (a replay's), if it has not been waited for."""
+        if self._status is _COMMITTED:
+            self.wait_until_completed()
 
     def _run(self) -> None:
         # The `if`s skip the empty lists most buffers have (this runs at every commit).
@@ -572,61 +560,3 @@ class CommandBuffer:
     def __repr__(self) -> str:
         label = f" {self.label!r}" if self.label else ""
         return f"<CommandBuffer{label} {self._status.name}, {len(self._commands)} commands>"
-
-
-class CapturedCommandBuffer:
-    """The work of a command buffer recorded as a CUDA graph (see `CommandBuffer.capture`).
-
-    ``replay()`` launches the whole recorded work on the queue's stream with one call. Input
-    images are read where they are: refill them in place (``image.tensor.copy_(...)``) before a
-    replay. Output images keep their storage: read them after the replay completed (reading
-    them waits). Host work is not replayed: values computed on the host at capture are frozen.
-    mpsnn keeps what changes between training steps on the device (dropout keys, accumulator
-    contents, weights, optimizer steps): replaying a training step equals encoding it again."""
-
-    __slots__ = ("_buffer", "_graph", "_keep_alive", "replays")
-
-    def __init__(self, buffer: CommandBuffer, graph: torch.cuda.CUDAGraph) -> None:
-        self._buffer = buffer
-        self._graph = graph
-        self._keep_alive: list[torch.Tensor] = []  # storage the recording uses, made before it
-        self.replays = 0
-
-    @property
-    def command_buffer(self) -> CommandBuffer:
-        """The captured buffer: the writer of the output images."""
-        return self._buffer
-
-    def replay(self) -> None:
-        """Run the recorded work once more (asynchronously on CUDA)."""
-        cb = self._buffer
-        if cb._status is _COMMITTED:
-            cb.wait_until_completed()  # one replay at a time: outputs are shared
-        q = cb._queue
-        cb.error = None
-        cb.failed_command = None
-        cb._status = _COMMITTED
-        ctx = q._enter_stream()
-        if ctx is None:
-            self._graph.replay()
-        else:
-            with ctx:
-                self._graph.replay()
-        cb._event = q._take_event()
-        cb._event.record(q._stream)
-        self.replays += 1
-        _replays.replayed()  # the recorded kernels rewrote their tensors in place
-        if cb._handlers:
-            cb._done = threading.Event()
-            q._completion_worker().submit(cb)
-        else:
-            cb._done = None
-
-    def wait_until_completed(self) -> None:
-        """Wait for the last replay; re-raise its error."""
-        if self._buffer._status is _COMMITTED:
-            self._buffer.wait_until_completed()
-
-    @property
-    def status(self) -> CommandBufferStatus:
-        return self._buffer.status

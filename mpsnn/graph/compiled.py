@@ -43,7 +43,8 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
-from mpsnn.core.device import CapturedCommandBuffer, CommandQueue
+from mpsnn.core.capture import CapturedCommandBuffer
+from mpsnn.core.device import CommandQueue
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.state import State

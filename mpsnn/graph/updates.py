@@ -76,9 +76,7 @@ def encode_updates(graph: Any, step: Any) -> None:
     for kernel, ds in step.gamma_beta_reloads:
         kernel.reload_gamma_and_beta(cb, ds._gb)
     after = [(st, own) for st, own in held if id(st) in late]
-    if after:  # kept through the work (not freed once it is enqueued), released by the handler
-        kept = {id(st) for st, _ in after}
-        cb._hooks[:] = [h for h in cb._hooks if id(getattr(h, "resource", None)) not in kept]
+    _keep_past_enqueue(cb, [st for st, _ in after])  # the handler releases them
     if cpu:
         cb.add_completed_handler(_cpu_updates(cpu, after))
     _release(cb, [(st, own) for st, own in held if id(st) not in late])
@@ -108,6 +106,7 @@ def _release(cb: Any, held: list[tuple[State, int]]) -> None:
     (freed after the last command that reads it); one whose data source raised its read count
     keeps those reads, outlives the command buffer, and is released when the data source sets
     its count back to 0."""
+    kept = []
     for st, own in held:
         if st._released_by is not None:
             continue
@@ -116,8 +115,16 @@ def _release(cb: Any, held: list[tuple[State, int]]) -> None:
             st.read_count = 0
             continue
         st._read_count = extra
-        # the state would otherwise be freed once the buffer's work is enqueued
-        cb._hooks[:] = [h for h in cb._hooks if getattr(h, "resource", None) is not st]
+        kept.append(st)
+    _keep_past_enqueue(cb, kept)
+
+
+def _keep_past_enqueue(cb: Any, states: list[State]) -> None:
+    """Drop the hooks that would free ``states`` once the buffer's work is enqueued (one pass
+    over the hooks for all of them): they outlive the buffer's work."""
+    if states:
+        ids = {id(st) for st in states}
+        cb._hooks[:] = [h for h in cb._hooks if id(getattr(h, "resource", None)) not in ids]
 
 
 def _grouped(ds: Any) -> bool:

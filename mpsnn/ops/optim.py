@@ -209,6 +209,10 @@ def apply_update(
 
 _PLANS: OrderedDict[int, tuple[tuple, Any]] = OrderedDict()
 _MAX_PLANS = 64
+# what an update takes: values (results and states alike) and, besides those, gradients
+VALUE_DTYPES = (torch.float32, torch.float64)
+GRADIENT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
 # Lists checked already, keyed on everything but the gradient addresses: new gradients of
 # checked lists need only their own check.
 _CHECKED: OrderedDict[int, tuple] = OrderedDict()
@@ -301,7 +305,7 @@ def _check_lists(
         )
     n = len(lists[0])
     dtype = lists[0][0].dtype
-    if dtype not in (torch.float32, torch.float64):
+    if dtype not in VALUE_DTYPES:
         raise TypeError(f"{who} values must be float32 or float64, got {dtype}")
     for name, lst in zip(names, lists, strict=True):
         if only_grads and name != "grads":
@@ -317,7 +321,7 @@ def _check_lists(
                     f"{tuple(lists[0][i].shape)}"
                 )
             if name == "grads":
-                ok = t.dtype in (torch.float16, torch.bfloat16, torch.float32, dtype)
+                ok = t.dtype in GRADIENT_DTYPES or t.dtype == dtype
             else:
                 ok = t.dtype == dtype
             if not ok:

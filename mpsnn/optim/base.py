@@ -44,7 +44,7 @@ import torch
 from mpsnn.core._checks import check_enum, check_type
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.kernel import Kernel
-from mpsnn.ops.optim import _capturing, apply_update
+from mpsnn.ops.optim import GRADIENT_DTYPES, VALUE_DTYPES, _capturing, apply_update
 from mpsnn.ops.optim_hyper import (
     RegularizationType,
     UpdateRule,
@@ -56,8 +56,6 @@ from mpsnn.ops.optim_hyper import (
 __all__ = ["Optimizer", "OptimizerDescriptor"]
 
 Grads = Callable[[], Sequence[torch.Tensor]]
-_FLOATING = (torch.float32, torch.float64)
-_GRADIENT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _number(who: str, name: str, value: Any) -> float:
@@ -525,7 +523,7 @@ def _check_dtypes(
     if not values:
         return
     dt = values[0].dtype
-    if dt not in _FLOATING:
+    if dt not in VALUE_DTYPES:
         raise TypeError(f"[{who}] values must be float32 or float64, got {dt}")
     for name, group in (("values", values), ("result_values_vector", results)):
         for t in group:
@@ -541,7 +539,7 @@ def _check_dtypes(
 
 def _check_gradient_dtype(who: str, name: str, g: torch.Tensor, dt: torch.dtype) -> None:
     """Gradients: float16, bfloat16, float32, or the values' dtype."""
-    if g.dtype not in _GRADIENT_DTYPES and g.dtype != dt:
+    if g.dtype not in GRADIENT_DTYPES and g.dtype != dt:
         raise TypeError(
             f"[{who}] {name} must be float16, bfloat16, float32 or the values' dtype {dt}, "
             f"got {g.dtype}"
