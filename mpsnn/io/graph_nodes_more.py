@@ -29,7 +29,7 @@ from mpsnn.graph.nodes import ImageNode
 from mpsnn.io.codec import Encoder, Fields, fail, per_class, register_codec, show
 from mpsnn.io.graph_nodes import attr, finish, forward_encoder, image_ref, read_source
 from mpsnn.io.graph_training import register_gradient_node
-from mpsnn.io.kernels import decode_region, encode_region
+from mpsnn.io.kernels import decode_crop_regions, decode_region, encode_region
 
 __all__: list[str] = []  # the codecs are registered at import
 
@@ -141,18 +141,8 @@ def _dec_resize(f: Fields, kind: type) -> Any:
     w, h = f.get_int("resize_width", 1), f.get_int("resize_height", 1)
     if kind is rs.ResizeBilinearNode:
         return finish(f, kind(source, w, h, f.get_bool("align_corners")))
-    raw = f.raw("regions")
-    if (
-        type(raw) is not list
-        or not raw
-        or any(type(r) is not list or len(r) != 4 for r in raw)
-        or any(type(v) not in (int, float) for r in raw for v in r)
-    ):
-        raise fail(
-            f"{f.who} field 'regions' must be a non-empty list of [x, y, width, height] "
-            f"numbers, got {show(raw)}"
-        )
-    return finish(f, kind(source, w, h, len(raw), [tuple(map(float, r)) for r in raw]))
+    regions = decode_crop_regions(f)
+    return finish(f, kind(source, w, h, len(regions), regions))
 
 
 def _enc_scale(node: rs.ScaleNode, enc: Encoder) -> dict[str, Any]:

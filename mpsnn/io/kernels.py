@@ -39,6 +39,7 @@ from mpsnn.io.codec import Encoder, Fields, fail, per_class, register_codec, sho
 
 __all__ = [
     "dec_kernel_properties",
+    "decode_crop_regions",
     "decode_padding",
     "decode_region",
     "enc_kernel_properties",
@@ -86,6 +87,23 @@ def decode_region(f: Fields, name: str) -> Region:
     """The `Region` of field ``name`` (see `encode_region`)."""
     v = f.get_ints(name, 6)
     return Region(Origin(*v[:3]), Size(*v[3:]))
+
+
+def decode_crop_regions(f: Fields) -> list[tuple[float, ...]]:
+    """The crop regions of field ``regions``: a non-empty list of ``[x, y, width, height]``
+    numbers (a crop-and-resize kernel's or node's)."""
+    raw = f.raw("regions")
+    if (
+        type(raw) is not list
+        or not raw
+        or any(type(r) is not list or len(r) != 4 for r in raw)
+        or any(type(v) not in (int, float) for r in raw for v in r)
+    ):
+        raise fail(
+            f"{f.who} field 'regions' must be a non-empty list of [x, y, width, height] "
+            f"numbers, got {show(raw)}"
+        )
+    return [tuple(map(float, r)) for r in raw]
 
 
 def enc_kernel_properties(k: CNNKernel) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from mpsnn.core.kernel import KernelOptions
 from mpsnn.io.codec import Encoder, Fields, fail, per_class, register_codec, show
 from mpsnn.io.kernels import (
     dec_kernel_properties,
+    decode_crop_regions,
     decode_padding,
     decode_region,
     enc_kernel_properties,
@@ -217,18 +218,8 @@ def _dec_resize_args(f: Fields, kind: type) -> Any:
     w, h = f.get_int("resize_width", 1), f.get_int("resize_height", 1)
     if kind in (ResizeBilinear, ResizeBilinearGradient):
         return kind(f.device, w, h, f.get_bool("align_corners"))
-    raw = f.raw("regions")
-    if (
-        type(raw) is not list
-        or not raw
-        or any(type(r) is not list or len(r) != 4 for r in raw)
-        or any(type(v) not in (int, float) for r in raw for v in r)
-    ):
-        raise fail(
-            f"{f.who} field 'regions' must be a non-empty list of [x, y, width, height] "
-            f"numbers, got {show(raw)}"
-        )
-    return kind(f.device, w, h, len(raw), [tuple(map(float, r)) for r in raw])
+    regions = decode_crop_regions(f)
+    return kind(f.device, w, h, len(regions), regions)
 
 
 def _enc_resize(k: Any, enc: Encoder) -> dict[str, Any]:

@@ -296,11 +296,10 @@ def fit(
             batches = _augmented(batches, augment, model.input_shape)
 
         def report(step: int, sums: Any) -> None:
-            if progress is not None:
-                progress(step, steps, float(sums.loss) / step, int(sums.correct) / sums.images)
+            progress(step, steps, float(sums.loss) / step, int(sums.correct) / sums.images)
 
         t0 = time.perf_counter()
-        sums = loop.run_epoch(batches, report, steps=steps)
+        sums = loop.run_epoch(batches, None if progress is None else report, steps=steps)
         if sums.steps == 0:
             raise _fail(f"train must give at least one batch an epoch, got none in epoch {epoch}")
         loss, correct = float(sums.loss), int(sums.correct)  # waits for the epoch's steps

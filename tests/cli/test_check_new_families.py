@@ -19,24 +19,9 @@ import mpsnn.cnn.resize as resize_module
 from mpsnn.cli import main
 from mpsnn.cli.families import FAMILIES, make_config
 from mpsnn.cli.families_more import REDUCE_OPS
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _invoke(*args: str):
-    return CliRunner().invoke(main, ["check", *args])
-
-
-def _report(*args: str) -> dict:
-    result = _invoke(*args, "--json")
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
+from tests.cli._helpers import check_report as _report
+from tests.cli._helpers import invoke_check as _invoke
+from tests.cli._helpers import one_thread  # noqa: F401
 
 
 def _passes_against_pytorch(r: dict, gradient: bool) -> None:

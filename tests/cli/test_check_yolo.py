@@ -9,30 +9,20 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 import mpsnn.cnn.yolo as yolo_module
 from mpsnn.cli import main
 from mpsnn.cli.families import FAMILIES, make_config
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from tests.cli._helpers import check_report, invoke_check, one_thread  # noqa: F401
 
 
 def _invoke(*args: str):
-    return CliRunner().invoke(main, ["check", "yolo-loss", *args])
+    return invoke_check("yolo-loss", *args)
 
 
 def _report(*args: str) -> dict:
-    result = _invoke(*args, "--json")
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
+    return check_report("yolo-loss", *args)
 
 
 def _passes(r: dict, adjoint: bool) -> None:

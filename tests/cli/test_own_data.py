@@ -12,22 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 from PIL import Image
 
 import mpsnn as m
-from mpsnn.cli import main
 from mpsnn.data import load_dataset, load_image_folder, load_npz
+from tests.cli._helpers import run_cli as _run
 from tests.own_data import CLASSES, easy_arrays, gray, write_image_folder
 
 FAST = ["--batch-size", "16", "--device", "cpu"]
-
-
-def _run(*args: str) -> tuple[int, str]:
-    result = CliRunner(env={"COLUMNS": "200"}).invoke(main, list(args))
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.output
 
 
 def _one_error(out: str) -> str:

@@ -11,20 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 import mpsnn as m
-from mpsnn.cli import main
+from tests.cli._helpers import run_cli as _run
 
 SMALL = ["--dataset", "synthetic", "--limit", "64", "--test-limit", "32", "--batch-size", "32",
          "--device", "cpu"]  # fmt: skip
-
-
-def _run(*args: str) -> tuple[int, str]:
-    result = CliRunner(env={"COLUMNS": "200"}).invoke(main, list(args))
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.output
 
 
 @pytest.fixture(scope="module")

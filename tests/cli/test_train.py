@@ -8,19 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 import mpsnn as m
-from mpsnn.cli import main
+from tests.cli._helpers import run_cli as _run
 
 SMALL = ["--limit", "256", "--test-limit", "200", "--batch-size", "32"]
-
-
-def _run(*args: str) -> tuple[int, str]:
-    result = CliRunner(env={"COLUMNS": "200"}).invoke(main, list(args))  # no line wrapping
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.output
 
 
 def test_train_prints_progress_writes_metrics_checkpoint_and_plot(tmp_path: Path) -> None:

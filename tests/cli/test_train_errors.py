@@ -11,36 +11,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 import mpsnn.cli.trainer as trainer_module
-from mpsnn.cli import main
+from tests.cli._helpers import no_training  # noqa: F401  (a fixture)
+from tests.cli._helpers import run_cli as _run
 
 SMALL = ["--dataset", "synthetic", "--limit", "64", "--test-limit", "32", "--batch-size", "32",
          "--device", "cpu"]  # fmt: skip
-
-
-def _run(*args: str) -> tuple[int, str]:
-    result = CliRunner(env={"COLUMNS": "200"}).invoke(main, list(args))
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.output
 
 
 def _one_error(out: str) -> str:
     lines = out.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: "), out
     return lines[0]
-
-
-@pytest.fixture
-def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail the test if the run gets as far as loading its data."""
-
-    def refuse(*args: object) -> None:
-        raise AssertionError("the mistake must be found before the data is loaded")
-
-    monkeypatch.setattr(trainer_module, "load_dataset", refuse)
 
 
 @pytest.mark.parametrize(
@@ -61,18 +44,16 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
     ids=["lr-inf", "lr-nan", "decay-inf", "decay-overflow", "seed-huge", "seed-negative",
          "plot-format"],
 )  # fmt: skip
-def test_bad_numbers_are_refused_before_training(
-    args: list[str], message: str, no_training: None
-) -> None:
+@pytest.mark.usefixtures("no_training")
+def test_bad_numbers_are_refused_before_training(args: list[str], message: str) -> None:
     code, out = _run("train", *SMALL, *args)
     assert code == 2, out
     assert _one_error(out).startswith(message)
 
 
 @pytest.mark.parametrize("option", ["--checkpoint-dir", "--metrics", "--plot"])
-def test_unwritable_paths_are_refused_before_training(
-    tmp_path: Path, option: str, no_training: None
-) -> None:
+@pytest.mark.usefixtures("no_training")
+def test_unwritable_paths_are_refused_before_training(tmp_path: Path, option: str) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("a file where a directory must be")
     target = blocker / "sub" / ("run" if option == "--checkpoint-dir" else "out.png")

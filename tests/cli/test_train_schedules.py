@@ -16,28 +16,20 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from click.testing import CliRunner
 
 import mpsnn as m
-import mpsnn.cli.trainer as trainer_module
-from mpsnn.cli import main
 from mpsnn.cli.common import UserError
 from mpsnn.cli.runs import check_schedule
 from mpsnn.cli.schedules import ADDED_OPTIONS, Schedule
 from mpsnn.cli.torch_baseline import torch_loss, torch_optimizer
 from mpsnn.cli.trainer import TrainConfig, Trainer
 from mpsnn.ops.optim_hyper import Hyper
+from tests.cli._helpers import no_training  # noqa: F401  (a fixture)
+from tests.cli._helpers import run_cli as _run
 
 # 160 images in batches of 32: 5 steps per epoch
 SMALL = ["--dataset", "synthetic", "--model", "lenet", "--limit", "160", "--test-limit", "32",
          "--batch-size", "32", "--device", "cpu"]  # fmt: skip
-
-
-def _run(*args: str) -> tuple[int, str]:
-    result = CliRunner(env={"COLUMNS": "200"}).invoke(main, list(args))
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.output
 
 
 def _one_error(out: str) -> str:
@@ -231,14 +223,6 @@ def test_mpsnn_and_the_twin_train_alike_with_each_option(
 # -- validation --------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(*args: object) -> None:
-        raise AssertionError("the mistake must be found before the data is loaded")
-
-    monkeypatch.setattr(trainer_module, "load_dataset", refuse)
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -269,9 +253,8 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
          "decay^floor((epoch-1)/2)) overflow: it must stay finite for every epoch"),
     ],
 )  # fmt: skip
-def test_bad_options_are_one_line_before_training(
-    args: list[str], message: str, no_training: None
-) -> None:
+@pytest.mark.usefixtures("no_training")
+def test_bad_options_are_one_line_before_training(args: list[str], message: str) -> None:
     code, out = _run("train", *SMALL, *args)
     assert code == 2, out
     assert _one_error(out).startswith(message)
