@@ -312,7 +312,7 @@ class Trainer:
     def _dropout_counters(self) -> list[torch.Tensor]:
         from mpsnn.cnn.dropout import Dropout
 
-        kernels = [k for k in self.graph._kernels.values() if isinstance(k, Dropout)]
+        kernels = [k for k in self.graph._plan.kernels.values() if isinstance(k, Dropout)]
         return [k._counter for k in kernels]
 
     def save_checkpoint(self, folder: Path) -> Path:

@@ -178,7 +178,7 @@ class DataParallel:
 
     def begin_step(self, step: Any) -> _StepCollectives:
         """The graph's hook: the collectives of one ``encode_batch`` (``step``: its `_Step`)."""
-        for kernel in step.graph._kernels.values():
+        for kernel in step.graph._plan.kernels.values():
             for k in kernel if isinstance(kernel, tuple) else (kernel,):
                 if isinstance(k, Dropout):
                     k.image_offset = self.rank * step.n  # equal shards: the global image index

@@ -69,7 +69,7 @@ class CompiledGraph:
     """
 
     def __init__(self, graph: Any, command_queue: CommandQueue | None = None) -> None:
-        if not hasattr(graph, "_order") or not hasattr(graph, "encode_batch"):  # a Graph
+        if not hasattr(graph, "_plan") or not hasattr(graph, "encode_batch"):  # a Graph
             raise TypeError(f"[CompiledGraph] graph must be a Graph, got {type(graph).__name__}")
         queue = command_queue or graph.device.new_command_queue()
         if not isinstance(queue, CommandQueue):
@@ -248,7 +248,7 @@ class CompiledGraph:
 def _uncapturable_sources(graph: Any) -> list[str]:
     """The trainable layers whose data sources say ``capturable = False``."""
     names = []
-    for node in graph._order:
+    for node in graph._plan.order:
         forward = getattr(node, "inference_node", None)
         if forward is None or not getattr(node, "trainable", False):
             continue

@@ -82,6 +82,10 @@ class ConvolutionNode(_TrainableNode):
 
     _kernel_class: type = conv.Convolution
     _gradient_class: type = conv.ConvolutionGradient
+    fuses_neuron = True
+    records_fused_neuron = True
+    gradient_fuses_relu_gradient = True
+    makes_state_for_forward_readers = True
 
     def __init__(self, source: ImageNode, data_source: Any) -> None:
         super().__init__(source, data_source)
@@ -96,6 +100,11 @@ class ConvolutionNode(_TrainableNode):
 
     def _gradient_kernel(self, device: Device) -> Any:
         return self._gradient_class(device, self._data_source)
+
+    def _accepts_fused_neuron(self) -> bool:
+        # a data source whose descriptor fuses a neuron already: the kernel applies that one
+        desc = self.data_source.descriptor()
+        return getattr(desc, "fused_neuron_descriptor", None) is None
 
 
 class FullyConnectedNode(ConvolutionNode):
@@ -255,6 +264,8 @@ class LogSoftMaxNode(SoftMaxNode):
 class DropoutNode(UnaryNode):
     """Dropout (MPS ``MPSCNNDropoutNode``): a new mask at every encode (its key advances on
     the device); in a graph with no gradient consumer it is the identity."""
+
+    identity_in_inference = True
 
     def __init__(
         self,
@@ -437,7 +448,7 @@ class ConcatenationNode(FilterNode):
         c = sum(p.shape[1] for p in parts)
         desc = ImageDescriptor(parts[0].feature_channel_format, w, h, c, n)
         # the node the planner allocates this image for (an inference dropout's kept result)
-        node = step.graph._alloc_nodes.get(self.result_image._id, self.result_image)
+        node = step.graph._plan.liveness.alloc_nodes.get(self.result_image._id, self.result_image)
         out = step.graph._allocate(step.cb, node, desc)
         if not isinstance(out, Image):
             out = out.image
@@ -462,6 +473,7 @@ class _ArithmeticNode(FilterNode):
 
     _kernel_class: type = arith.Add
     _gradient_class: type = arith.Add
+    fuses_neuron = True
     _properties = (
         "primary_scale", "secondary_scale", "bias", "minimum_value", "maximum_value",
         "primary_stride_in_feature_channels", "secondary_stride_in_feature_channels",

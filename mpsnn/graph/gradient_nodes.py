@@ -87,7 +87,7 @@ class UnaryGradientNode(GradientFilterNode):
         g = step.image(self._sources[0])
         x = step.image(self._read_node(kernel))
         states = step.state(self._state)
-        pre = step.graph._pre_gradient.get(self._id)
+        pre = step.graph._plan.pre_gradient.get(self._id)
         if pre is None:
             dx = _encode(step, kernel, g, x, states)
         else:  # a ReLU's gradient fused into this one (`mpsnn.graph.plan`)
@@ -100,7 +100,7 @@ class UnaryGradientNode(GradientFilterNode):
         if dx is not None:
             step.set_image(self.result_image, dx)
         if self.trainable:
-            step.weight_gradient_ready(self, step.graph._kernels[self._forward._id], states)
+            step.weight_gradient_ready(self, step.graph._plan.kernels[self._forward._id], states)
 
 
 def _encode(step: _Step, kernel: Any, g: Any, x: Any, states: Any) -> Any:
@@ -198,7 +198,7 @@ class BatchNormalizationGradientNode(UnaryGradientNode):
             step.collectives.batch_norm_gradient_sums(self, state)
         step.set_image(self.result_image, grad.encode_batch(step.cb, g, x, state))
         if self.trainable:
-            step.weight_gradient_ready(self, step.graph._kernels[self._forward._id], [state])
+            step.weight_gradient_ready(self, step.graph._plan.kernels[self._forward._id], [state])
 
 
 class ArithmeticGradientNode(GradientFilterNode):
@@ -246,10 +246,10 @@ class ArithmeticGradientNode(GradientFilterNode):
         return (
             passes is not None
             # a user's source: its planned read count counts this node's one read
-            and self._sources[0]._id not in graph._source_ids
-            and result._id not in graph._permanent
+            and self._sources[0]._id not in graph._plan.topology.source_ids
+            and result._id not in graph._plan.modes.kept
             and result.image_allocator is None
-            and graph._alloc_nodes.get(result._id) is result
+            and graph._plan.liveness.alloc_nodes.get(result._id) is result
             and (result.format or graph.format) is g.image._fmt
             and passes(g.image, states)
         )

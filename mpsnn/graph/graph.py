@@ -27,6 +27,7 @@ from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.state import State, StateBatch
 from mpsnn.graph import template
 from mpsnn.graph.nodes import ImageNode
+from mpsnn.graph.plan import GraphPlan, build_plan
 from mpsnn.graph.step import _HELD, _Step, nbytes
 from mpsnn.graph.updates import encode_updates
 
@@ -94,8 +95,6 @@ class Graph:
     # -- planning --------------------------------------------------------------------------
 
     def _init(self, device: Device, results: list[ImageNode], needed: list[bool]) -> None:
-        from mpsnn.graph.plan import plan_graph  # the planner uses the node modules
-
         if not isinstance(device, Device):
             raise TypeError(f"[Graph] device must be a Device, got {type(device).__name__}")
         if not results:
@@ -121,7 +120,7 @@ class Graph:
         self._result_states: list[Any] = []
         self._templates: list[Any] = []
         self._template_refusals = 0  # recordings in a row not kept (mpsnn.graph.template)
-        plan_graph(self)  # sets _order, _sources, _state_sources, _kernels, _training, ...
+        self._plan = build_plan(self, results, self._needed)
         self._last_plan_report: dict[str, Any] | None = None
         self._intermediates: list[Any] = []
 
@@ -130,14 +129,21 @@ class Graph:
         return self._device
 
     @property
+    def plan(self) -> GraphPlan:
+        """What the graph decided when it was made (a frozen `mpsnn.graph.plan.GraphPlan`):
+        the filters in order, training modes, fusion, liveness, recomputation, the kernels.
+        For introspection; `debug_description` prints it."""
+        return self._plan
+
+    @property
     def source_image_handles(self) -> list[Any]:
         """The handles of the input images, in ``encode``'s order."""
-        return [n.handle for n in self._sources]
+        return [n.handle for n in self._plan.sources]
 
     @property
     def source_state_handles(self) -> list[Any]:
         """The handles of the input states (the loss nodes' labels), in ``encode``'s order."""
-        return [n.handle for n in self._state_sources]
+        return [n.handle for n in self._plan.state_sources]
 
     @property
     def result_handle(self) -> Any:
@@ -151,7 +157,7 @@ class Graph:
     def intermediate_image_handles(self) -> list[Any]:
         """Handles of the exported images and the extra results, in the order
         ``intermediate_images`` lists them."""
-        return [n.handle for n in self._exported]
+        return [n.handle for n in self._plan.modes.exported]
 
     @property
     def intermediate_images(self) -> list[Any]:
@@ -164,7 +170,7 @@ class Graph:
         the graph's forward filters marked ``export_from_graph``, in the order
         ``result_states`` lists them. A filter with an exported state runs in training mode
         (it makes its state)."""
-        return [st.handle for st in self._exported_states]
+        return [st.handle for st in self._plan.modes.exported_states]
 
     @property
     def result_states(self) -> list[Any]:
@@ -189,23 +195,25 @@ class Graph:
     def read_count_for_source_image(self, index: int) -> int:
         """How many times one encode reads source image ``index`` (MPS
         ``readCountForSourceImageAtIndex:``)."""
-        if not 0 <= index < len(self._sources):
-            raise ValueError(f"[Graph] index must be in [0, {len(self._sources)}), got {index}")
-        return self._source_reads[index]
+        if not 0 <= index < len(self._plan.sources):
+            raise ValueError(
+                f"[Graph] index must be in [0, {len(self._plan.sources)}), got {index}"
+            )
+        return self._plan.liveness.source_reads[index]
 
     def read_count_for_source_state(self, index: int) -> int:
-        if not 0 <= index < len(self._state_sources):
+        if not 0 <= index < len(self._plan.state_sources):
             raise ValueError(
-                f"[Graph] index must be in [0, {len(self._state_sources)}), got {index}"
+                f"[Graph] index must be in [0, {len(self._plan.state_sources)}), got {index}"
             )
-        return self._state_source_reads[index]
+        return self._plan.liveness.state_source_reads[index]
 
     def reload_from_data_sources(self) -> None:
         """Every kernel with a data source reads it again now (MPS
         ``reloadFromDataSources``). Work already committed keeps the values it ran with (the
         copies are ordered on the current stream)."""
-        for node in self._order:
-            kernel = self._kernels[node._id]
+        for node in self._plan.order:
+            kernel = self._plan.kernels[node._id]
             for k in kernel if isinstance(kernel, tuple) else (kernel,):
                 for name in (
                     "reload_weights_and_biases_from_data_source",
@@ -229,7 +237,7 @@ class Graph:
             raise TypeError(
                 f"[{who}] format must be a FeatureChannelFormat, got {type(self.format).__name__}"
             )
-        for node in self._order:
+        for node in self._plan.order:
             fmt = node.result_image.format
             if fmt is not None and not isinstance(fmt, FeatureChannelFormat):
                 raise TypeError(
@@ -241,7 +249,7 @@ class Graph:
         fmt = node.format or self.format
         # a new descriptor (the kernel's may be cached in its plans); checked already
         desc = ImageDescriptor._make(fmt, desc._w, desc._h, desc._c, desc._n)
-        if node._id in self._permanent:
+        if node._id in self._plan.modes.kept:
             alloc = node.image_allocator or (
                 self.destination_image_allocator if node is self._results[0] else None
             )
@@ -334,10 +342,10 @@ class Graph:
             ImageBatch._of(command_buffer, who, f"source_images[{i}]", b)
             for i, b in enumerate(source_images)
         ]
-        if len(images) != len(self._sources):
+        if len(images) != len(self._plan.sources):
             raise ValueError(
                 f"[{who}] encode_batch needs one ImageBatch per source image handle "
-                f"({len(self._sources)}: {self.source_image_handles}), got {len(images)}"
+                f"({len(self._plan.sources)}: {self.source_image_handles}), got {len(images)}"
             )
         for i, b in enumerate(images):
             if not isinstance(b, ImageBatch):
@@ -359,10 +367,10 @@ class Graph:
                     f"({n}), got {len(b)} in source_images[{i}]"
                 )
         states = list(source_states or [])
-        if len(states) != len(self._state_sources):
+        if len(states) != len(self._plan.state_sources):
             raise ValueError(
                 f"[{who}] encode_batch needs one state batch per source state handle "
-                f"({len(self._state_sources)}), got {len(states)}"
+                f"({len(self._plan.state_sources)}), got {len(states)}"
             )
         checked = [_labels_batch(self, value, n, i) for i, value in enumerate(states)]
         return images, checked
@@ -372,17 +380,17 @@ class Graph:
     ) -> ImageBatch | None:
         """The ordinary encode of one step (inputs checked)."""
         step = _Step(self, command_buffer, n)
-        for node, value in zip(self._sources, images, strict=True):
+        for node, value in zip(self._plan.sources, images, strict=True):
             step.set_image(node, value)
-        for node, value in zip(self._state_sources, checked, strict=True):
+        for node, value in zip(self._plan.state_sources, checked, strict=True):
             step.set_state(node, value)
         self._current = step
         try:
             recompute = step.recompute
-            for node in self._order:
+            for node in self._plan.order:
                 if recompute and node._id in recompute:
                     step.recompute_before(node)
-                node._run(step, self._kernels[node._id])
+                node._run(step, self._plan.kernels[node._id])
                 step.done(node)
             if step.collectives is not None:
                 step.collectives.before_updates()
@@ -396,13 +404,13 @@ class Graph:
                 if st._released_by is None:
                     st._read_count = 1
         self._result_states = [
-            StateBatch(step.states.get(st._id) or []) for st in self._exported_states
+            StateBatch(step.states.get(st._id) or []) for st in self._plan.modes.exported_states
         ]
-        self._intermediates = [step.images.get(x._id) for x in self._exported]
+        self._intermediates = [step.images.get(x._id) for x in self._plan.modes.exported]
         # the total is computed when asked for (debug_description), not at every step
         self._last_plan_report = {
             "peak_bytes": step.peak,
-            "images": [v for k, v in step.images.items() if k not in self._source_ids]
+            "images": [v for k, v in step.images.items() if k not in self._plan.topology.source_ids]
             + step.recomputed,
         }
         if not self._needed[0]:
@@ -466,48 +474,12 @@ class Graph:
         """A readable listing: the planned kernels in order, what each reads and makes, which
         run in training mode, the fused neurons, and (after an encode) the intermediates' peak
         memory against their total."""
-        lines = [f"Graph on {self._device} ({len(self._order)} filters, format {self.format.name})"]
-        freed_until = {}  # last forward reader's id -> the results it frees until recomputed
-        for plans in self._recompute.values():
-            for r in plans:
-                freed_until.setdefault(r.last_forward, []).append(r)
-        names = {}
-        for i, n in enumerate(self._sources):
-            names[n._id] = f"in{i}" + (f"({n.handle!r})" if n.handle is not None else "")
-        for i, node in enumerate(self._order):
-            names[node.result_image._id] = f"t{i}"
-        for i, node in enumerate(self._order):
-            kernel = self._kernels[node._id]
-            kname = (
-                "+".join(type(k).__name__ for k in kernel)
-                if isinstance(kernel, tuple)
-                else type(kernel).__name__
-            )
-            reads = ", ".join(names.get(s._id, "?") for s in node.source_images)
-            extra = []
-            if node._id in self._training:
-                extra.append("training")
-            if node._id in self._fused:
-                extra.append(f"fused {self._fused[node._id]}")
-            last = [
-                names.get(k, "state")
-                for k in self._reads_by[node._id]
-                if self._readers.get(k) and self._last_reader.get(k) == node._id
-            ]
-            if last:
-                extra.append("frees " + ", ".join(last))
-            if self.recompute_normalization_results:
-                for r in self._recompute.get(node._id, ()):
-                    extra.insert(0, f"recomputes {names.get(r.key, '?')} first")
-                for r in freed_until.get(node._id, ()):
-                    extra.append(f"frees {names.get(r.key, '?')} until recomputed")
-            label = f" {node.label!r}" if node.label else ""
-            lines.append(
-                f"  {i:3d} {type(node).__name__}{label} [{kname}] ({reads}) -> t{i}"
-                + (f"  ({'; '.join(extra)})" if extra else "")
-            )
-        if self._updates_planned:
-            lines.append(f"  updates after the gradients: {', '.join(self._updates_planned)}")
+        plan = self._plan
+        lines = [f"Graph on {self._device} ({len(plan.order)} filters, format {self.format.name})"]
+        lines += plan.describe(self.recompute_normalization_results)
+        updates = plan.updates_planned()
+        if updates:
+            lines.append(f"  updates after the gradients: {', '.join(updates)}")
         if self._last_plan_report:
             r = self._last_plan_report
             total = self._total(r["images"])
@@ -518,7 +490,7 @@ class Graph:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return f"<Graph on {self._device}: {len(self._order)} filters>"
+        return f"<Graph on {self._device}: {len(self._plan.order)} filters>"
 
 
 def _checked_image(who: str, name: str, image: Any, cb: CommandBuffer) -> Image:

@@ -64,6 +64,10 @@ class NeuronNode(UnaryNode):
     def c(self) -> float:
         return self.descriptor.c
 
+    def _fusible_neuron(self) -> Any:
+        # PReLU's per-channel slopes are not among the fused neurons the kernels apply
+        return None if self.descriptor.neuron_type is NeuronType.PRELU else self.descriptor
+
     def _make_kernel(self, device: Device) -> Any:
         k = Neuron(device, self.descriptor)
         self._configure(k)

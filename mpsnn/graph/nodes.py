@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from mpsnn.cnn.neuron_descriptor import FusedNeuron
 from mpsnn.core.descriptor import FeatureChannelFormat
 from mpsnn.core.kernel import Kernel, TrainingStyle
 
@@ -149,6 +150,26 @@ class FilterNode:
 
     _has_state = True  # filters whose gradient reads a state
 
+    # -- traits the graph's plan reads (`mpsnn.graph.plan_passes`) -------------------------
+    #: a neuron node that alone reads this node's result may run inside its kernel
+    fuses_neuron: ClassVar[bool] = False
+    #: this node's state keeps the fused neuron's forward record, which the neuron's gradient
+    #: reads; otherwise only a neuron whose gradient reads its own result may fuse, and its
+    #: own kernel writes its record (no command)
+    records_fused_neuron: ClassVar[bool] = False
+    #: this node's gradient kernels apply a fused neuron's gradient (the neuron's gradient
+    #: node passes its incoming gradient on)
+    gradient_applies_fused_neuron: ClassVar[bool] = False
+    #: this node's gradient can run a fused plain ReLU's gradient inside its own command
+    gradient_fuses_relu_gradient: ClassVar[bool] = False
+    #: a forward node reading this node's state makes it run in training mode in any graph
+    makes_state_for_forward_readers: ClassVar[bool] = False
+    #: without a gradient reader the node is the identity (its result is its source's image)
+    identity_in_inference: ClassVar[bool] = False
+    #: its training-mode result may be freed after the forward and computed again before
+    #: the backward (`Graph.recompute_normalization_results`)
+    recomputes_result: ClassVar[bool] = False
+
     def __init__(self, sources: Sequence[ImageNode]) -> None:
         who = type(self).__name__
         for i, s in enumerate(sources):
@@ -177,6 +198,28 @@ class FilterNode:
     # -- binding to a device (the graph calls these) ---------------------------------------
 
     def _make_kernel(self, device: Any) -> Any:
+        raise NotImplementedError
+
+    def _fusible_neuron(self) -> Any:
+        """The neuron descriptor this node applies, if it may run fused into the node before
+        it (None: not a fusible neuron)."""
+        return None
+
+    def _accepts_fused_neuron(self) -> bool:
+        """Whether a neuron may fuse into this node now (a node that ``fuses_neuron``)."""
+        return True
+
+    def _make_fused_kernel(self, device: Any, neuron: Any) -> Any:
+        """This node's kernel with ``neuron`` applied to its result (after the bias)."""
+        kernel = self._make_kernel(device)
+        kernel._neuron = FusedNeuron.of(type(kernel).__name__, neuron)
+        if hasattr(kernel, "_descriptor"):  # a convolution reports it (arithmetic has none)
+            kernel._descriptor.fused_neuron_descriptor = neuron
+        return kernel
+
+    def _make_fused_gradient_kernel(self, gradient: Any, device: Any, neuron: Any) -> Any:
+        """The kernel(s) of ``gradient`` (this node's gradient node) applying ``neuron``'s
+        gradient first (a node whose ``gradient_applies_fused_neuron``)."""
         raise NotImplementedError
 
     def _configure(self, kernel: Any) -> None:

@@ -33,9 +33,27 @@ class BatchNormalizationNode(_TrainableNode):
     normalization); otherwise in inference mode on the data source's running statistics —
     one node recipe serves both graphs."""
 
+    fuses_neuron = True
+    records_fused_neuron = True
+    gradient_applies_fused_neuron = True
+    recomputes_result = True
+
     def __init__(self, source: ImageNode, data_source: Any) -> None:
         super().__init__(source, data_source)
-        self._neuron: Any = None  # set by the graph's fusion pass
+        self._neuron: Any = None  # the fused neuron, only while a graph makes its kernels
+
+    def _make_fused_kernel(self, device: Device, neuron: Any) -> Any:
+        return self._with_neuron(neuron, lambda: self._make_kernel(device))
+
+    def _make_fused_gradient_kernel(self, gradient: Any, device: Device, neuron: Any) -> Any:
+        return self._with_neuron(neuron, lambda: gradient._make_kernel(device))
+
+    def _with_neuron(self, neuron: Any, make: Any) -> Any:
+        saved, self._neuron = self._neuron, neuron
+        try:
+            return make()
+        finally:
+            self._neuron = saved
 
     def _make_kernel(self, device: Device) -> Any:
         k = norm.BatchNormalization(device, self._data_source, self._neuron)

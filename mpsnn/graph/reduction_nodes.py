@@ -109,7 +109,7 @@ class GramMatrixCalculationGradientNode(UnaryGradientNode):
         return self._forward.alpha
 
     def _run(self, step: _Step, kernel: Any) -> None:
-        kernel.alpha = step.graph._kernels[self._forward._id].alpha
+        kernel.alpha = step.graph._plan.kernels[self._forward._id].alpha
         super()._run(step, kernel)
 
 

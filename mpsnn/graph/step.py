@@ -80,11 +80,13 @@ class _Step:
         self.updates: list[tuple[Any, Any, Any]] = []  # (gradient node, kernel, state batch)
         self.gamma_beta_reloads: list[tuple[Any, Any]] = []
         self.result_states: list[StateBatch] = []  # temporary result states made
-        self.remaining = dict(graph._readers)  # node id -> consumers still to run
+        self.remaining = dict(graph._plan.liveness.readers)  # node id -> consumers still to run
         # normalization results recomputed for the backward: freed after the forward readers
-        self.recompute = graph._recompute if graph.recompute_normalization_results else {}
+        self.recompute = (
+            graph._plan.recompute.before if graph.recompute_normalization_results else {}
+        )
         if self.recompute:
-            self.remaining.update(graph._recompute_reads)
+            self.remaining.update(graph._plan.recompute.reads)
         self.recomputed: list[Any] = []  # the freed first images (for the plan report)
         self.shared: dict[int, int] = {}  # id(root image) -> keys holding it, when > 1
         self.bytes = 0
@@ -117,7 +119,7 @@ class _Step:
 
     def training(self, node: _Node) -> bool:
         """Whether ``node`` runs in training mode (its state is read by a gradient node)."""
-        return node._id in self.graph._training
+        return node._id in self.graph._plan.modes.training
 
     def states_for(self, node: _Node, kernel: Any, source: ImageBatch) -> StateBatch:
         """States for a training forward: temporary and held by the graph until it releases
@@ -125,8 +127,10 @@ class _Step:
         (exported) is permanent, or temporary with ``graph.output_state_is_temporary`` (the
         graph hands it over with one read, the client's, at the end of the encode)."""
         graph = self.graph
-        exported = getattr(node, "result_state", None) in graph._exported_states
-        if node._id in graph._cpu_updates or (exported and not graph.output_state_is_temporary):
+        exported = getattr(node, "result_state", None) in graph._plan.modes.exported_states
+        if node._id in graph._plan.modes.cpu_updates or (
+            exported and not graph.output_state_is_temporary
+        ):
             return kernel.result_state_batch(source)
         if exported:
             batch = kernel.temporary_result_state_batch(self.cb, source)
@@ -171,7 +175,7 @@ class _Step:
         same values."""
         for r in self.recompute.get(node._id, ()):
             bn = r.node
-            kernel = self.graph._kernels[bn._id][1]  # (statistics, normalization)
+            kernel = self.graph._plan.kernels[bn._id][1]  # (statistics, normalization)
             x = self.image(bn.source_images[0])
             value = kernel.encode_batch(self.cb, x, self.state(bn.result_state)[0])
             self.recomputed.append(self.images[r.ids[0]])  # the freed one, for the report
@@ -182,7 +186,7 @@ class _Step:
     def done(self, node: _Node) -> None:
         """``node`` ran: release the images and states it was the last reader of."""
         remaining = self.remaining
-        for key in self.graph._reads_by[node._id]:
+        for key in self.graph._plan.liveness.reads_by[node._id]:
             left = remaining[key] - 1
             remaining[key] = left
             if left == 0:

@@ -69,9 +69,9 @@ def eligible(graph: Any) -> bool:
     return (
         graph.reuse_step is True
         and graph.data_parallel is None
-        and not graph._cpu_updates
+        and not graph._plan.modes.cpu_updates
         and graph.destination_image_allocator is None
-        and not graph._exported_states  # result states: made for the client at each encode
+        and not graph._plan.modes.exported_states  # result states: made for the client per encode
         and graph._template_refusals < _REFUSALS
         # tensors an encode makes under inference mode cannot be updated outside it
         and not torch.is_inference_mode_enabled()
@@ -81,7 +81,7 @@ def eligible(graph: Any) -> bool:
 def _recordable(graph: Any) -> bool:
     """The node-level conditions: no allocator of the user's, mpsnn's own data sources and
     optimizers (another's ``update`` may do host work at every step)."""
-    for node in graph._order:
+    for node in graph._plan.order:
         if node.result_image.image_allocator is not None:
             return False
         policy = getattr(node, "padding_policy", None)  # a user's is called at every encode
@@ -201,7 +201,7 @@ def _watched(graph: Any) -> list[Any]:
             seen.add(id(o))
             objs.append(o)
 
-    for node in graph._order:
+    for node in graph._plan.order:
         add(node)
         add(node.result_image)
         forward = getattr(node, "inference_node", None)
@@ -247,7 +247,7 @@ def _weights_signature(kernels: list[Any]) -> tuple[Any, ...]:
 
 def _kernels(graph: Any) -> list[Any]:
     out = []
-    for k in graph._kernels.values():
+    for k in graph._plan.kernels.values():
         out.extend(k if isinstance(k, tuple) else (k,))
     return out
 

@@ -45,7 +45,7 @@ def encode_updates(graph: Any, step: Any) -> None:
         state = StateBatch(states).unique()[0]
         if isinstance(fnode, InstanceNormalizationNode):  # and group: one state per image,
             state = StateBatch(states)  # the data source sums the batch of them
-        if fnode._id in graph._cpu_updates:
+        if fnode._id in graph._plan.modes.cpu_updates:
             cpu.append((fnode, fkernel, state))
             continue
         if isinstance(fnode, BatchNormalizationNode):
@@ -88,7 +88,7 @@ def _held_states(graph: Any, step: Any) -> list[tuple[State, int]]:
     held: dict[int, tuple[State, int]] = {}
     results = {id(st) for batch in step.result_states for st in batch}  # the client's
     for gnode, _, states in step.updates:
-        if gnode.inference_node._id in graph._cpu_updates:
+        if gnode.inference_node._id in graph._plan.modes.cpu_updates:
             continue  # permanent states
         for st in StateBatch(states).unique():
             if (

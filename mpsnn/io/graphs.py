@@ -165,8 +165,8 @@ def _enc_graph(graph: Graph, enc: Encoder) -> dict[str, Any]:
         "output_state_is_temporary": graph.output_state_is_temporary,
         "results": [enc.object(r) for r in graph._results],
         "results_are_needed": list(graph._needed),
-        "nodes": [enc.object(n) for n in graph._order],
-        "kernels": [_enc_kernel(graph._kernels[n._id], enc) for n in graph._order],
+        "nodes": [enc.object(n) for n in graph._plan.order],
+        "kernels": [_enc_kernel(graph._plan.kernels[n._id], enc) for n in graph._plan.order],
     }
 
 
@@ -197,7 +197,7 @@ def _dec_graph(f: Fields) -> Graph:
         graph.recompute_normalization_results = f.get_bool("recompute_normalization_results")
     if f.has("output_state_is_temporary"):
         graph.output_state_is_temporary = f.get_bool("output_state_is_temporary")
-    order = graph._order
+    order = graph._plan.order
     if len(order) != len(nodes) or any(a is not b for a, b in zip(order, nodes, strict=False)):
         planned = [type(n).__name__ for n in order]
         saved = [type(n).__name__ for n in nodes]
@@ -212,7 +212,7 @@ def _dec_graph(f: Fields) -> Graph:
             f"got {show(kernels)}"
         )
     for i, (node, entry) in enumerate(zip(nodes, kernels, strict=True)):
-        _dec_kernel(f, f"kernels.{i}", graph._kernels[node._id], entry)
+        _dec_kernel(f, f"kernels.{i}", graph._plan.kernels[node._id], entry)
     return graph
 
 

@@ -147,7 +147,7 @@ def test_the_trainer_runs_each_step_at_the_schedule_rate(options: dict[str, Any]
 
 
 def _loss_kernels(graph: Any) -> list[Any]:
-    return [k for k in graph._kernels.values() if hasattr(k, "label_smoothing")]
+    return [k for k in graph._plan.kernels.values() if hasattr(k, "label_smoothing")]
 
 
 def test_update_and_loss_options_reach_the_descriptors() -> None:

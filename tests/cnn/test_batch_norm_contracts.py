@@ -252,7 +252,7 @@ def test_user_data_source_in_a_graph_training_step_matches_pytorch() -> None:
     assert ds.updates == ["gamma_beta", "mean_variance"] * 3
     ref = _torch_bn(c, gamma, beta, k)
     _torch_steps(ref, batches, lr)
-    _compare(ds, graph._kernels[node._id][1], ref, "graph")
+    _compare(ds, graph._plan.kernels[node._id][1], ref, "graph")
 
 
 def test_a_data_source_reads_the_variance_after_an_in_place_merge() -> None:

@@ -116,7 +116,7 @@ def test_graph_updates_instance_normalization_from_the_state_batch(client) -> No
         assert ds.batches == [n, n]  # the data source received one state per image
     assert_close(ds.gamma(), ga.detach(), "gamma after two graph steps")
     assert_close(ds.beta(), be.detach(), "beta after two graph steps")
-    assert_close(graph._kernels[node._id].gamma, ga.detach(), "the kernel reloaded gamma")
+    assert_close(graph._plan.kernels[node._id].gamma, ga.detach(), "the kernel reloaded gamma")
 
 
 def test_every_images_state_reaches_the_collectives() -> None:

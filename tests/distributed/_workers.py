@@ -130,7 +130,7 @@ def nccl_replay(out: Path, run: m.DistributedRun) -> None:
                    zip(weights(eager), weights(graph), strict=True))  # fmt: skip
         lines.append(f"step {i + 1} captured={compiled.is_captured} same={same}")
     if run.rank == 1:  # one rank's weights drift: the check of step 6 (a replay) names it
-        node = next(n for n in graph._order if getattr(n, "_forward", None) is not None)
+        node = next(n for n in graph._plan.order if getattr(n, "_forward", None) is not None)
         node._forward.data_source.weights().add_(1e-6)  # a view of the data source's values
         graph.reload_from_data_sources()  # in place: the recorded step reads them
         torch.cuda.synchronize()  # ordered before the next replay (on the queue's stream)
@@ -151,7 +151,7 @@ def _weights_of(graph: Any) -> list[tuple[str, torch.Tensor]]:
 
     from mpsnn.distributed.data_parallel import _weights
 
-    updates = [(node, graph._kernels[node._forward._id], None) for node in graph._order
+    updates = [(node, graph._plan.kernels[node._forward._id], None) for node in graph._plan.order
                if getattr(node, "_forward", None) is not None and node.trainable]  # fmt: skip
     return _weights(SimpleNamespace(updates=updates))  # what `_weights` reads of a step
 

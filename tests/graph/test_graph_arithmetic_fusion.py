@@ -40,7 +40,7 @@ def test_relu_after_a_subtraction_fuses_and_matches_autograd() -> None:
     relu, sub, da, db = _pair(g, m.SubtractionNode)
     sub.primary_scale = 0.5  # the general path: scale, then the ReLU after the result
     graph, _ = training(mse_loss(relu.result_image))
-    assert graph._fused_into[relu._id] is sub
+    assert graph._plan.fusion.fused_into[relu._id] is sub
     assert "fused RELU" in graph.debug_description()
     ta, tb = TorchConv(da), TorchConv(db)
     xt, target = rand(g, 2, 3, 6, 5), rand(g, 2, 3, 6, 5)
@@ -56,12 +56,12 @@ def test_a_neuron_whose_gradient_needs_its_input_is_not_fused_in_training() -> N
     g = gen(82)
     sig, *_ = _pair(g, m.AdditionNode, m.NeuronSigmoidNode)
     graph, _ = training(mse_loss(sig.result_image))
-    assert sig._id not in graph._fused_into  # its gradient reads the addition's result
+    assert sig._id not in graph._plan.fusion.fused_into  # its gradient reads the addition's result
     # a ReLU with a narrower result reads its input too (a tiny sum could round to zero)
     relu, *_ = _pair(g, m.AdditionNode)
     relu.result_image.format = F16
     graph, _ = training(mse_loss(relu.result_image))
-    assert relu._id not in graph._fused_into
+    assert relu._id not in graph._plan.fusion.fused_into
 
 
 def test_inference_fuses_any_neuron_after_arithmetic_with_the_same_values() -> None:
@@ -69,7 +69,7 @@ def test_inference_fuses_any_neuron_after_arithmetic_with_the_same_values() -> N
     sig, add, da, db = _pair(g, m.AdditionNode, m.NeuronSigmoidNode)
     fused = m.Graph(DEV, sig.result_image)
     fused.format = F64
-    assert fused._fused_into[sig._id] is add
+    assert fused._plan.fusion.fused_into[sig._id] is add
     xt = rand(g, 2, 3, 5, 4)
     got = encode(fused, [xt]).tensor
     ta, tb = TorchConv(da), TorchConv(db)
@@ -84,7 +84,7 @@ def test_inference_fuses_any_neuron_after_arithmetic_with_the_same_values() -> N
     cb.commit()
     cb.wait_until_completed()
     ours = m.Add(DEV)
-    ours._neuron = fused._kernels[add._id]._neuron
+    ours._neuron = fused._plan.kernels[add._id]._neuron
     cb = DEV.new_command_queue().command_buffer()
     one = ours.encode(cb, a, b)
     cb.commit()
@@ -99,7 +99,7 @@ def test_a_fused_neuron_reads_the_stored_sum_as_the_unfused_one_does() -> None:
     add = m.AdditionNode(x, y)
     sig = m.NeuronSigmoidNode(add.result_image)
     fused = m.Graph(DEV, sig.result_image)
-    assert fused._fused_into[sig._id] is add
+    assert fused._plan.fusion.fused_into[sig._id] is add
     xt, yt = rand(g, 2, 3, 9, 7), rand(g, 2, 3, 9, 7)
     got = encode(fused, [xt, yt]).tensor
     want = torch.sigmoid((xt + yt).float())

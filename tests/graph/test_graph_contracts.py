@@ -215,12 +215,12 @@ def test_training_style_of_a_gradient_node_is_saved(tmp_path) -> None:
     loaded = m.load(path, DEV)
     styles = [
         n.training_style
-        for n in loaded._order
+        for n in loaded._plan.order
         if isinstance(n, m.GradientFilterNode) and isinstance(n.inference_node, m.ConvolutionNode)
     ]
     assert styles == [m.TrainingStyle.UPDATE_ON_CPU]
     assert loaded.output_state_is_temporary is True
-    assert loaded._cpu_updates  # the loaded graph plans the CPU update
+    assert loaded._plan.modes.cpu_updates  # the loaded graph plans the CPU update
 
 
 # -- Adam's time_step through a graph ---------------------------------------------------------

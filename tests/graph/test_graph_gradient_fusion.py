@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import mpsnn as m
-import mpsnn.graph.plan as plan
+import mpsnn.graph.plan_passes as plan
 from tests.graph._helpers import (
     DEV,
     F16,
@@ -84,7 +84,7 @@ def test_fused_relu_gradients_give_the_unfused_bits(fmt) -> None:
     fused, w_fused, dx_fused, _ = _steps(True, fmt)
     unfused, w_plain, dx_plain, _ = _steps(False, fmt)
     # every ReLU gradient fused in one plan, none in the other
-    assert len(fused._pre_gradient) == 3 and not unfused._pre_gradient
+    assert len(fused._plan.pre_gradient) == 3 and not unfused._plan.pre_gradient
     text = fused.debug_description()
     assert text.count("[_PassGradient]") == 3 and "_PassGradient" not in unfused.debug_description()
     for a, b in zip(w_fused, w_plain, strict=True):
@@ -96,7 +96,7 @@ def test_fused_relu_gradients_match_autograd_in_float64() -> None:
     g = gen(503)
     loss, ds, _ = _net(g)
     graph, _ = training(loss)
-    assert len(graph._pre_gradient) == 3
+    assert len(graph._plan.pre_gradient) == 3
     convs = [TorchConv(d) for d in ds]
     x = rand(g, 3, 2, 5, 4)
     labels = torch.randint(0, 5, (3, 1, 1), generator=g)
@@ -122,7 +122,7 @@ def test_the_node_handler_sees_every_gradient_node_and_a_format_keeps_one_apart(
     graph, *_ = _steps(True, F64, steps=1, handler=handler)
     assert seen.count("NeuronGradientNode") == 3
     # the gradient with a format of its own runs as its own kernel; the other two are fused
-    assert len(graph._pre_gradient) == 2
+    assert len(graph._plan.pre_gradient) == 2
     assert graph.debug_description().count("[_PassGradient]") == 2
 
 
@@ -137,10 +137,10 @@ def test_an_exported_or_leaky_relu_gradient_is_not_fused() -> None:
     relu_grads[0].result_image.export_from_graph = True
     graph = m.Graph(DEV, terminals[0].result_image)
     graph.format = F64
-    assert len(graph._pre_gradient) == 2
+    assert len(graph._plan.pre_gradient) == 2
     # a leaky ReLU (a != 0) is not the plain ReLU: its gradient stays a kernel of its own
     leaky, *_ = _steps(True, F64, steps=1, leaky=0.1)
-    assert len(leaky._pre_gradient) == 2
+    assert len(leaky._plan.pre_gradient) == 2
 
 
 def test_an_incoming_gradient_of_another_format_keeps_the_relu_gradient_apart() -> None:
@@ -153,7 +153,7 @@ def test_an_incoming_gradient_of_another_format_keeps_the_relu_gradient_apart() 
 
     fused, w_fused, dx_fused, _ = _steps(True, F16, steps=2, handler=wide)
     _, w_plain, dx_plain, _ = _steps(False, F16, steps=2, handler=wide)
-    assert not fused._pre_gradient
+    assert not fused._plan.pre_gradient
     for a, b in zip(w_fused, w_plain, strict=True):
         assert _bits(a, b)
     assert _bits(dx_fused, dx_plain)

@@ -44,13 +44,13 @@ def test_residual_tail_frees_the_addition_inputs_and_result_and_matches_autograd
     g = gen(61)
     _, bn, add, relu, dc = _residual(g)
     graph, _ = training(mse_loss(relu.result_image))
-    last = graph._last_reader
+    last = graph._plan.liveness.last_reader
     # the normalization's result: read by the addition only (its gradient needs the shape)
     assert last[bn.result_image._id] == add._id
     # the ReLU runs inside the addition (one pass, no addition result of its own); its
     # gradient reads the ReLU's result
-    assert graph._fused_into[relu._id] is add and add.result_image._id not in last
-    kinds = {type(k).__name__ for k in graph._kernels.values() if not isinstance(k, tuple)}
+    assert graph._plan.fusion.fused_into[relu._id] is add and add.result_image._id not in last
+    kinds = {type(k).__name__ for k in graph._plan.kernels.values() if not isinstance(k, tuple)}
     assert "ReLUGradientOfResult" in kinds
 
     xt, target = rand(g, 2, 3, 6, 5), rand(g, 2, 3, 6, 5)
@@ -94,7 +94,7 @@ def test_multiplication_gradient_still_keeps_the_other_input() -> None:
     a, b = m.ConvolutionNode(x, da), m.ConvolutionNode(x, db)
     prod = m.MultiplicationNode(a.result_image, b.result_image)
     graph, _ = training(mse_loss(prod.result_image))
-    grads = [n for n in graph._order if type(n).__name__ == "ArithmeticGradientNode"]
+    grads = [n for n in graph._plan.order if type(n).__name__ == "ArithmeticGradientNode"]
     assert len(grads) == 2
     for n in grads:  # each reads the other factor's values
         assert len(n._content_sources()) == 2
@@ -150,9 +150,11 @@ def test_a_relu_with_a_narrower_result_reads_its_source() -> None:
     _, _, add, relu, _ = _residual(g)
     relu.result_image.format = m.FeatureChannelFormat.FLOAT16
     graph, _ = training(mse_loss(m.NeuronLinearNode(relu.result_image, 1.0, 0.0).result_image))
-    kinds = [type(k).__name__ for k in graph._kernels.values() if not isinstance(k, tuple)]
+    kinds = [type(k).__name__ for k in graph._plan.kernels.values() if not isinstance(k, tuple)]
     assert "ReLUGradientOfResult" not in kinds and "NeuronGradient" in kinds
-    assert graph._last_reader[add.result_image._id] != relu._id  # kept for the gradient
+    assert (
+        graph._plan.liveness.last_reader[add.result_image._id] != relu._id
+    )  # kept for the gradient
 
 
 def test_a_shape_only_stand_in_refuses_to_be_read() -> None:
@@ -321,7 +323,7 @@ def test_a_relu_fused_into_a_convolution_differentiates_from_the_result(monkeypa
     conv = m.ConvolutionNode(conv0.result_image, dc)
     relu = m.NeuronReLUNode(conv.result_image)
     graph, _ = training(mse_loss(relu.result_image))
-    assert graph._fused and graph._kernels[conv._id]._keep_preactivation is False
+    assert graph._plan.fusion.fused and graph._plan.kernels[conv._id]._keep_preactivation is False
     kept = []
     real = ConvolutionGradientState._free_storage
 
@@ -351,7 +353,7 @@ def test_a_fused_relu_on_a_wider_graph_input_keeps_its_pre_activation() -> None:
     conv = m.ConvolutionNode(m.ImageNode("x"), ds)
     relu = m.NeuronReLUNode(conv.result_image)
     graph, _ = training(mse_loss(relu.result_image), fmt=m.FeatureChannelFormat.FLOAT16)
-    assert graph._kernels[conv._id]._keep_preactivation is True
+    assert graph._plan.kernels[conv._id]._keep_preactivation is True
     xt = rand(gen(70), 2, 2, 3, 3).float()
     encode(graph, [xt], [m.LossLabels(DEV, torch.ones(2, 3, 3, 3))])
     # dL/db = sum(y - 1) over 2 x 3 x 3 pixels per channel = -18: SGD (lr 1) moves b by +18

@@ -65,7 +65,7 @@ def _consumers(out: m.ImageNode) -> list:
 
 
 def _planned(graph: m.Graph) -> list[m.BatchNormalizationNode]:
-    return [r.node for plans in graph._recompute.values() for r in plans]
+    return [r.node for plans in graph._plan.recompute.before.values() for r in plans]
 
 
 def test_the_chain_recomputes_every_normalization_result_and_matches_autograd() -> None:
@@ -142,11 +142,11 @@ def test_a_recomputed_result_is_released_after_its_last_gradient_reader() -> Non
     g = gen(73)
     _, out, _, bns = _chain(g, blocks=1)
     graph, _ = training(mse_loss(out))
-    (plan,) = [r for plans in graph._recompute.values() for r in plans]
+    (plan,) = [r for plans in graph._plan.recompute.before.values() for r in plans]
     # read in the forward by the fused ReLU (an alias) and the next convolution; in the
     # backward by that convolution's gradient only (the ReLU's gradient passes its incoming
     # gradient on: batch normalization's gradient applies the ReLU's)
-    assert graph._recompute_reads[plan.key] == 2 and plan.reads == 1
+    assert graph._plan.recompute.reads[plan.key] == 2 and plan.reads == 1
     listing = graph.debug_description()
     assert "3 ConvolutionNode [Convolution] (t2) -> t3  (training; frees t2 until recomputed)" in (
         listing
@@ -154,7 +154,7 @@ def test_a_recomputed_result_is_released_after_its_last_gradient_reader() -> Non
     assert "(t4, t2) -> t5  (recomputes t2 first; frees t4, t2)" in listing
     assert "[_PassGradient] (t5, t1) -> t6\n" in listing
     xt, target = rand(g, 2, 4, 5, 5), rand(g, 2, 4, 5, 5)
-    kernel = graph._kernels[bns[0]._id][1]  # (statistics, normalization)
+    kernel = graph._plan.kernels[bns[0]._id][1]  # (statistics, normalization)
     made = []
 
     def recording(*args):
@@ -293,7 +293,7 @@ def test_every_node_that_shows_the_result_gets_the_recomputed_image() -> None:
         return graph
 
     on, _ = _on_and_off(build)
-    (plan,) = [r for plans in on._recompute.values() for r in plans]
+    (plan,) = [r for plans in on._plan.recompute.before.values() for r in plans]
     assert len(plan.ids) == 3  # the normalization's, the fused ReLU's and the dropout's
 
 

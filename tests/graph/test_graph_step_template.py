@@ -75,8 +75,8 @@ def _uses(graph: m.Graph) -> int:
 
 
 def _first_convolution_kernel(graph: m.Graph) -> Any:
-    node = next(n for n in graph._order if type(n) is m.ConvolutionNode)
-    return graph._kernels[node._id]
+    node = next(n for n in graph._plan.order if type(n) is m.ConvolutionNode)
+    return graph._plan.kernels[node._id]
 
 
 # -- 1. bit-for-bit equality over several steps --------------------------------------------

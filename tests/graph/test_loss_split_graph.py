@@ -138,7 +138,7 @@ def test_labels_made_by_a_filter_get_their_gradient() -> None:
     loss = m.ForwardLossNode(pred, labels, desc)
     graph, terminals = _graph(m.InitialGradientNode(loss.result_image))
     assert len(terminals) == 2
-    made = [nd for nd in graph._order if isinstance(nd, m.LossGradientNode)]
+    made = [nd for nd in graph._plan.order if isinstance(nd, m.LossGradientNode)]
     assert sorted(nd.is_labels_gradient_filter for nd in made) == [False, True]
     xt, zt = rand(g, n, 2, 4, 4), rand(g, n, 2, 4, 4)
     _encode(graph, {"x": xt, "z": zt})

@@ -191,7 +191,7 @@ def test_a_training_graph_through_the_node_reloads_and_steps_the_same(tmp_path) 
     path = tmp_path / "train.safetensors"
     m.save(graph, path)
     graph2 = m.load(path)
-    names = {type(f).__name__ for f in graph2._order}
+    names = {type(f).__name__ for f in graph2._plan.order}
     assert {"ReductionSpatialMeanNode", "ReductionSpatialMeanGradientNode"} <= names
     for _ in range(2):
         xt, target = rand(g, 2, 2, 5, 5), rand(g, 2, 3, 1, 1)
@@ -201,7 +201,7 @@ def test_a_training_graph_through_the_node_reloads_and_steps_the_same(tmp_path) 
             outs.append(encode(gr, [xt], [labels]).tensor.clone())
             losses.append(labels.loss_image().tensor.clone())
         assert torch.equal(outs[0], outs[1]) and torch.equal(losses[0], losses[1])
-    loaded = [f.data_source for f in graph2._order if isinstance(f, m.ConvolutionNode)]
+    loaded = [f.data_source for f in graph2._plan.order if isinstance(f, m.ConvolutionNode)]
     for ds, ds2 in zip((d1, d2), loaded, strict=True):  # the steps updated both the same
         assert torch.equal(ds.weights(), ds2.weights())
         assert torch.equal(ds.bias_terms(), ds2.bias_terms())

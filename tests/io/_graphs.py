@@ -120,7 +120,7 @@ def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 def layers(graph: m.Graph) -> list[Any]:
     """The trainable forward nodes a graph runs, in order."""
-    return [n for n in graph._order if hasattr(n, "data_source")]
+    return [n for n in graph._plan.order if hasattr(n, "data_source")]
 
 
 def values(graph: m.Graph) -> list[torch.Tensor | None]:
@@ -131,19 +131,19 @@ def values(graph: m.Graph) -> list[torch.Tensor | None]:
         ds = node.data_source
         if isinstance(ds, m.TensorConvolutionDataSource):
             out += [ds.weights(), ds.bias_terms()]
-            kernel = graph._kernels[node._id]
+            kernel = graph._plan.kernels[node._id]
             out += [kernel.weights, kernel.biases]
         else:
             out += [ds.gamma(), ds.beta(), ds.mean(), ds.variance()]
-            bn = graph._kernels[node._id][1]
+            bn = graph._plan.kernels[node._id][1]
             out += [bn.gamma, bn.beta, bn.mean, bn.variance]
         for vectors in ds._optimizer_state or []:
             out += vectors
         opt = ds.optimizer
         out += [opt._hyper, opt._step]
-    for node in graph._order:
+    for node in graph._plan.order:
         if isinstance(node, m.DropoutNode):
-            out.append(graph._kernels[node._id]._counter)
+            out.append(graph._plan.kernels[node._id]._counter)
     return out
 
 

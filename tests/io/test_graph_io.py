@@ -87,13 +87,13 @@ def test_formats_and_labels_a_node_handler_set_come_back(tmp_path) -> None:
     data = batches(4, 3, torch.float64)
     step(graph, data[0])
     loaded = _roundtrip(graph, tmp_path)
-    made = [n for n in loaded._order if isinstance(n, m.GradientFilterNode)]
+    made = [n for n in loaded._plan.order if isinstance(n, m.GradientFilterNode)]
     assert [n.result_image.format for n in made] == [None, F32, F32, None]
     assert [n.label for n in made] == [
         "gradient of FullyConnectedNode", "gradient of PoolingMaxNode",
         "gradient of NeuronReLUNode", "gradient of ConvolutionNode",
     ]  # fmt: skip
-    assert all(g.inference_node in loaded._order for g in made)
+    assert all(g.inference_node in loaded._plan.order for g in made)
     for batch in data[1:]:
         assert same(step(loaded, batch), step(graph, batch))
     assert _all_same(values(loaded), values(graph))
@@ -113,7 +113,9 @@ def test_an_inference_and_a_training_graph_saved_together_share_nodes_and_data_s
     out = _roundtrip({"train": train, "infer": infer, "adam": net.adam, "epoch": 2}, tmp_path)
     train2, infer2 = out["train"], out["infer"]
     assert out["epoch"] == 2 and infer2.label == "inference" and infer2.result_image_is_needed
-    assert all(any(n is t for t in train2._order) for n in infer2._order)  # the same nodes
+    assert all(
+        any(n is t for t in train2._plan.order) for n in infer2._plan.order
+    )  # the same nodes
     for a, b in zip(layers(infer2), layers(train2), strict=True):
         assert a is b and a.data_source.optimizer is out["adam"]
     # the inference graph's kernels were not reloaded: their stale weights came back
@@ -138,9 +140,9 @@ def test_graphs_of_one_training_graph_call_share_its_gradient_nodes(tmp_path) ->
     (other,) = net.loss.training_graph()  # a second call makes gradient nodes of its own
     again = m.Graph(DEV, other.result_image, False)
     part2, whole2, again2 = _roundtrip([part, whole, again], tmp_path)
-    ids = {id(n) for n in whole2._order}
-    assert len(part2._order) == 7 and all(id(n) in ids for n in part2._order)
-    shared = [type(n).__name__ for n in again2._order if id(n) in ids]
+    ids = {id(n) for n in whole2._plan.order}
+    assert len(part2._plan.order) == 7 and all(id(n) in ids for n in part2._plan.order)
+    shared = [type(n).__name__ for n in again2._plan.order if id(n) in ids]
     assert shared == [
         "ConvolutionNode", "NeuronReLUNode", "PoolingMaxNode", "FullyConnectedNode", "LossNode",
     ]  # fmt: skip
@@ -151,8 +153,8 @@ def test_graphs_of_one_training_graph_call_share_its_gradient_nodes(tmp_path) ->
 
 
 def _dropout_kernel(graph: m.Graph) -> m.Dropout:
-    (node,) = [n for n in graph._order if isinstance(n, m.DropoutNode)]
-    return graph._kernels[node._id]
+    (node,) = [n for n in graph._plan.order if isinstance(n, m.DropoutNode)]
+    return graph._plan.kernels[node._id]
 
 
 def test_batch_norm_and_dropout_graphs_continue_with_the_next_masks(tmp_path) -> None:
@@ -194,7 +196,7 @@ def test_a_training_graph_with_branches_round_trips(tmp_path) -> None:
     fc = m.FullyConnectedNode(cat.result_image, conv_ds(g, 6, 6, 4, adam, torch.float64))
     desc = m.LossDescriptor(m.LossType.SOFTMAX_CROSS_ENTROPY, m.ReductionType.SUM, weight=0.25)
     graph = training(m.LossNode(fc.result_image, desc), torch.float64)
-    names = [type(n).__name__ for n in graph._order]
+    names = [type(n).__name__ for n in graph._plan.order]
     assert names.count("AdditionNode") == 3 and "ConcatenationGradientNode" in names
     assert "ArithmeticGradientNode" in names
     data = batches(10, 3, torch.float64)
@@ -207,7 +209,7 @@ def test_a_training_graph_with_branches_round_trips(tmp_path) -> None:
     assert listing(loaded) == listing(graph)
     m.save(loaded, tmp_path / "again.safetensors")  # saving a loaded graph writes the same
     assert _structure(tmp_path / "again.safetensors") == _structure(path)
-    (add2,) = [n for n in loaded._order if isinstance(n, m.AdditionNode) and n.properties]
+    (add2,) = [n for n in loaded._plan.order if isinstance(n, m.AdditionNode) and n.properties]
     assert add2.properties == {"primary_scale": 0.5}
     for batch in data[1:]:
         assert same(step(loaded, batch), step(graph, batch))
@@ -331,12 +333,12 @@ def test_every_forward_node_type_round_trips_with_its_attributes(tmp_path) -> No
     graph = m.Graph.from_results(DEV, results)
     graph.format = F64
     loaded = _roundtrip(graph, tmp_path)
-    assert len(loaded._order) == len(graph._order) == 29
-    for a, b in zip(graph._order, loaded._order, strict=True):
+    assert len(loaded._plan.order) == len(graph._plan.order) == 29
+    for a, b in zip(graph._plan.order, loaded._plan.order, strict=True):
         assert type(a) is type(b)
         assert _describe(a) == _describe(b), type(a).__name__
-        index = {id(n.result_image): i for i, n in enumerate(graph._order)}
-        index2 = {id(n.result_image): i for i, n in enumerate(loaded._order)}
+        index = {id(n.result_image): i for i, n in enumerate(graph._plan.order)}
+        index2 = {id(n.result_image): i for i, n in enumerate(loaded._plan.order)}
         assert [index.get(id(s)) for s in a.source_images] == [
             index2.get(id(s)) for s in b.source_images
         ]

@@ -199,7 +199,7 @@ def _step(graph: m.Graph, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]
 
 
 def _sources(graph: m.Graph) -> list:
-    return [n.data_source for n in graph._order if hasattr(n, "data_source")]
+    return [n.data_source for n in graph._plan.order if hasattr(n, "data_source")]
 
 
 def test_a_two_loss_training_graph_from_an_initial_gradient_reloads_and_steps_the_same(
@@ -227,7 +227,7 @@ def test_a_two_loss_training_graph_from_an_initial_gradient_reloads_and_steps_th
     graph2 = m.load(path)
     assert graph2.label == "two losses"
     assert graph2.source_image_handles == graph.source_image_handles
-    loaded = [n for n in graph2._order if isinstance(n, m.LossGradientNode)]
+    loaded = [n for n in graph2._plan.order if isinstance(n, m.LossGradientNode)]
     assert sorted(n.is_labels_gradient_filter for n in loaded) == [False, False, True]
     for step in range(2):
         inputs = _inputs(g)

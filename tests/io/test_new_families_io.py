@@ -382,7 +382,7 @@ def test_a_training_graph_through_gram_and_resizes_reloads_and_steps_the_same(tm
     types = [o["type"] for o in _parts(path)[0]["objects"]]
     assert "GramMatrixCalculationGradientNode" in types and "ResizeBilinearGradientNode" in types
     graph2 = m.load(path)
-    ds2 = graph2._order[0].data_source
+    ds2 = graph2._plan.order[0].data_source
     for step in range(2):
         xt, target = _x(g, 2, 2, 6, 6), _x(g, 2, 6, 1, 6)
         losses = []
@@ -392,7 +392,7 @@ def test_a_training_graph_through_gram_and_resizes_reloads_and_steps_the_same(tm
             losses.append(labels.loss_image().tensor.clone())
         assert same(losses[0], losses[1]), step
         assert same(ds.weights(), ds2.weights()) and same(ds.bias_terms(), ds2.bias_terms())
-    assert not torch.equal(ds.weights(), graph2._order[0].data_source.weights() * 0)
+    assert not torch.equal(ds.weights(), graph2._plan.order[0].data_source.weights() * 0)
 
 
 def test_code_on_a_node_is_refused_with_a_clear_message(tmp_path) -> None:
@@ -518,4 +518,4 @@ def test_yolo_descriptor_kernel_and_node_round_trip(tmp_path) -> None:
         run(gr, [xt], [lab])
         losses.append(lab.loss_image().tensor)
     assert same(losses[0], losses[1])
-    assert same(ds.weights(), graph2._order[0].data_source.weights())
+    assert same(ds.weights(), graph2._plan.order[0].data_source.weights())

@@ -1,0 +1,508 @@
+"""The analysis passes of a graph's plan (`mpsnn.graph.plan.GraphPlan`): each a pure function
+of the node graph and the earlier passes' records, returning one frozen record.
+
+1. `order_pass`: the filters the results need, producers first; the sources.
+2. `modes_pass`: which forward filters run in training mode; what is kept (results, exports,
+   result states); which layers are updated on the CPU.
+3. `fusion_pass`: neurons that run inside the filter before them, ReLU gradients that run
+   inside the convolution gradient after them, gradients passed on, and the aliases these make
+   (one read-count key for the nodes that show one image).
+4. `liveness_pass`: who allocates each image, who reads which key, the last reader of each
+   (where it is freed), the sources' read counts.
+5. `recompute_pass`: batch-normalization results freed after the forward and computed again
+   before the backward.
+
+Fusion is decided from traits the node classes declare (`FilterNode.fuses_neuron` and its
+neighbours in `mpsnn.graph.nodes`), not from a list of classes here.
+
+Fusion: a neuron node whose source is made by a node that ``fuses_neuron``, with no other
+reader and not exported, runs inside that node's kernel (the convolution's fused neuron,
+applied after the bias; batch normalization's, after gamma and beta). Its gradient follows:
+after a node that ``records_fused_neuron`` (a convolution), `NeuronGradient` differentiates the
+fused neuron from the pre-activation kept in the state (a plain ReLU computed in the graph's
+format reads the result instead, `ReLUGradientOfResult`, and nothing is kept), and a plain
+ReLU's gradient whose only reader is the layer's gradient runs inside that gradient's command
+(`gradient_fuses_relu_gradient`); after a node whose ``gradient_applies_fused_neuron`` (batch
+normalization), its gradient kernels apply the neuron's gradient first and the neuron's
+gradient node passes its input on. After a node that keeps no record for the neuron
+(arithmetic), only a ReLU whose gradient reads its own result fuses; its node then writes its
+own forward record (no command) for that gradient. In an inference graph any neuron after
+arithmetic fuses.
+
+Aliases: a fused neuron's result, an inference dropout's result (``identity_in_inference``)
+and a gradient passed on hold the image of another node; they share its read-count key, and
+a kept alias (a result, an exported image) makes the producer allocate that image as the kept
+node's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from mpsnn.core.kernel import TrainingStyle
+from mpsnn.graph.nodes import FilterNode, GradientFilterNode, ImageNode, StateNode
+
+__all__ = [
+    "Fusion",
+    "Liveness",
+    "Modes",
+    "Recompute",
+    "RecomputePlan",
+    "Topology",
+    "fusion_pass",
+    "liveness_pass",
+    "modes_pass",
+    "order_pass",
+    "recompute_pass",
+]
+
+# Whether a plain ReLU's gradient may fuse into the convolution gradient after it (see
+# `fusion_pass`); tests turn it off to compare the two plans bit for bit.
+FUSE_GRADIENTS = True
+
+
+def _frozen(d: dict[Any, Any]) -> Mapping[Any, Any]:
+    return MappingProxyType(d)
+
+
+# -- 1. order ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """The filters the results need, producers first (depth first, inputs in order); the
+    source images and source states in the order the walk meets them."""
+
+    order: tuple[FilterNode, ...]
+    sources: tuple[ImageNode, ...]
+    state_sources: tuple[StateNode, ...]
+    source_ids: frozenset[int]
+
+
+def order_pass(results: list[ImageNode]) -> Topology:
+    order: list[FilterNode] = []
+    sources: list[ImageNode] = []
+    state_sources: list[StateNode] = []
+    mark: dict[int, int] = {}
+
+    def visit(node: FilterNode, path: list[FilterNode]) -> None:
+        if mark.get(node._id) == 2:
+            return
+        if mark.get(node._id) == 1:
+            names = " -> ".join(type(n).__name__ for n in [*path, node])
+            raise ValueError(f"[Graph] the node graph must have no cycle, got {names}")
+        mark[node._id] = 1
+        for img in node.source_images:
+            if img.producer is None:
+                if all(s is not img for s in sources):
+                    sources.append(img)
+            else:
+                visit(img.producer, [*path, node])
+        for st in node.source_states:
+            if st.producer is None:
+                if all(s is not st for s in state_sources):
+                    state_sources.append(st)
+            else:
+                visit(st.producer, [*path, node])
+        mark[node._id] = 2
+        order.append(node)
+
+    for r in results:
+        if r.producer is None:
+            raise ValueError(
+                f"[Graph] a result image must be made by a filter node, got a source {r!r}"
+            )
+        visit(r.producer, [])
+    return Topology(tuple(order), tuple(sources), tuple(state_sources),
+                    frozenset(s._id for s in sources))  # fmt: skip
+
+
+# -- 2. modes ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Modes:
+    """Attributes:
+    training: ids of the forward filters that run in training mode (a gradient node of the
+        graph reads their state, a forward node reads a convolution's state, or their state
+        is exported).
+    exported_states: the result states (MPS ``resultStateHandles``), in order.
+    exported: the extra results and the exported images, in ``intermediate_images`` order.
+    kept: ids of the image nodes the graph keeps (results and exports): allocated permanent.
+    trainable: the trainable gradient nodes, in order (their layers are updated).
+    cpu_updates: ids of the forward nodes whose layers are updated on the CPU.
+    """
+
+    training: frozenset[int]
+    exported_states: tuple[StateNode, ...]
+    exported: tuple[ImageNode, ...]
+    kept: frozenset[int]
+    trainable: tuple[GradientFilterNode, ...]
+    cpu_updates: frozenset[int]
+
+
+def modes_pass(topology: Topology, results: list[ImageNode]) -> Modes:
+    order = topology.order
+    in_graph = {n._id for n in order}
+    training = {
+        st.producer._id
+        for n in order
+        if isinstance(n, GradientFilterNode)
+        for st in n.source_states
+        if st.producer is not None and st.producer._id in in_graph
+    }
+    # a convolution whose state a forward node reads (a transpose convolution undoing its
+    # size) makes that state in any graph
+    training |= {
+        st.producer._id
+        for n in order
+        if not isinstance(n, GradientFilterNode)
+        for st in n.source_states
+        if st.producer is not None
+        and st.producer.makes_state_for_forward_readers
+        and st.producer._id in in_graph
+    }
+    # result states: exported state nodes of forward filters, which then run in training mode
+    # to make them; the graph never releases them
+    exported_states = tuple(
+        n.result_state
+        for n in order
+        if not isinstance(n, GradientFilterNode)
+        and n.result_state is not None
+        and n.result_state.export_from_graph
+    )
+    training |= {st.producer._id for st in exported_states if st.producer is not None}
+    exports = [n.result_image for n in order if n.result_image.export_from_graph]
+    exported = tuple(results[1:]) + tuple(e for e in exports if all(e is not r for r in results))
+    trainable = tuple(
+        n for n in order if isinstance(n, GradientFilterNode) and getattr(n, "trainable", False)
+    )
+    cpu = frozenset(
+        n.inference_node._id for n in trainable if n.training_style is TrainingStyle.UPDATE_ON_CPU
+    )
+    kept = frozenset({r._id for r in results} | {e._id for e in exported})
+    return Modes(frozenset(training), exported_states, exported, kept, trainable, cpu)
+
+
+# -- 3. fusion -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Fusion:
+    """Attributes:
+    fused_into: neuron node id -> the node it runs inside.
+    fused: that node's id -> the fused neuron's type name (for reports).
+    gradient_fusions: convolution-gradient node id -> the ReLU gradient node it runs inside.
+    passed: ids of gradient nodes that pass their incoming gradient on.
+    canon: image/state id -> the id whose read-count key it shares (follow with `key`).
+    """
+
+    fused_into: Mapping[int, FilterNode]
+    fused: Mapping[int, str]
+    gradient_fusions: Mapping[int, GradientFilterNode]
+    passed: frozenset[int]
+    canon: Mapping[int, int]
+
+    def key(self, k: int) -> int:
+        """The read-count key of image or state id ``k`` (itself, or the node it aliases)."""
+        canon = self.canon
+        while k in canon:
+            k = canon[k]
+        return k
+
+
+def _readers(order: tuple[FilterNode, ...]) -> dict[int, list[FilterNode]]:
+    readers: dict[int, list[FilterNode]] = {}
+    for n in order:
+        for img in n.source_images:
+            readers.setdefault(img._id, []).append(n)
+    return readers
+
+
+def _fuses_into(
+    node: FilterNode, readers: dict[int, list[FilterNode]], keep: frozenset[int]
+) -> FilterNode | None:
+    """The node a neuron node fuses into, or None."""
+    if node._fusible_neuron() is None:
+        return None
+    src = node.source_images[0]
+    prev = src.producer
+    if prev is None or not prev.fuses_neuron or not prev._accepts_fused_neuron():
+        return None
+    if not prev.records_fused_neuron:
+        # nothing keeps the producer's result: only a ReLU whose gradient reads its own
+        # result (a plain ReLU in the graph's format) can fuse into it
+        for g in readers.get(node.result_image._id, []) + readers.get(src._id, []):
+            if isinstance(g, GradientFilterNode) and g.inference_node is node:
+                uses_result = getattr(g, "_uses_result", None)
+                if uses_result is None or not uses_result():
+                    return None
+    forward_readers = [r for r in readers.get(src._id, []) if not isinstance(r, GradientFilterNode)]
+    gradient_readers = [r for r in readers.get(src._id, []) if isinstance(r, GradientFilterNode)]
+    if forward_readers != [node] or src._id in keep or src.image_allocator is not None:
+        return None
+    # the source's only gradient readers may be the neuron's own gradient node
+    if any(g.inference_node is not node for g in gradient_readers):
+        return None
+    return prev
+
+
+def _gradient_fusions(
+    order: tuple[FilterNode, ...],
+    readers: dict[int, list[FilterNode]],
+    keep: frozenset[int],
+    fused_into: dict[int, FilterNode],
+) -> dict[int, GradientFilterNode]:
+    """``{convolution-family gradient node id: ReLU gradient node}`` for each plain ReLU
+    (``a = +0.0``) fused into a node whose gradient runs ReLU gradients inside
+    (``gradient_fuses_relu_gradient``), whose gradient feeds only that layer's gradient node, as
+    its incoming gradient, in the graph's format, neither kept nor given an allocator, and
+    whose own incoming gradient is made in the graph in the graph's format (decided when the
+    graph is planned: node formats set later are not seen here). That gradient then runs
+    inside the layer gradient's command: the same mask product (from the ReLU's result, or
+    from the pre-activation the convolution kept) on the block the layer gradient reads, exact
+    in any dtype, so no value changes; one encode, one command and one image fewer per layer
+    and step. The ReLU's gradient node stays in the graph (a node handler saw it) and passes
+    its incoming gradient on; the layer gradient reads the forward result in its place."""
+    out: dict[int, GradientFilterNode] = {}
+    if not FUSE_GRADIENTS:
+        return out
+    for n in order:
+        if not (isinstance(n, GradientFilterNode) and getattr(n, "_plain_relu", False)):
+            continue
+        target = fused_into.get(n.inference_node._id)
+        res = n.result_image
+        rs = readers.get(res._id, [])
+        if (
+            target is None
+            or not target.gradient_fuses_relu_gradient
+            or len(rs) != 1
+            or res._id in keep
+            or res.format is not None
+            or res.image_allocator is not None
+        ):
+            continue
+        # the incoming gradient in the graph's format too, made by a node of the graph with
+        # the graph's allocator: the layer gradient then reads it in the dtype the ReLU's
+        # gradient would have written (another format would round, or widen, differently)
+        g_in = n.source_images[0]
+        if g_in.producer is None or g_in.format is not None or g_in.image_allocator is not None:
+            continue
+        g = rs[0]
+        if (
+            isinstance(g, GradientFilterNode)
+            and g.inference_node is target
+            and g.source_images[0] is res
+            and all(s is not res for s in g.source_images[1:])
+        ):
+            out[g._id] = n
+    return out
+
+
+def fusion_pass(topology: Topology, modes: Modes) -> Fusion:
+    order = topology.order
+    keep = modes.kept
+    readers = _readers(order)
+    fused_into: dict[int, FilterNode] = {}
+    fused: dict[int, str] = {}
+    for n in order:
+        target = _fuses_into(n, readers, keep)
+        if target is not None:
+            fused_into[n._id] = target
+            fused[target._id] = n._fusible_neuron().neuron_type.name
+    gradient_fusions = _gradient_fusions(order, readers, keep, fused_into)
+    # neuron gradients that pass their incoming gradient on: after a node whose gradient
+    # applies the fused neuron's, and those that run inside a layer gradient
+    passed = {n._id for n in gradient_fusions.values()} | {
+        n._id
+        for n in order
+        if isinstance(n, GradientFilterNode)
+        and (t := fused_into.get(n.inference_node._id)) is not None
+        and t.gradient_applies_fused_neuron
+    }
+    # fused neurons and passed-on gradients hold their input's value: one key for both
+    canon: dict[int, int] = {}
+    for n in order:
+        target = fused_into.get(n._id)
+        if target is not None:
+            canon[target.result_image._id] = n.result_image._id
+            # the gradient reads the target's state (after arithmetic, the neuron's own)
+            if (
+                target.records_fused_neuron
+                and target.result_state is not None
+                and n.result_state is not None
+            ):
+                canon[n.result_state._id] = target.result_state._id
+    for n in order:
+        if n._id in passed:
+            src = n.source_images[0]._id
+            canon[n.result_image._id] = canon.get(src, src)
+        # an inference dropout is the identity (its result is its source's image): without
+        # one key for both, the source was freed at the dropout and its readers read a stale
+        # image
+        if n.identity_in_inference and n._id not in modes.training:
+            canon[n.result_image._id] = n.source_images[0]._id
+    return Fusion(_frozen(fused_into), _frozen(fused), _frozen(gradient_fusions),
+                  frozenset(passed), _frozen(canon))  # fmt: skip
+
+
+# -- 4. liveness ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Liveness:
+    """Attributes:
+    alloc_nodes: image node id -> the image node a filter allocates that result as (the kept
+        node that shows the image, or one with an allocator of its own, else itself).
+    reads_by: filter id -> the keys it reads whose storage the step releases.
+    readers: key -> how many filters read it (the read count it starts a step with).
+    last_reader: key -> the id of its last reader (where it is freed).
+    update_states: keys of the states the layer updates read (released after the updates).
+    source_reads: reads per encode of each source image (``read_count_for_source_image``).
+    state_source_reads: reads per encode of each source state.
+    """
+
+    alloc_nodes: Mapping[int, ImageNode]
+    reads_by: Mapping[int, tuple[int, ...]]
+    readers: Mapping[int, int]
+    last_reader: Mapping[int, int]
+    update_states: frozenset[int]
+    source_reads: tuple[int, ...]
+    state_source_reads: tuple[int, ...]
+
+
+def liveness_pass(
+    topology: Topology, modes: Modes, fusion: Fusion, results: list[ImageNode]
+) -> Liveness:
+    order, key = topology.order, fusion.key
+    shown: dict[int, ImageNode] = {}
+    for img in [*results, *modes.exported]:
+        shown.setdefault(key(img._id), img)
+    for n in order:  # a fused neuron's result with an allocator of its own: that allocator
+        if n.result_image.image_allocator is not None:
+            shown.setdefault(key(n.result_image._id), n.result_image)
+    alloc_nodes = {
+        n.result_image._id: shown.get(key(n.result_image._id), n.result_image) for n in order
+    }
+    keep = {key(k) for k in modes.kept} | {key(st._id) for st in modes.exported_states}
+    reads_by: dict[int, list[int]] = {}
+    readers: dict[int, int] = {}
+    last_reader: dict[int, int] = {}
+    update_states: set[int] = set()
+    for n in order:
+        # liveness follows content reads: a shape-only input does not keep its storage
+        content = n._content_sources()
+        if n._id in fusion.passed:
+            content = content[:1]  # a passed-on gradient: it reads nothing of the forward
+        elif n._id in fusion.gradient_fusions:  # a ReLU's gradient runs inside: its result
+            content = [*content, fusion.gradient_fusions[n._id].inference_node.result_image]
+        keys = [s._id for s in content] + [s._id for s in n.source_states]
+        keys = list(dict.fromkeys(key(k) for k in keys))
+        mine = [k for k in keys if k not in keep and k not in topology.source_ids]
+        reads_by[n._id] = mine
+        for k in mine:
+            readers[k] = readers.get(k, 0) + 1
+            last_reader[k] = n._id
+        if isinstance(n, GradientFilterNode) and getattr(n, "trainable", False):
+            update_states.update(key(s._id) for s in n.source_states)
+    # states a layer update reads are released after the updates, not by their last node
+    frozen_reads = {i: tuple(k for k in ks if k not in update_states) for i, ks in reads_by.items()}
+    for k in update_states:
+        readers.pop(k, None)
+    source_reads = tuple(
+        sum(c for n in order for img, c in n._reads() if img is s) for s in topology.sources
+    )
+    state_source_reads = tuple(
+        sum(1 for n in order if any(x is s for x in n.source_states))
+        for s in topology.state_sources
+    )
+    return Liveness(_frozen(alloc_nodes), _frozen(frozen_reads), _frozen(readers),
+                    _frozen(last_reader), frozenset(update_states), source_reads,
+                    state_source_reads)  # fmt: skip
+
+
+# -- 5. recompute --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Recompute:
+    """A normalization result freed after the forward and computed again before its first
+    gradient reader: ``node`` (the batch normalization), ``ids`` (the image nodes that show
+    the result: its own and a fused neuron's), ``key`` (their read-count key), ``reads`` (the
+    gradient readers) and ``last_forward`` (the id of its last forward reader)."""
+
+    node: FilterNode
+    ids: tuple[int, ...]
+    key: int
+    reads: int
+    last_forward: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecomputePlan:
+    """``before``: first gradient reader's id -> the results recomputed just before it;
+    ``reads``: key -> the read count it starts with (its forward readers)."""
+
+    before: Mapping[int, tuple[Recompute, ...]]
+    reads: Mapping[int, int]
+
+
+def recompute_pass(
+    topology: Topology, modes: Modes, fusion: Fusion, liveness: Liveness
+) -> RecomputePlan:
+    """The training-mode normalization results the step frees after the forward and
+    recomputes before the backward reads them (see `Graph.recompute_normalization_results`).
+
+    A result ``y = f(gamma (x - mean)/sqrt(var + eps) + beta)`` of a node that
+    ``recomputes_result`` qualifies when every forward reader of it runs before every gradient
+    reader (a convolution's weight gradient reads its source), and the normalization's input
+    ``x`` and state (the batch's statistics) are still live at the first gradient reader: the
+    normalization gradient reads both later, and gamma and beta change only in the updates
+    after every gradient. Recomputing runs the same kernel on the same values, so the
+    recomputed image equals the freed one bit for bit."""
+    order, key = topology.order, fusion.key
+    index = {n._id: i for i, n in enumerate(order)}
+    readers: dict[int, list[FilterNode]] = {}
+    for n in order:
+        for k in liveness.reads_by[n._id]:
+            readers.setdefault(k, []).append(n)
+    plans: dict[int, list[Recompute]] = {}
+    reads: dict[int, int] = {}
+    for node in order:
+        if not node.recomputes_result or node._id not in modes.training:
+            continue
+        k = key(node.result_image._id)
+        shown = liveness.alloc_nodes[node.result_image._id]
+        if k not in liveness.readers or shown.image_allocator is not None:
+            continue  # kept (a result, an export, an allocator of its own) or never read
+        forward = [
+            index[r._id] for r in readers.get(k, []) if not isinstance(r, GradientFilterNode)
+        ]
+        backward = [r for r in readers.get(k, []) if isinstance(r, GradientFilterNode)]
+        if not forward or not backward:
+            continue
+        first = min(index[r._id] for r in backward)
+        if max(forward) >= first:
+            continue
+        # what the recompute reads must still be live at the first gradient reader
+        live = True
+        for dep in (node.source_images[0]._id, node.result_state._id):  # type: ignore[union-attr]
+            d = key(dep)
+            if d in topology.source_ids:
+                live = False  # a source's read count is the caller's: never read it again
+            elif d in reads:
+                live = False  # itself freed until recomputed (a normalization of one)
+            elif d in liveness.readers and index[liveness.last_reader[d]] < first:
+                live = False
+        if not live:
+            continue
+        # every image node that shows it (the normalization's, a fused neuron's, an inference
+        # dropout's): their step values are the freed image until recomputed
+        ids = tuple(n.result_image._id for n in order if key(n.result_image._id) == k)
+        last = order[max(forward)]._id
+        plans.setdefault(order[first]._id, []).append(Recompute(node, ids, k, len(backward), last))
+        reads[k] = len(forward)
+    return RecomputePlan(_frozen({i: tuple(p) for i, p in plans.items()}), _frozen(reads))
