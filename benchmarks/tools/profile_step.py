@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--optimizer", default="sgd")
     p.add_argument("--top", type=int, default=22)
+    p.add_argument("--lines", type=int, default=14, help="hottest host functions listed")
     p.add_argument("--device", default="cuda", help="cpu: the host profile only (a smoke test)")
     args = p.parse_args()
     dev = parse_device(args.device)
@@ -75,9 +76,9 @@ def main() -> None:
     print(f"# host per eager step: encode {enc_ms:.2f} ms, commit {com_ms:.2f} ms")
     for name, pr in (("encode", enc), ("commit", com)):
         s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(14)
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(args.lines)
         print(f"\n# {name}: hottest functions (profiled, 5 steps)")
-        print("\n".join(s.getvalue().splitlines()[6:24]))
+        print("\n".join(s.getvalue().splitlines()[6 : 10 + args.lines]))
     if not cuda:
         return
     compiled = run.graph.compile(queue)

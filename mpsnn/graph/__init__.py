@@ -8,6 +8,8 @@ from mpsnn.graph.gradient_nodes import __all__ as _gradient
 from mpsnn.graph.graph import Graph as Graph
 from mpsnn.graph.loss_nodes import *  # noqa: F403
 from mpsnn.graph.loss_nodes import __all__ as _loss
+from mpsnn.graph.neuron_nodes import *  # noqa: F403
+from mpsnn.graph.neuron_nodes import __all__ as _neuron
 from mpsnn.graph.nodes import FilterNode as FilterNode
 from mpsnn.graph.nodes import GradientFilterNode as GradientFilterNode
 from mpsnn.graph.nodes import ImageNode as ImageNode
@@ -27,6 +29,6 @@ __all__ = sorted(
     {
         "CompiledGraph", "FilterNode", "Graph", "GradientFilterNode", "ImageNode", "LabelsNode",
         "StateNode", "StepCollectives", "YOLOLossNode",
-        *_forward, *_gradient, *_loss, *_normalization, *_reduction, *_resize,
+        *_forward, *_gradient, *_loss, *_neuron, *_normalization, *_reduction, *_resize,
     }
 )  # fmt: skip

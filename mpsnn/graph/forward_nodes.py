@@ -4,9 +4,9 @@ Each node's constructor is its kernel's, with the source(s) first. A node makes 
 when a graph binds it (``_make_kernel``) and, for the training graph, the gradient kernel that
 differentiates it (``_gradient_kernel``); the gradient nodes are in `mpsnn.graph.gradient_nodes`.
 
-The neuron nodes (`NeuronNode`, `NeuronReLUNode`, ...) are defined in `mpsnn.graph.neuron_nodes`
-and re-exported here, in this module's ``__all__``; `UnaryNode`, the base of the one-source
-filters, is in `mpsnn.graph.nodes` (both modules build on it without importing this one).
+The neuron nodes (`NeuronNode`, `NeuronReLUNode`, ...) are in `mpsnn.graph.neuron_nodes`;
+`UnaryNode`, the base of the one-source filters, is in `mpsnn.graph.nodes` (both modules build
+on it without importing this one).
 """
 
 from __future__ import annotations
@@ -25,9 +25,6 @@ from mpsnn.core._checks import check_positive
 from mpsnn.core.device import Device
 from mpsnn.core.geometry import EdgeMode, ImageCoordinate, Size
 from mpsnn.core.image_batch import ImageBatch
-from mpsnn.graph.neuron_nodes import *  # noqa: F403  (re-exported: the named neuron nodes)
-from mpsnn.graph.neuron_nodes import NeuronNode as NeuronNode
-from mpsnn.graph.neuron_nodes import __all__ as _neuron_nodes
 from mpsnn.graph.nodes import FilterNode, ImageNode, UnaryNode
 from mpsnn.graph.step import _Step
 
@@ -42,7 +39,6 @@ __all__ = [
     "FullyConnectedNode",
     "LogSoftMaxNode",
     "MultiplicationNode",
-    "NeuronNode",
     "PadNode",
     "PoolingAverageNode",
     "PoolingL2NormNode",
@@ -54,7 +50,6 @@ __all__ = [
     "UpsamplingBilinearNode",
     "UpsamplingNearestNode",
 ]
-__all__ += [name for name in _neuron_nodes if name not in __all__]  # the named neuron nodes
 
 
 # -- convolution family ------------------------------------------------------------------

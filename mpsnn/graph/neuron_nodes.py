@@ -6,9 +6,8 @@ neuron type and parameters, and builds the descriptor from them with MPS's defau
 When a graph fuses a neuron node into the filter before it, the node runs no kernel of its
 own: its result (and state) are that filter's.
 
-`mpsnn.graph.forward_nodes` re-exports these nodes and lists them in its ``__all__`` (the
-graph modules and the `mpsnn.io` codecs find them there); they are defined here so that the
-family has one place and that module stays to a readable size.
+The family has this one place (`mpsnn.graph` exports its ``__all__``; the `mpsnn.io` codecs
+register every class listed there).
 """
 
 from __future__ import annotations

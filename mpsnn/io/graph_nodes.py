@@ -32,6 +32,7 @@ from mpsnn.cnn.yolo import YOLOLossDescriptor
 from mpsnn.core.descriptor import FeatureChannelFormat
 from mpsnn.core.geometry import EdgeMode, ImageCoordinate, Size
 from mpsnn.graph import forward_nodes as fwd
+from mpsnn.graph import neuron_nodes
 from mpsnn.graph import normalization_nodes as norm
 from mpsnn.graph.nodes import FilterNode, ImageNode, StateNode
 from mpsnn.graph.yolo_nodes import YOLOLossNode
@@ -296,7 +297,7 @@ def _enc_neuron(node: Any, enc: Encoder) -> dict[str, Any]:
 def _dec_neuron(f: Fields, kind: type) -> Any:
     source = read_source(f)
     node = kind.__new__(kind)  # a named neuron node's constructor only builds the descriptor
-    fwd.NeuronNode.__init__(node, source, f.get_object("descriptor", NeuronDescriptor))
+    neuron_nodes.NeuronNode.__init__(node, source, f.get_object("descriptor", NeuronDescriptor))
     return finish(f, node)
 
 
@@ -508,7 +509,7 @@ def _register() -> None:
     families: list[tuple[tuple[type, ...], Any, Any]] = [
         (tuple(_DATA_SOURCES), _enc_layer, _dec_layer),
         (_POOLINGS, _enc_pooling, _dec_pooling),
-        ((fwd.NeuronNode,), _enc_neuron, _dec_neuron),
+        ((neuron_nodes.NeuronNode,), _enc_neuron, _dec_neuron),
         ((fwd.SoftMaxNode, fwd.LogSoftMaxNode), _enc_source_only, _dec_source_only),
         ((fwd.UpsamplingNearestNode, fwd.UpsamplingBilinearNode), _enc_upsampling, _dec_upsampling),
         (ARITHMETIC[1:], enc_arithmetic, dec_arithmetic),
@@ -522,13 +523,9 @@ def _register() -> None:
         (fwd.PadNode, _enc_pad, _dec_pad),
         (fwd.ConcatenationNode, _enc_concatenation, _dec_concatenation),
     ]
-    neurons = [
-        getattr(fwd, name)
-        for name in fwd.__all__
-        if isinstance(getattr(fwd, name), type) and issubclass(getattr(fwd, name), fwd.NeuronNode)
-    ]
+    neurons = [getattr(neuron_nodes, name) for name in neuron_nodes.__all__]
     for classes, encode, decode in families:
-        for cls in neurons if classes == (fwd.NeuronNode,) else classes:
+        for cls in neurons if classes == (neuron_nodes.NeuronNode,) else classes:
             register_codec(cls, forward_encoder(encode), per_class(decode, cls))
     for cls, encode, decode in single:
         register_codec(cls, forward_encoder(encode), decode)
