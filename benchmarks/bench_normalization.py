@@ -38,6 +38,7 @@ from mpsnn.ops.batch_norm import (
     bn_statistics,
     bn_variance,
 )
+from mpsnn.ops.batch_norm_params import BatchNormParams, BatchNormSums
 from mpsnn.ops.neuron import NeuronParams
 
 RELU = NeuronParams(1, 0.0, 0.0, 0.0, None)  # neuron type 1 (ReLU), slope 0
@@ -74,7 +75,7 @@ def bench_batch_norm(
 
     def mps_fwd() -> torch.Tensor:
         count, mean, m2 = bn_statistics(x)
-        return bn_forward(x, mean, bn_variance(count, m2), w, b, EPS, RELU)
+        return bn_forward(x, BatchNormParams(mean, bn_variance(count, m2), w, b, EPS, RELU))
 
     fwd_err = _max_error(mps_fwd(), torch_fwd())
     tt_f, tm_f = compare([torch_fwd, mps_fwd], device, iters, trials)
@@ -87,11 +88,11 @@ def bench_batch_norm(
         return torch.autograd.grad(y, (xr, wr, br), g, retain_graph=True)
 
     count, mean, m2 = bn_statistics(x)
-    var = bn_variance(count, m2)
+    p = BatchNormParams(mean, bn_variance(count, m2), w, b, EPS, RELU)
 
     def mps_bwd() -> tuple[torch.Tensor, ...]:
-        sum_gy, sum_gy_xhat = bn_gradient_sums(g, x, mean, var, w, b, EPS, RELU)
-        dx = bn_backward(g, x, mean, var, w, b, EPS, sum_gy, sum_gy_xhat, count, RELU)
+        sum_gy, sum_gy_xhat = bn_gradient_sums(g, x, p)
+        dx = bn_backward(g, x, p, BatchNormSums(sum_gy, sum_gy_xhat, count))
         return dx, sum_gy_xhat, sum_gy
 
     bwd_err = max(_max_error(a, e) for a, e in zip(mps_bwd(), torch_bwd(), strict=True))

@@ -7,18 +7,24 @@ place) and writes the same output storage.
 
 This module sits below `mpsnn.core.device` (which re-exports `CapturedCommandBuffer`): it knows
 a command buffer only through `_Capturable`, what the capture reads and calls.
+
+What a replay reads must outlive every replay. Storage made before the capture is kept by the
+captured buffer (`allocated_before_capture`). Objects made *during* the recording that nothing
+else holds (an optimizer's device tables, whose addresses the graph recorded) are handed to the
+capture being recorded with `keep_for_replays`: the capture keeps them for as long as it lives,
+and they are freed with it. Nothing is registered process-wide.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
 
-from mpsnn.core import replays as _replays
-
-__all__ = ["CapturedCommandBuffer"]
+__all__ = ["CapturedCommandBuffer", "keep_for_replays", "keeping_for_replays"]
 
 
 class _Capturable(Protocol):
@@ -66,18 +72,51 @@ def allocated_before_capture(buffer: _Capturable) -> list[torch.Tensor]:
     return keep
 
 
+# The recordings in progress in each thread, innermost last: each a list of the objects its
+# capture keeps (`keeping_for_replays`). Empty outside a recording.
+_recordings = threading.local()
+
+
+@contextmanager
+def keeping_for_replays(kept: list[Any] | None = None) -> Iterator[list[Any]]:
+    """The scope of one recording in this thread: what `keep_for_replays` is given inside it is
+    appended to ``kept`` (a new list when None), which it yields. Whoever holds the graph
+    holds that list: `CommandBuffer.capture` does it for its `CapturedCommandBuffer`; around
+    a ``torch.cuda.graph`` capture of your own, keep the list for as long as the graph."""
+    kept = [] if kept is None else kept
+    stack: list[list[Any]] = _recordings.__dict__.setdefault("stack", [])
+    stack.append(kept)
+    try:
+        yield kept
+    finally:
+        stack.pop()
+
+
+def keep_for_replays(obj: Any) -> bool:
+    """Keep ``obj`` alive for as long as the capture being recorded in this thread (the
+    innermost `keeping_for_replays` scope): for what the recorded work reads at every replay
+    and nothing else holds. False when no recording is in progress in this thread (nothing
+    is kept)."""
+    stack = _recordings.__dict__.get("stack")
+    if not stack:
+        return False
+    stack[-1].append(obj)
+    return True
+
+
 def record_graph(
-    buffer: _Capturable, stream: torch.cuda.Stream, device: torch.device
+    buffer: _Capturable, stream: torch.cuda.Stream, device: torch.device, keep: list[Any]
 ) -> torch.cuda.CUDAGraph:
     """Run ``buffer``'s work once into a new CUDA graph, on a side stream that first waits for
-    ``stream`` (inputs written there are ready) and that ``stream`` then waits for. An error
-    is recorded as the buffer's error, not raised."""
+    ``stream`` (inputs written there are ready) and that ``stream`` then waits for. What the
+    work hands to `keep_for_replays` is appended to ``keep`` (the captured buffer's). An
+    error is recorded as the buffer's error, not raised."""
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream(device)
     side.wait_stream(stream)
     try:
         with (
-            _replays.recording(),
+            keeping_for_replays(keep),
             torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"),
         ):
             buffer._run()
@@ -104,12 +143,14 @@ class CapturedCommandBuffer:
         self,
         buffer: _Capturable,
         graph: torch.cuda.CUDAGraph,
-        keep_alive: list[torch.Tensor] | None = None,
+        keep_alive: list[Any] | None = None,
     ) -> None:
         self._buffer = buffer
         self._graph = graph
-        # storage the recording uses, made before it (`allocated_before_capture`)
-        self._keep_alive: list[torch.Tensor] = keep_alive or []
+        # what the replays read and nothing else holds: storage made before the recording
+        # (`allocated_before_capture`) and objects made during it (`keep_for_replays`),
+        # freed with this object
+        self._keep_alive: list[Any] = keep_alive if keep_alive is not None else []
         self.replays = 0
 
     @property

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from mpsnn.core import replays as _replays
 from mpsnn.core.capture import CapturedCommandBuffer, allocated_before_capture, record_graph
 from mpsnn.core.completion import _WORKERS as _WORKERS
 from mpsnn.core.completion import _CompletionWorker
@@ -443,7 +442,7 @@ class CommandBuffer:
         keep = allocated_before_capture(self)
         self._status = _COMMITTED
         self._captured = True
-        graph = record_graph(self, q._stream, q._device.torch_device)
+        graph = record_graph(self, q._stream, q._device.torch_device, keep)
         if self.error is not None:
             self._complete()
             raise self.error
@@ -457,11 +456,7 @@ class CommandBuffer:
         self.error = None
         self.failed_command = None
 
-        def work() -> None:
-            graph.replay()
-            _replays.replayed()  # the recorded kernels rewrote their tensors in place
-
-        self._launch(work)
+        self._launch(graph.replay)
 
     def _wait_if_committed(self) -> None:
         """Wait for the work launched last (a replay's), if it has not been waited for."""

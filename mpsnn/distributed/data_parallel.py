@@ -13,8 +13,9 @@ records its collective as a command (``cb.record``), so it runs in command order
 
       n = Σ n_r,   mean = Σ n_r mean_r / n,   m2 = Σ m2_r + Σ n_r (mean_r - mean)²
 
-  so every rank normalizes with the global batch's mean and biased variance ``m2 / n``, and
-  updates its running statistics identically;
+  so every rank normalizes with the global batch's mean and biased variance ``m2 / n`` (which
+  the exchange writes into the state with the sums), and updates its running statistics
+  identically;
 * **batch-normalization gradient sums** (after the statistics gradient, before the input
   gradient): ``[Σ gy·xhat, Σ gy]`` are all-reduced (summed): the input gradient
   ``dx = gamma / sqrt(var + eps) (gy - Σgy / n - xhat Σgy·xhat / n)`` then uses the global
@@ -275,6 +276,7 @@ class _StepCollectives:
             n, mean_all, m2_all = bn_merge_all(rows[:, :k], rows[:, k : k + c], rows[:, k + c :])
             for dst, src in zip(sums, (n[:k], mean_all, m2_all), strict=True):
                 dst.copy_(src.reshape(dst.shape))
+            state._write_variance()  # the sums changed: their variance, in the same work
 
         if not self.dp.sync_batch_norm:  # merged after the backward (`_merge_statistics`)
             self.statistics.append(state)
@@ -386,6 +388,8 @@ class _StepCollectives:
                 dst += [count, mu, q]
                 src += [ns[: count.numel()].view_as(count), ms.view_as(mu), qs.view_as(q)]
             torch._foreach_copy_(dst, src)
+            for st in states:  # the sums changed: their variances, in the same work
+                st._write_variance()
 
         self.cb.record(f"merge {what}", merge)
 

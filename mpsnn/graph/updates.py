@@ -51,8 +51,6 @@ def encode_updates(graph: Any, step: Any) -> None:
         if isinstance(fnode, BatchNormalizationNode):
             bn = fkernel[1]
             _gamma_beta(step, ds, bn, state, groups)
-            if step.collectives is not None:  # statistics merged in place after the kernels
-                state._encode_refresh(cb)  # read them: the variance a data source reads
             mv = ds.update_mean_and_variance(cb, state)
             if mv is not None:
                 bn.reload_mean_and_variance(cb, mv)

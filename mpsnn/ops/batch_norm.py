@@ -47,7 +47,10 @@ Data in float16/bfloat16 are computed in float32 and rounded once at the end. Ea
 function runs the Triton fast path where `mpsnn.ops.triton.batch_norm_eligible` says so
 (CUDA, float16/bfloat16/float32, no neuron or ReLU), else the portable ``*_portable`` code;
 ``bn_forward`` and ``bn_backward`` give the same bits on both paths (same operations in the same
-order, each rounded once), the reductions the same values up to summation order.
+order, each rounded once), the reductions the same values up to summation order. The
+normalization's per-channel arguments (``mean``, ``var``, ``gamma``, ``beta``, ``eps``, the
+neuron) come as one `mpsnn.ops.batch_norm_params.BatchNormParams`, the input gradient's sums
+and count as one `mpsnn.ops.batch_norm_params.BatchNormSums`.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ import torch
 
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops._dtypes import acc_dtype
+from mpsnn.ops.batch_norm_params import BatchNormParams, BatchNormSums
 from mpsnn.ops.neuron import NeuronParams, activation, activation_backward
 
 __all__ = [
@@ -88,9 +92,11 @@ def _check_source(what: str, x: torch.Tensor, g: torch.Tensor | None = None) -> 
         raise ValueError(f"[{what}] g must have x's shape {tuple(x.shape)}, got {tuple(g.shape)}")
 
 
-def _check_channels(what: str, x: torch.Tensor, **per_channel: torch.Tensor) -> None:
+def _check_params(what: str, x: torch.Tensor, p: BatchNormParams, **more: torch.Tensor) -> None:
+    """Every per-channel tensor of ``p`` (and ``more``) is (C,) for ``x``'s C channels."""
     c = x.shape[1]
-    for name, t in per_channel.items():
+    tensors = {"mean": p.mean, "var": p.var, "gamma": p.gamma, "beta": p.beta, **more}
+    for name, t in tensors.items():
         if t.shape != (c,):
             raise ValueError(f"[{what}] {name} must be ({c},), got shape {tuple(t.shape)}")
 
@@ -250,42 +256,27 @@ def bn_variance(count: torch.Tensor, m2: torch.Tensor, unbiased: bool = False) -
 # -- forward --------------------------------------------------------------------------------
 
 
-def bn_forward(
-    x: torch.Tensor,
-    mean: torch.Tensor,
-    var: torch.Tensor,
-    gamma: torch.Tensor,
-    beta: torch.Tensor,
-    eps: float,
-    neuron: NeuronParams | None = None,
-) -> torch.Tensor:
+def bn_forward(x: torch.Tensor, p: BatchNormParams) -> torch.Tensor:
     """``y = f((x - mean) gamma / sqrt(var + eps) + beta)`` in ``x``'s dtype, (N, C, H, W).
 
-    ``mean``, ``var`` (biased), ``gamma``, ``beta``: (C,) on ``x``'s device. ``f``: the neuron
-    (`mpsnn.ops.neuron.activation`), or none. Computed in float32 for half types.
+    ``p``: the (C,) ``mean``, ``var`` (biased), ``gamma``, ``beta`` on ``x``'s device, ``eps``
+    and the neuron ``f`` (`mpsnn.ops.neuron.activation`), or none. Computed in float32 for half
+    types.
     """
     _check_source("bn_forward", x)
-    _check_channels("bn_forward", x, mean=mean, var=var, gamma=gamma, beta=beta)
-    fast = fast_paths.batch_norm_forward(x, mean, var, gamma, beta, eps, neuron=neuron)
-    return fast if fast is not None else bn_forward_portable(x, mean, var, gamma, beta, eps, neuron)
+    _check_params("bn_forward", x, p)
+    fast = fast_paths.batch_norm_forward(x, p)
+    return fast if fast is not None else bn_forward_portable(x, p)
 
 
-def bn_forward_portable(
-    x: torch.Tensor,
-    mean: torch.Tensor,
-    var: torch.Tensor,
-    gamma: torch.Tensor,
-    beta: torch.Tensor,
-    eps: float,
-    neuron: NeuronParams | None = None,
-) -> torch.Tensor:
+def bn_forward_portable(x: torch.Tensor, p: BatchNormParams) -> torch.Tensor:
     """`bn_forward` in PyTorch operations (any device, any neuron)."""
     ct = acc_dtype(x.dtype)
-    inv = _inv_std(var.to(ct), eps)
-    a = gamma.to(ct) * inv
-    z = (x.to(ct) - _col(mean, ct)) * _col(a, ct) + _col(beta, ct)
-    if neuron is not None:
-        z = activation(neuron, z)
+    inv = _inv_std(p.var.to(ct), p.eps)
+    a = p.gamma.to(ct) * inv
+    z = (x.to(ct) - _col(p.mean, ct)) * _col(a, ct) + _col(p.beta, ct)
+    if p.neuron is not None:
+        z = activation(p.neuron, z)
     return z.to(x.dtype)
 
 
@@ -293,107 +284,68 @@ def bn_forward_portable(
 
 
 def bn_gradient_sums(
-    g: torch.Tensor,
-    x: torch.Tensor,
-    mean: torch.Tensor,
-    var: torch.Tensor,
-    gamma: torch.Tensor,
-    beta: torch.Tensor,
-    eps: float,
-    neuron: NeuronParams | None = None,
+    g: torch.Tensor, x: torch.Tensor, p: BatchNormParams
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(Σ gy, Σ gy xhat)`` per channel over this sub-batch: ``dL/dbeta`` and ``dL/dgamma``.
 
     ``g = dL/dy`` and ``x``: (N, C, H, W); ``gy = g f'(z)`` with ``z`` and ``xhat`` recomputed
-    from ``x`` and the whole batch's ``mean`` and (biased) ``var``. The sums of several
+    from ``x`` and ``p`` (the whole batch's ``mean`` and biased ``var``). The sums of several
     sub-batches add up to the whole batch's. Returns two (C,) tensors in the accumulation dtype.
     """
     _check_source("bn_gradient_sums", x, g)
-    _check_channels("bn_gradient_sums", x, mean=mean, var=var, gamma=gamma, beta=beta)
-    params = (mean, var, gamma, beta, eps)
-    fast = fast_paths.batch_norm_gradient_sums(g, x, *params, neuron=neuron)
-    return fast if fast is not None else bn_gradient_sums_portable(g, x, *params, neuron)
+    _check_params("bn_gradient_sums", x, p)
+    fast = fast_paths.batch_norm_gradient_sums(g, x, p)
+    return fast if fast is not None else bn_gradient_sums_portable(g, x, p)
 
 
 def bn_gradient_sums_portable(
-    g: torch.Tensor,
-    x: torch.Tensor,
-    mean: torch.Tensor,
-    var: torch.Tensor,
-    gamma: torch.Tensor,
-    beta: torch.Tensor,
-    eps: float,
-    neuron: NeuronParams | None = None,
+    g: torch.Tensor, x: torch.Tensor, p: BatchNormParams
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`bn_gradient_sums` in PyTorch operations (any device, any neuron)."""
     ct = acc_dtype(x.dtype)
-    inv = _inv_std(var.to(ct), eps)
-    xc = x.to(ct) - _col(mean, ct)
+    inv = _inv_std(p.var.to(ct), p.eps)
+    xc = x.to(ct) - _col(p.mean, ct)
     xhat = xc * _col(inv, ct)
     gy = g.to(ct)
-    if neuron is not None:
-        z = xc * _col(gamma.to(ct) * inv, ct) + _col(beta, ct)
-        gy = _neuron_gradient(neuron, gy, z)
+    if p.neuron is not None:
+        z = xc * _col(p.gamma.to(ct) * inv, ct) + _col(p.beta, ct)
+        gy = _neuron_gradient(p.neuron, gy, z)
     return gy.sum(dim=_DIMS), (gy * xhat).sum(dim=_DIMS)
 
 
 def bn_backward(
-    g: torch.Tensor,
-    x: torch.Tensor,
-    mean: torch.Tensor,
-    var: torch.Tensor,
-    gamma: torch.Tensor,
-    beta: torch.Tensor,
-    eps: float,
-    sum_gy: torch.Tensor,
-    sum_gy_xhat: torch.Tensor,
-    count: torch.Tensor | float,
-    neuron: NeuronParams | None = None,
+    g: torch.Tensor, x: torch.Tensor, p: BatchNormParams, sums: BatchNormSums
 ) -> torch.Tensor:
     """``dL/dx = gamma s (gy - Σ gy / m - xhat Σ gy xhat / m)`` in ``x``'s dtype, (N, C, H, W).
 
-    ``g``, ``x``: this sub-batch; ``mean``, ``var`` (biased), ``sum_gy``, ``sum_gy_xhat`` and
-    ``count`` (``m``, a (1,) or (C,) tensor or a number): the whole batch's. Derivation in the
-    module docstring. Per element, in this order::
+    ``g``, ``x``: this sub-batch; ``p`` (``mean``, biased ``var``) and ``sums`` (``Σ gy``,
+    ``Σ gy xhat`` and ``count = m``): the whole batch's. Derivation in the module docstring.
+    Per element, in this order::
 
         xc = x - mean, xhat = xc s, gy = g f'(xc a + beta),
         dx = ((gy - Σgy/m) - xhat (Σgy xhat/m)) a
     """
     _check_source("bn_backward", x, g)
-    _check_channels(
-        "bn_backward", x, mean=mean, var=var, gamma=gamma, beta=beta, sum_gy=sum_gy,
-        sum_gy_xhat=sum_gy_xhat,
-    )  # fmt: skip
-    params = (mean, var, gamma, beta, eps, sum_gy, sum_gy_xhat, count)
-    fast = fast_paths.batch_norm_backward(g, x, *params, neuron=neuron)
-    return fast if fast is not None else bn_backward_portable(g, x, *params, neuron)
+    _check_params("bn_backward", x, p, sum_gy=sums.sum_gy, sum_gy_xhat=sums.sum_gy_xhat)
+    fast = fast_paths.batch_norm_backward(g, x, p, sums)
+    return fast if fast is not None else bn_backward_portable(g, x, p, sums)
 
 
 def bn_backward_portable(
-    g: torch.Tensor,
-    x: torch.Tensor,
-    mean: torch.Tensor,
-    var: torch.Tensor,
-    gamma: torch.Tensor,
-    beta: torch.Tensor,
-    eps: float,
-    sum_gy: torch.Tensor,
-    sum_gy_xhat: torch.Tensor,
-    count: torch.Tensor | float,
-    neuron: NeuronParams | None = None,
+    g: torch.Tensor, x: torch.Tensor, p: BatchNormParams, sums: BatchNormSums
 ) -> torch.Tensor:
     """`bn_backward` in PyTorch operations (any device, any neuron)."""
     ct = acc_dtype(x.dtype)
-    m = torch.as_tensor(count, dtype=ct, device=x.device)
-    inv = _inv_std(var.to(ct), eps)
-    a = gamma.to(ct) * inv
-    mean_gy = sum_gy.to(ct) / m
-    mean_gy_xhat = sum_gy_xhat.to(ct) / m
-    xc = x.to(ct) - _col(mean, ct)
+    m = torch.as_tensor(sums.count, dtype=ct, device=x.device)
+    inv = _inv_std(p.var.to(ct), p.eps)
+    a = p.gamma.to(ct) * inv
+    mean_gy = sums.sum_gy.to(ct) / m
+    mean_gy_xhat = sums.sum_gy_xhat.to(ct) / m
+    xc = x.to(ct) - _col(p.mean, ct)
     xhat = xc * _col(inv, ct)
     gy = g.to(ct)
-    if neuron is not None:
-        gy = _neuron_gradient(neuron, gy, xc * _col(a, ct) + _col(beta, ct))
+    if p.neuron is not None:
+        gy = _neuron_gradient(p.neuron, gy, xc * _col(a, ct) + _col(p.beta, ct))
     t = gy - _col(mean_gy, ct)
     t = t - xhat * _col(mean_gy_xhat, ct)
     return (t * _col(a, ct)).to(x.dtype)

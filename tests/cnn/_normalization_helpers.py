@@ -146,7 +146,8 @@ class ClientInstanceDataSource(ClientGammaBeta, m.InstanceNormalizationDataSourc
 class Collectives:
     """Step hooks standing in for a data-parallel run: ``weight_gradient_ready`` keeps what
     the batch of states `mpsnn.DataParallel` is given; ``before_updates``
-    changes the batch-normalization sums in place, as a merge of the ranks' statistics does."""
+    changes the batch-normalization sums in place, as a merge of the ranks' statistics does
+    (and, as it does, writes the variance of the new sums in the same work)."""
 
     def __init__(self):
         self.summed, self.bn_states, self.step = [], [], None
@@ -168,6 +169,7 @@ class Collectives:
         def merge():
             for st in self.bn_states:
                 st._slots[0][2].mul_(4.0)  # m2 of the (simulated) whole batch, in place
+                st._write_variance()
 
         self.step.cb.record("merge", merge)
 

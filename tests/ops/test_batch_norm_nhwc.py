@@ -15,6 +15,8 @@ from mpsnn.ops.batch_norm import (
     bn_statistics_portable,
     bn_variance,
 )
+from mpsnn.ops.batch_norm_params import BatchNormParams as P
+from mpsnn.ops.batch_norm_params import BatchNormSums as S
 from mpsnn.ops.neuron import NONE, RELU, NeuronParams
 from mpsnn.ops.triton import batch_norm_nhwc as nhwc
 from tests.helpers import TRITON_DEVICES, assert_close
@@ -56,15 +58,16 @@ def test_nhwc_passes_equal_portable(shape, dtype, device) -> None:
         tile = {k: v for k, v in split.items() if k == "tile"}
         for neuron in NEURONS:
             what = f"{neuron} {split}"
-            y = nhwc.nhwc_forward(x, mean, var, gamma, beta, eps, neuron, **tile)
-            want_y = bn_forward_portable(x, mean, var, gamma, beta, eps, neuron)
+            p = P(mean, var, gamma, beta, eps, neuron)
+            y = nhwc.nhwc_forward(x, p, **tile)
+            want_y = bn_forward_portable(x, p)
             assert y.dtype == dtype and torch.equal(y, want_y), f"y {what}"
             assert nhwc.is_nhwc(y), "the result keeps the channels-last layout"
-            sums = nhwc.nhwc_gradient_sums(g, x, mean, var, gamma, beta, eps, neuron, **split)
-            want = bn_gradient_sums_portable(g, x, mean, var, gamma, beta, eps, neuron)
+            sums = nhwc.nhwc_gradient_sums(g, x, p, **split)
+            want = bn_gradient_sums_portable(g, x, p)
             assert_close(sums[0], want[0], f"sum_gy {what}", tol=1e-5)
             assert_close(sums[1], want[1], f"sum_gy_xhat {what}", tol=1e-5)
-            args = (mean, var, gamma, beta, eps, *want, count, neuron)
+            args = (p, S(*want, count))
             dx = nhwc.nhwc_backward(g, x, *args, **tile)
             assert torch.equal(dx, bn_backward_portable(g, x, *args)), f"dx {what}"
             # an NCHW gradient of a channels-last source is read in the source's layout
@@ -79,13 +82,14 @@ def test_dispatch_sends_channels_last_sources_to_the_nhwc_passes() -> None:
     assert fast_paths.batch_norm_eligible(x)
     count, mean, m2 = fast_paths.batch_norm_statistics(x)
     var = bn_variance(count, m2)
-    y = fast_paths.batch_norm_forward(x, mean, var, gamma, beta, 1e-3)
+    p = P(mean, var, gamma, beta, 1e-3)
+    y = fast_paths.batch_norm_forward(x, p)
     assert nhwc.is_nhwc(y)
-    assert torch.equal(y, bn_forward_portable(x.contiguous(), mean, var, gamma, beta, 1e-3))
-    sums = fast_paths.batch_norm_gradient_sums(g, x, mean, var, gamma, beta, 1e-3)
-    dx = fast_paths.batch_norm_backward(g, x, mean, var, gamma, beta, 1e-3, *sums, count)
+    assert torch.equal(y, bn_forward_portable(x.contiguous(), p))
+    sums = fast_paths.batch_norm_gradient_sums(g, x, p)
+    dx = fast_paths.batch_norm_backward(g, x, p, S(*sums, count))
     assert nhwc.is_nhwc(dx)
-    want = bn_backward_portable(g, x, mean, var, gamma, beta, 1e-3, *sums, count)
+    want = bn_backward_portable(g, x, p, S(*sums, count))
     assert torch.equal(dx, want)
 
 

@@ -27,6 +27,8 @@ from mpsnn.ops.batch_norm import (
     bn_statistics_portable,
     bn_variance,
 )
+from mpsnn.ops.batch_norm_params import BatchNormParams as P
+from mpsnn.ops.batch_norm_params import BatchNormSums as S
 from mpsnn.ops.neuron import ELU, NONE, PRELU, RELU, SIGMOID, TANH, NeuronParams
 from mpsnn.ops.triton import batch_norm as triton_bn  # the dev setup installs Triton
 from tests.helpers import DEVICES, TOL, TRITON_DEVICES, assert_adjoint, assert_close
@@ -77,9 +79,10 @@ def _ours(x, gamma, beta, eps, neuron, g):
     (dx, dgamma, dbeta)."""
     count, mean, m2 = bn_statistics(x)
     var = bn_variance(count, m2)
-    y = bn_forward(x, mean, var, gamma, beta, eps, neuron)
-    sum_gy, sum_gy_xhat = bn_gradient_sums(g, x, mean, var, gamma, beta, eps, neuron)
-    dx = bn_backward(g, x, mean, var, gamma, beta, eps, sum_gy, sum_gy_xhat, count, neuron)
+    p = P(mean, var, gamma, beta, eps, neuron)
+    y = bn_forward(x, p)
+    sum_gy, sum_gy_xhat = bn_gradient_sums(g, x, p)
+    dx = bn_backward(g, x, p, S(sum_gy, sum_gy_xhat, count))
     return y, (count, mean, var), (dx, sum_gy_xhat, sum_gy)
 
 
@@ -137,7 +140,7 @@ def test_gradient_map_is_the_adjoint_of_the_forward(neuron_case) -> None:
 
     def forward(x, gamma, beta):
         count, mean, m2 = bn_statistics(x)
-        return bn_forward(x, mean, bn_variance(count, m2), gamma, beta, eps, neuron)
+        return bn_forward(x, P(mean, bn_variance(count, m2), gamma, beta, eps, neuron))
 
     _, jv = torch.func.jvp(forward, (x, gamma, beta), tuple(v))
     _, _, (dx, dgamma, dbeta) = _ours(x, gamma, beta, eps, neuron, w)
@@ -172,22 +175,19 @@ def test_sub_batches_merge_to_the_whole_batch(sizes) -> None:
     assert_close(mean, whole[1], "mean", tol=1e-13)
     assert_close(m2, whole[2], "m2", tol=1e-12)
     var = bn_variance(count, m2)
+    p = P(mean, var, gamma, beta, eps, neuron)
     # Gradient sums of the sub-batches add up to the whole batch's ...
-    sums = [
-        bn_gradient_sums(gp, xp, mean, var, gamma, beta, eps, neuron)
-        for gp, xp in zip(gs, xs, strict=True)
-    ]
+    sums = [bn_gradient_sums(gp, xp, p) for gp, xp in zip(gs, xs, strict=True)]
     sum_gy = sum(s[0] for s in sums)
     sum_gy_xhat = sum(s[1] for s in sums)
-    whole_sums = bn_gradient_sums(g, x, mean, var, gamma, beta, eps, neuron)
+    whole_sums = bn_gradient_sums(g, x, p)
     assert_close(sum_gy, whole_sums[0], "sum_gy", tol=1e-12)
     assert_close(sum_gy_xhat, whole_sums[1], "sum_gy_xhat", tol=1e-12)
     # ... and each sub-batch's dx, given the whole batch's sums, is its slice of the whole dx.
     dxs = [
-        bn_backward(gp, xp, mean, var, gamma, beta, eps, sum_gy, sum_gy_xhat, count, neuron)
-        for gp, xp in zip(gs, xs, strict=True)
+        bn_backward(gp, xp, p, S(sum_gy, sum_gy_xhat, count)) for gp, xp in zip(gs, xs, strict=True)
     ]
-    want = bn_backward(g, x, *whole[1:2], var, gamma, beta, eps, *whole_sums, whole[0], neuron)
+    want = bn_backward(g, x, P(whole[1], var, gamma, beta, eps, neuron), S(*whole_sums, whole[0]))
     assert_close(torch.cat(dxs), want, "dx", tol=1e-12)
     _, want_grads = _torch(x, gamma, beta, eps, lambda z: F.leaky_relu(z, 0.1), g)
     assert_close(torch.cat(dxs), want_grads[0], "dx vs PyTorch", tol=1e-10)
@@ -358,12 +358,12 @@ def test_bad_shapes_are_errors() -> None:
     ):
         bn_statistics(x.flatten(2))
     with pytest.raises(ValueError, match=r"\[bn_forward\] gamma must be \(3,\), got shape \(2,\)"):
-        bn_forward(x, mean, m2, gamma[:2], beta, 1e-3)
+        bn_forward(x, P(mean, m2, gamma[:2], beta, 1e-3))
     with pytest.raises(
         ValueError,
         match=r"\[bn_gradient_sums\] g must have x's shape \(2, 3, 4, 4\), got \(1, 3, 4, 4\)",
     ):
-        bn_gradient_sums(g[:1], x, mean, m2, gamma, beta, 1e-3)
+        bn_gradient_sums(g[:1], x, P(mean, m2, gamma, beta, 1e-3))
     with pytest.raises(
         ValueError, match=r"\[bn_merge\] acc and new must be \(count, mean, m2\), got 2 and 3"
     ):
@@ -435,15 +435,16 @@ def test_triton_passes_equal_portable(shape, dtype, device) -> None:
     for name, neuron, split in TRITON_CASES:
         what = f"{name} {split}"
         ew = _elementwise_split(split)
-        y = triton_bn.bn_forward_triton(x, mean, var, gamma, beta, eps, neuron, **ew)
-        want_y = bn_forward_portable(x, mean, var, gamma, beta, eps, neuron)
+        p = P(mean, var, gamma, beta, eps, neuron)
+        y = triton_bn.bn_forward_triton(x, p, **ew)
+        want_y = bn_forward_portable(x, p)
         assert y.dtype == dtype and torch.equal(y, want_y), f"y {what}"
-        sums = triton_bn.bn_gradient_sums_triton(g, x, mean, var, gamma, beta, eps, neuron, **split)
-        want_sums = bn_gradient_sums_portable(g, x, mean, var, gamma, beta, eps, neuron)
+        sums = triton_bn.bn_gradient_sums_triton(g, x, p, **split)
+        want_sums = bn_gradient_sums_portable(g, x, p)
         assert_close(sums[0], want_sums[0], f"sum_gy {what}", tol=1e-5)
         assert_close(sums[1], want_sums[1], f"sum_gy_xhat {what}", tol=1e-5)
         for cnt in (count, count.expand(shape[1]).contiguous()):  # (1,) and (C,) counts
-            args = (mean, var, gamma, beta, eps, *want_sums, cnt, neuron)
+            args = (p, S(*want_sums, cnt))
             dx = triton_bn.bn_backward_triton(g, x, *args, **ew)
             want_dx = bn_backward_portable(g, x, *args)
             assert dx.dtype == dtype and torch.equal(dx, want_dx), f"dx {what}"
@@ -459,14 +460,14 @@ def test_triton_zero_variance_channel(dtype, device) -> None:
     var = bn_variance(count, m2)
     relu = _neuron(RELU, 0.1)
     for eps in (1e-3, 0.0):
-        y = triton_bn.bn_forward_triton(x, mean, var, gamma, beta, eps, relu)
-        sums = triton_bn.bn_gradient_sums_triton(g, x, mean, var, gamma, beta, eps, relu)
-        dx = triton_bn.bn_backward_triton(g, x, mean, var, gamma, beta, eps, *sums, count, relu)
+        p = P(mean, var, gamma, beta, eps, relu)
+        y = triton_bn.bn_forward_triton(x, p)
+        sums = triton_bn.bn_gradient_sums_triton(g, x, p)
+        dx = triton_bn.bn_backward_triton(g, x, p, S(*sums, count))
         assert torch.isfinite(y).all() and torch.isfinite(dx).all()
         assert torch.isfinite(sums[0]).all() and torch.isfinite(sums[1]).all()
-        assert torch.equal(y, bn_forward_portable(x, mean, var, gamma, beta, eps, relu))
-        assert torch.equal(dx, bn_backward_portable(g, x, mean, var, gamma, beta, eps, *sums,
-                                                    count, relu))  # fmt: skip
+        assert torch.equal(y, bn_forward_portable(x, p))
+        assert torch.equal(dx, bn_backward_portable(g, x, p, S(*sums, count)))
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
@@ -489,12 +490,13 @@ def test_triton_bfloat16_results_round_to_nearest_even(device) -> None:
         bits, want_bits = got.view(torch.int16), want.view(torch.int16)
         return torch.equal(got.isnan(), nan) and torch.equal(bits[~nan], want_bits[~nan])
 
-    y = triton_bn.bn_forward_triton(x, mean, var, torch.ones(c, device=device), v, 0.5)
+    y = triton_bn.bn_forward_triton(x, P(mean, var, torch.ones(c, device=device), v, 0.5))
     assert same(y)
     zeros = torch.zeros(c, device=device)
     dx = triton_bn.bn_backward_triton(
-        torch.ones_like(x), x, mean, var, v, zeros, 0.5, zeros, zeros, torch.ones(1, device=device)
-    )
+        torch.ones_like(x), x, P(mean, var, v, zeros, 0.5),
+        S(zeros, zeros, torch.ones(1, device=device)),
+    )  # fmt: skip
     assert same(dx)
 
 

@@ -21,9 +21,10 @@ into, the two gradient kernels use the geometry, epsilon, fused neuron and gamma
 state's `BatchNormalization` (what its forward would have recorded).
 
 The sums are decided when the work runs (`AccumulatorState`): sub-batches accumulate in any
-order and any commit order, and are finalized when read. The state's fields are stable storage
-written in place (`mpsnn.cnn.normalization.batch_norm_state`): read at encode time, client
-work encoded after the kernels reads this batch's values. Without statistics in the state (or
+order and any commit order; each statistics run also writes the variance of the sums so far
+(readers only read it). The state's fields are stable storage written in place
+(`mpsnn.cnn.normalization.batch_norm_state`): read at encode time, client work encoded after
+the kernels reads this batch's values. Without statistics in the state (or
 without a state) the forward runs in inference mode on the data source's running mean and
 variance, which the data source updates from the state (`TensorBatchNormalizationDataSource`).
 The state is the third positional argument of every encode, as in MPS's selectors.

@@ -32,7 +32,8 @@ from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.kernel import image_sequences
 from mpsnn.core.state import StateBatch
-from mpsnn.ops.batch_norm import bn_forward, bn_merge, bn_statistics
+from mpsnn.ops.batch_norm import bn_forward, bn_statistics
+from mpsnn.ops.batch_norm_params import BatchNormParams
 
 __all__ = [
     "AffineChannels",
@@ -72,10 +73,11 @@ class MasterPair:
         self.load(a.to(self.first.device), b.to(self.first.device))
 
     def encode_load(
-        self, kernel: Any, cb: CommandBuffer, state: Any, kind: type, name: str, channels: int
+        self, kernel: Any, cb: CommandBuffer, state: Any, kind: type, name: str
     ) -> None:
-        """Copy ``state`` (a ``kind`` of ``channels`` channels) in place as recorded work of
-        ``kernel`` on ``cb`` (the state's read count drops)."""
+        """Copy ``state`` (a ``kind`` of the kernel's ``number_of_feature_channels`` channels)
+        in place as recorded work of ``kernel`` on ``cb`` (the state's read count drops)."""
+        channels = kernel.number_of_feature_channels
         kernel._check_command_buffer(cb)
         kernel._check_state(cb, state, name, kind)
         if state.number_of_feature_channels != channels:
@@ -127,9 +129,9 @@ class AffineChannels:
         self, command_buffer: CommandBuffer, gamma_and_beta_state: NormalizationGammaAndBetaState
     ) -> None:
         """Copy ``gamma_and_beta_state`` into the kernel as recorded work."""
-        self._affine.encode_load(self, command_buffer, gamma_and_beta_state,
-                                 NormalizationGammaAndBetaState, "gamma_and_beta_state",
-                                 self._channels)  # fmt: skip
+        kind = NormalizationGammaAndBetaState
+        self._affine.encode_load(self, command_buffer, gamma_and_beta_state, kind,
+                                 "gamma_and_beta_state")  # fmt: skip
 
 
 def read_normalization_vectors(
@@ -170,6 +172,14 @@ class BatchNormalizationRecord(PointwiseRecord):
     epsilon: float
     neuron: FusedNeuron | None
     affine: MasterPair
+
+    def params(self, mean: torch.Tensor, var: torch.Tensor) -> BatchNormParams:
+        """The ops-level arguments of a pass over this normalization with the batch's ``mean``
+        and biased ``var`` (gamma and beta: the masters' current values)."""
+        f = None if self.neuron is None else self.neuron.params
+        gamma, beta = self.affine.first, self.affine.second
+        return BatchNormParams(mean=mean, var=var, gamma=gamma, beta=beta, eps=self.epsilon,
+                               neuron=f)  # fmt: skip
 
 
 def check_channels_read(who: str, kernel: Any, source_channels: int, channels: int) -> None:
@@ -228,8 +238,7 @@ class BatchNormalizationStatistics(CNNKernel):
             x = src._read()
             if c0 or c != x.shape[1]:
                 x = x[:, c0 : c0 + c]
-            state._accumulate(cb, bn_statistics(x), bn_merge, slot=_STATS)
-            state._mean_variance()  # the variance, derived from the new sums
+            state._merge_statistics(cb, bn_statistics(x))  # the sums, then their variance
 
         def note() -> None:
             state._note_encoded(_STATS, wide)
@@ -308,9 +317,9 @@ class BatchNormalization(AffineChannels, PointwiseKernel):
     ) -> None:
         """Copy ``mean_and_variance_state`` into the kernel's running statistics as recorded
         work."""
-        self._running.encode_load(self, command_buffer, mean_and_variance_state,
-                                  NormalizationMeanAndVarianceState, "mean_and_variance_state",
-                                  self._channels)  # fmt: skip
+        kind = NormalizationMeanAndVarianceState
+        self._running.encode_load(self, command_buffer, mean_and_variance_state, kind,
+                                  "mean_and_variance_state")  # fmt: skip
 
     # -- states ------------------------------------------------------------------------------
 
@@ -410,18 +419,18 @@ class BatchNormalization(AffineChannels, PointwiseKernel):
 
     def _record_params(self, window: Window, memo: dict[str, Any]) -> BatchNormalizationRecord:
         return BatchNormalizationRecord(
-            self._extract_plan(window, memo), self._channels, self.epsilon, self._neuron,
-            self._affine,
+            self._extract_plan(window, memo), channels=self._channels, epsilon=self.epsilon,
+            neuron=self._neuron, affine=self._affine,
         )  # fmt: skip
 
     def _pointwise(self, window: Window, records: Records) -> Pointwise:
         eps, affine = self.epsilon, self._affine
-        neuron = None if self._neuron is None else self._neuron.params
+        f = None if self._neuron is None else self._neuron.params
         training = bool(records) and records[0][0]._statistics_encoded
         if training:
             state = records[0][0]
 
-            stats = state._mean_variance
+            stats = state._mean_variance  # what the statistics wrote
 
         else:
             running = self._running
@@ -431,6 +440,8 @@ class BatchNormalization(AffineChannels, PointwiseKernel):
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             mean, var = stats()
-            return bn_forward(x, mean, var, affine.first, affine.second, eps, neuron)
+            p = BatchNormParams(mean=mean, var=var, gamma=affine.first, beta=affine.second,
+                                eps=eps, neuron=f)  # fmt: skip
+            return bn_forward(x, p)
 
         return forward

@@ -34,6 +34,7 @@ from mpsnn.core.kernel import image_sequences
 from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord
 from mpsnn.ops.batch_norm import bn_backward, bn_gradient_sums
+from mpsnn.ops.batch_norm_params import BatchNormSums
 from mpsnn.ops.window import apply_extract
 
 __all__ = ["BatchNormalizationGradient", "BatchNormalizationStatisticsGradient"]
@@ -143,14 +144,10 @@ class BatchNormalizationStatisticsGradient(_BatchNormalizationGradientBase):
     ) -> Any:
         p: BatchNormalizationRecord = record.params
         state = states[0]
-        neuron = None if p.neuron is None else p.neuron.params
 
         def backward(g: torch.Tensor, x: torch.Tensor) -> None:
-            mean, var = state._mean_variance()
             xb = apply_extract(x, p.plan)
-            sums = bn_gradient_sums(
-                g, xb, mean, var, p.affine.first, p.affine.second, p.epsilon, neuron
-            )
+            sums = bn_gradient_sums(g, xb, p.params(*state._mean_variance()))
             state._accumulate(cb, (sums[1], sums[0]), slot=_GRADS)  # [dgamma, dbeta]
             return
 
@@ -236,15 +233,11 @@ class BatchNormalizationGradient(_BatchNormalizationGradientBase):
     def _pointwise_backward(self, record: ForwardRecord, states: list[Any]) -> PointwiseBackward:
         p: BatchNormalizationRecord = record.params
         state = states[0]
-        neuron = None if p.neuron is None else p.neuron.params
 
         def backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             count = state._slots[_STATS][0]
-            mean, var = state._mean_variance()
             dgamma, dbeta = state._slots[_GRADS]
-            return bn_backward(
-                g, x, mean, var, p.affine.first, p.affine.second, p.epsilon, dbeta, dgamma,
-                count, neuron,
-            )  # fmt: skip
+            sums = BatchNormSums(sum_gy=dbeta, sum_gy_xhat=dgamma, count=count)
+            return bn_backward(g, x, p.params(*state._mean_variance()), sums)
 
         return backward

@@ -12,23 +12,26 @@ host and raises before the work that writes it ran.
 Storage is made when a field is first read, or adopted from the first result when nothing
 read it before (no copy in a training step nobody inspects); from then on every write (a later
 sub-batch's merge, a `reset` and a new batch, a data-parallel exchange) goes into the same
-tensors. The variance is derived from the sums ``(count, m2)``: the statistics work rewrites it
-after each merge, and a kernel reading it after another change of the sums (a data-parallel
-exchange in place) rewrites it first (`BatchNormalizationState._mean_variance`).
+tensors. The variance is derived from the sums ``(count, m2)`` by the work that changes them:
+the statistics command writes it after each merge, a data-parallel exchange after it rewrote
+the sums in place (`BatchNormalizationState._write_variance`), each as part of its own work on
+the device (so a CUDA-graph replay of that work rewrites it too). Readers (the forward, both
+gradient kernels, a data source's update) only read it: no host state tracks whether it is
+current. A `reset` changes nothing on the device (the next statistics store instead of
+merging, and write the variance then).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from mpsnn.cnn.normalization.states import StableSums
-from mpsnn.core import replays as _replays
 from mpsnn.core.device import CommandBuffer, Device
-from mpsnn.ops.batch_norm import bn_variance
+from mpsnn.ops.batch_norm import bn_merge, bn_variance
 
 __all__ = ["BatchNormalizationState"]
 
@@ -45,7 +48,8 @@ class BatchNormalizationState(StableSums):
     """Statistics of one batch and their gradients (MPS ``MPSCNNBatchNormalizationState``).
 
     Written by: `BatchNormalizationStatistics` (sums of the batch: count, mean, m2, slot 0;
-    and the biased variance), `BatchNormalization` (its record: geometry, epsilon, neuron), and
+    and the biased variance), a data-parallel exchange of statistics (the same, in place),
+    `BatchNormalization` (its record: geometry, epsilon, neuron), and
     `BatchNormalizationStatisticsGradient` (Σgy·xhat and Σgy, slot 1). Read by: the forward
     (training mode), both gradient kernels, the data source's updates and optimizers.
 
@@ -71,8 +75,6 @@ class BatchNormalizationState(StableSums):
         self._statistics_encoded = False
         self._gradients_encoded = False
         self._var: torch.Tensor | None = None  # the biased variance's storage, once made
-        # (count, m2, their versions, the replay epoch): see `_mean_variance`
-        self._variance_memo: tuple[Any, ...] | None = None
 
     # -- storage ------------------------------------------------------------------------------
 
@@ -88,54 +90,42 @@ class BatchNormalizationState(StableSums):
         c = self._channels
         return (1, c, c) if slot == _STATS else (c, c)
 
-    def _mean_variance(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch's mean and biased variance, read when the work runs; the variance is
-        written into its storage.
+    def _merge_statistics(self, cb: CommandBuffer, triple: Sequence[torch.Tensor]) -> None:
+        """The statistics command's work on the state: merge a sub-batch's ``(count, mean,
+        m2)`` into the sums (`mpsnn.ops.batch_norm.bn_merge`; the first since the state was made
+        or reset stores it) and write the variance they now give."""
+        self._accumulate(cb, triple, bn_merge, slot=_STATS)
+        self._write_variance()
 
-        The variance (``m2 / count``, two launches on a GPU) is computed once per change of
-        the statistics: in a training step the statistics write it, and the forward, both
-        gradient kernels and the recomputed forward read it. A change is a new
-        ``count``/``m2`` (a reset, a new step) or an in-place write into them (a later
-        sub-batch's merge, a data-parallel exchange), which moves the tensors' version
-        counters, or a CUDA-graph replay, which does not but advances
-        `mpsnn.core.replays.epoch`. While a capture is being recorded nothing is reused: the
-        capture must record the computation, which its replays run on the statistics of their
-        own time. Tensors made under ``torch.inference_mode`` have no version counter: their
-        variance is computed at every read."""
-        count, mean, m2 = self._slots[_STATS]
-        memo, var = self._variance_memo, self._var
-        if (
-            var is not None
-            and memo is not None
-            and memo[0] is count
-            and memo[1] is m2
-            and memo[2] == count._version
-            and memo[3] == m2._version
-            and memo[4] == _replays.epoch()
-            and not _replays.capturing()
-        ):
-            return mean, var
+    def _write_variance(self) -> None:
+        """Write the biased variance of the sums, ``m2 / count`` (`bn_variance`), into its
+        storage. Part of every work that changes ``count`` or ``m2``, run with it (the
+        statistics command, a data-parallel exchange that rewrote the sums in place); readers
+        never call it. When nothing read the field before, the first result becomes the
+        storage (no copy); storage made under ``torch.inference_mode`` is replaced when written
+        outside it (PyTorch forbids that write)."""
+        count, _, m2 = self._slots[_STATS]
         new = bn_variance(count, m2)
+        var = self._var
         if var is None or (var.is_inference() and not torch.is_inference_mode_enabled()):
-            self._var = var = new  # adopted: the storage from now on
+            self._var = new
         else:
             var.copy_(new)
-        if count.is_inference() or m2.is_inference():
-            self._variance_memo = None  # no version counters: not kept
-        elif not _replays.capturing():  # a capture's writes happen at its replays
-            self._variance_memo = (count, m2, count._version, m2._version, _replays.epoch())
-        return mean, var
 
-    def _encode_refresh(self, command_buffer: CommandBuffer) -> None:
-        """Record a rewrite of the variance from the sums if they changed since (work that
-        changed them in place without rewriting it, e.g. a data-parallel merge)."""
-        if self._statistics_encoded:
-            command_buffer.record("BatchNormalizationState.variance", self._mean_variance)
+    def _mean_variance(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's mean and biased variance, as the work that changed the sums last wrote
+        them (read when a command runs, once the statistics ran)."""
+        mean, var = self._slots[_STATS][1], self._var
+        if var is None:  # written with the sums, by the same work: read before the statistics
+            raise RuntimeError(
+                f"[{type(self).__name__}] internal error: the variance was read before the "
+                "statistics ran; please report this"
+            )
+        return mean, var
 
     def _free_storage(self) -> None:
         super()._free_storage()
         self._var = None
-        self._variance_memo = None
 
     def resources(self) -> list[torch.Tensor]:
         return super().resources() + ([] if self._var is None else [self._var])
@@ -235,14 +225,12 @@ class BatchNormalizationState(StableSums):
         q = self._writer_queue
         if q is not None and q._stream is not None:
             q._stream.synchronize()
-        t = self._mean_variance()[1] if name == "variance" else getattr(self, name)
-        return t.detach().cpu().numpy().copy()
+        return getattr(self, name).detach().cpu().numpy().copy()
 
     def reset(self) -> None:
         """Clear the statistics and their gradients (a new batch; the storage stays)."""
         super().reset()
         self._statistics_encoded = self._gradients_encoded = False
-        self._variance_memo = None
 
     # -- what commands read when they run -----------------------------------------------------
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -135,28 +136,40 @@ class GroupNormalizationDataSource(NormalizationDataSource):
     def number_of_groups(self) -> int: ...
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class _AffineArguments:
+    """What every ``Tensor*`` normalization data source is given (its constructor's arguments
+    of those names, unchecked): ``channels`` is ``number_of_feature_channels``."""
+
+    channels: int
+    gamma: Any
+    beta: Any
+    epsilon: float
+    optimizer: Any
+    label: str | None
+
+
 class _TensorGammaBeta:
     """Gamma/beta held as a permanent state, updated by an optional optimizer."""
 
     _who = "TensorNormalizationDataSource"
 
-    def _init_affine(
-        self, channels: int, gamma: Any, beta: Any, epsilon: float, optimizer: Any, label: Any
-    ) -> None:
+    def _init_affine(self, a: _AffineArguments) -> None:
+        """Check ``a`` and hold its gamma, beta, epsilon, optimizer and label."""
         who = self._who
-        self._channels = check_positive(who, "number_of_feature_channels", channels)
-        g = channel_vector(who, "gamma", gamma, self._channels, 1.0)
-        b = channel_vector(who, "beta", beta, self._channels, 0.0).to(g.dtype)
+        self._channels = check_positive(who, "number_of_feature_channels", a.channels)
+        g = channel_vector(who, "gamma", a.gamma, self._channels, 1.0)
+        b = channel_vector(who, "beta", a.beta, self._channels, 0.0).to(g.dtype)
         self._gb = NormalizationGammaAndBetaState(g, b)
-        self._epsilon = _epsilon(who, epsilon)
-        if optimizer is not None and not callable(getattr(optimizer, "_update", None)):
+        self._epsilon = _epsilon(who, a.epsilon)
+        if a.optimizer is not None and not callable(getattr(a.optimizer, "_update", None)):
             raise TypeError(
                 f"[{who}] optimizer must be an mpsnn optimizer (SGD, RMSProp or Adam) or None, "
-                f"got {type(optimizer).__name__}"
+                f"got {type(a.optimizer).__name__}"
             )
-        self._optimizer = optimizer
+        self._optimizer = a.optimizer
         self._optimizer_state: list[list[torch.Tensor]] | None = None
-        self._label = label
+        self._label = a.label
 
     @property
     def number_of_feature_channels(self) -> int:
@@ -268,7 +281,8 @@ class TensorBatchNormalizationDataSource(_TensorGammaBeta, BatchNormalizationDat
         label: str | None = None,
     ) -> None:
         who = self._who
-        self._init_affine(number_of_feature_channels, gamma, beta, epsilon, optimizer, label)
+        self._init_affine(_AffineArguments(number_of_feature_channels, gamma, beta, epsilon,
+                                           optimizer, label))  # fmt: skip
         c, dtype = self._channels, self._gb.gamma.dtype
         mu = channel_vector(who, "mean", mean, c, 0.0).to(dtype)
         var = channel_vector(who, "variance", variance, c, 1.0).to(dtype)
@@ -361,7 +375,8 @@ class TensorInstanceNormalizationDataSource(_TensorGammaBeta, InstanceNormalizat
         optimizer: Any = None,
         label: str | None = None,
     ) -> None:
-        self._init_affine(number_of_feature_channels, gamma, beta, epsilon, optimizer, label)
+        self._init_affine(_AffineArguments(number_of_feature_channels, gamma, beta, epsilon,
+                                           optimizer, label))  # fmt: skip
 
 
 class TensorGroupNormalizationDataSource(_TensorGammaBeta, GroupNormalizationDataSource):
@@ -388,7 +403,8 @@ class TensorGroupNormalizationDataSource(_TensorGammaBeta, GroupNormalizationDat
         optimizer: Any = None,
         label: str | None = None,
     ) -> None:
-        self._init_affine(number_of_feature_channels, gamma, beta, epsilon, optimizer, label)
+        self._init_affine(_AffineArguments(number_of_feature_channels, gamma, beta, epsilon,
+                                           optimizer, label))  # fmt: skip
         g = check_positive(self._who, "number_of_groups", number_of_groups)
         if self._channels % g:
             raise ValueError(

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from mpsnn.ops.batch_norm_params import BatchNormParams, BatchNormSums
+
 __all__ = [
     "add_relu",
     "available",
@@ -203,47 +205,45 @@ def batch_norm_statistics(
     return bn_statistics_triton(x)
 
 
-def batch_norm_forward(x: torch.Tensor, *params: Any, neuron: Any = None) -> torch.Tensor | None:
-    """The Triton normalization (+ neuron) when `batch_norm_eligible`, else None; ``params``:
-    ``mean, var, gamma, beta, eps``."""
-    if not batch_norm_eligible(x, neuron):
+def batch_norm_forward(x: torch.Tensor, p: BatchNormParams) -> torch.Tensor | None:
+    """The Triton normalization (+ neuron) of ``x`` by ``p`` when `batch_norm_eligible`, else
+    None."""
+    if not batch_norm_eligible(x, p.neuron):
         return None
     from mpsnn.ops.triton import batch_norm_nhwc as nhwc
     from mpsnn.ops.triton.batch_norm import bn_forward_triton
 
     if nhwc.is_nhwc(x):  # channels-last storage (half-precision convolution outputs)
-        return nhwc.nhwc_forward(x, *params, neuron)  # type: ignore[call-arg]  # params: the arguments before neuron
-    return bn_forward_triton(x, *params, neuron)  # type: ignore[call-arg]  # params: the arguments before neuron
+        return nhwc.nhwc_forward(x, p)
+    return bn_forward_triton(x, p)
 
 
 def batch_norm_gradient_sums(
-    g: torch.Tensor, x: torch.Tensor, *params: Any, neuron: Any = None
+    g: torch.Tensor, x: torch.Tensor, p: BatchNormParams
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The Triton ``(Σ gy, Σ gy xhat)`` when `batch_norm_eligible`, else None; ``params``:
-    ``mean, var, gamma, beta, eps``."""
-    if not batch_norm_eligible(x, neuron, g):
+    """The Triton ``(Σ gy, Σ gy xhat)`` when `batch_norm_eligible`, else None."""
+    if not batch_norm_eligible(x, p.neuron, g):
         return None
     from mpsnn.ops.triton import batch_norm_nhwc as nhwc
     from mpsnn.ops.triton.batch_norm import bn_gradient_sums_triton
 
     if nhwc.is_nhwc(x):  # channels-last storage (half-precision convolution outputs)
-        return nhwc.nhwc_gradient_sums(g, x, *params, neuron)  # type: ignore[call-arg]  # params: the arguments before neuron
-    return bn_gradient_sums_triton(g, x, *params, neuron)  # type: ignore[call-arg]  # params: the arguments before neuron
+        return nhwc.nhwc_gradient_sums(g, x, p)
+    return bn_gradient_sums_triton(g, x, p)
 
 
 def batch_norm_backward(
-    g: torch.Tensor, x: torch.Tensor, *params: Any, neuron: Any = None
+    g: torch.Tensor, x: torch.Tensor, p: BatchNormParams, sums: BatchNormSums
 ) -> torch.Tensor | None:
-    """The Triton ``dL/dx`` when `batch_norm_eligible`, else None; ``params``:
-    ``mean, var, gamma, beta, eps, sum_gy, sum_gy_xhat, count``."""
-    if not batch_norm_eligible(x, neuron, g):
+    """The Triton ``dL/dx`` when `batch_norm_eligible`, else None."""
+    if not batch_norm_eligible(x, p.neuron, g):
         return None
     from mpsnn.ops.triton import batch_norm_nhwc as nhwc
     from mpsnn.ops.triton.batch_norm import bn_backward_triton
 
     if nhwc.is_nhwc(x):  # channels-last storage (half-precision convolution outputs)
-        return nhwc.nhwc_backward(g, x, *params, neuron)  # type: ignore[call-arg]  # params: the arguments before neuron
-    return bn_backward_triton(g, x, *params, neuron)  # type: ignore[call-arg]  # params: the arguments before neuron
+        return nhwc.nhwc_backward(g, x, p, sums)
+    return bn_backward_triton(g, x, p, sums)
 
 
 def channel_sums(g: torch.Tensor) -> torch.Tensor | None:

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mpsnn.ops.batch_norm_params import BatchNormParams, BatchNormSums
 from mpsnn.ops.triton.launch import cdiv, fast_kernel, next_power_of_2
 
 __all__ = [
@@ -362,6 +363,23 @@ def _per_channel(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return t.to(device=x.device, dtype=torch.float32).contiguous()
 
 
+def _channel_params(p: BatchNormParams, x: torch.Tensor) -> list[torch.Tensor]:
+    """``mean, var, gamma, beta`` as the kernels read them: float32, contiguous, on ``x``'s
+    device."""
+    return [_per_channel(t, x) for t in (p.mean, p.var, p.gamma, p.beta)]
+
+
+def _channel_sums(sums: BatchNormSums, x: torch.Tensor) -> list[torch.Tensor]:
+    """``sum_gy, sum_gy_xhat`` as the kernels read them."""
+    return [_per_channel(sums.sum_gy, x), _per_channel(sums.sum_gy_xhat, x)]
+
+
+def _count(sums: BatchNormSums, x: torch.Tensor) -> torch.Tensor:
+    """The count ``m`` as a float32 vector on ``x``'s device (one element, or one per channel)."""
+    m = torch.as_tensor(sums.count, dtype=torch.float32, device=x.device)
+    return m.reshape(-1).contiguous()
+
+
 def _relu(neuron: Any) -> tuple[bool, float]:
     """(whether the ReLU branch runs, its negative slope); no neuron and NONE are identities."""
     if neuron is not None and neuron.kind == _RELU:
@@ -397,93 +415,59 @@ def bn_statistics_triton(
 
 
 def bn_forward_triton(
-    x: torch.Tensor,
-    mean: torch.Tensor,
-    var: torch.Tensor,
-    gamma: torch.Tensor,
-    beta: torch.Tensor,
-    eps: float,
-    neuron: Any = None,
-    *,
-    span: int | None = None,
-    block: int | None = None,
+    x: torch.Tensor, p: BatchNormParams, *, span: int | None = None, block: int | None = None,
     rows: int | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """`mpsnn.ops.batch_norm.bn_forward_portable`'s bits (no neuron, NONE or RELU)."""
     x = x.contiguous()
     n, c, h, w = x.shape
     y = torch.empty_like(x)
-    relu, slope = _relu(neuron)
+    relu, slope = _relu(p.neuron)
     plan = _elementwise_plan(x, span, block, rows)
-    p = [_per_channel(t, x) for t in (mean, var, gamma, beta)]
     _forward[(cdiv(n * c, plan.rows), plan.splits)](
-        x, y, *p, n * c, c, h * w, plan.span, float(eps), slope, RELU=relu, ROWS=plan.rows,
-        BLOCK=plan.block, num_warps=_warps(plan.rows * plan.block), enable_fp_fusion=False,
+        x, y, *_channel_params(p, x), n * c, c, h * w, plan.span, float(p.eps), slope,
+        RELU=relu, ROWS=plan.rows, BLOCK=plan.block, num_warps=_warps(plan.rows * plan.block),
+        enable_fp_fusion=False,
     )  # fmt: skip
     return y
 
 
 def bn_gradient_sums_triton(
-    g: torch.Tensor,
-    x: torch.Tensor,
-    mean: torch.Tensor,
-    var: torch.Tensor,
-    gamma: torch.Tensor,
-    beta: torch.Tensor,
-    eps: float,
-    neuron: Any = None,
-    *,
-    planes: int | None = None,
-    span: int | None = None,
-    block: int | None = None,
-    rows: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    g: torch.Tensor, x: torch.Tensor, p: BatchNormParams, *, planes: int | None = None,
+    span: int | None = None, block: int | None = None, rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """`mpsnn.ops.batch_norm.bn_gradient_sums_portable`'s ``(Σ gy, Σ gy xhat)`` (float32;
     equal up to summation order)."""
     x, g = x.contiguous(), g.contiguous()
     n, c, h, w = x.shape
-    relu, slope = _relu(neuron)
+    relu, slope = _relu(p.neuron)
     plan = _reduction_plan(x, planes, span, block, rows)
     parts = plan.chunks * plan.splits
     part = torch.empty(2, c, parts, dtype=torch.float32, device=x.device)
-    p = [_per_channel(t, x) for t in (mean, var, gamma, beta)]
     _gradient_sums_partial[(c, plan.chunks, plan.splits)](
-        g, x, part, *p, n, c, h * w, plan.planes, plan.span, float(eps), slope, RELU=relu,
-        ROWS=plan.rows, BLOCK=plan.block, num_warps=_warps(plan.rows * plan.block),
-        enable_fp_fusion=False,
+        g, x, part, *_channel_params(p, x), n, c, h * w, plan.planes, plan.span, float(p.eps),
+        slope, RELU=relu, ROWS=plan.rows, BLOCK=plan.block,
+        num_warps=_warps(plan.rows * plan.block), enable_fp_fusion=False,
     )  # fmt: skip
     sums = part.sum(dim=2)
     return sums[0], sums[1]
 
 
 def bn_backward_triton(
-    g: torch.Tensor,
-    x: torch.Tensor,
-    mean: torch.Tensor,
-    var: torch.Tensor,
-    gamma: torch.Tensor,
-    beta: torch.Tensor,
-    eps: float,
-    sum_gy: torch.Tensor,
-    sum_gy_xhat: torch.Tensor,
-    count: torch.Tensor | float,
-    neuron: Any = None,
-    *,
-    span: int | None = None,
-    block: int | None = None,
-    rows: int | None = None,
-) -> torch.Tensor:
+    g: torch.Tensor, x: torch.Tensor, p: BatchNormParams, sums: BatchNormSums, *,
+    span: int | None = None, block: int | None = None, rows: int | None = None,
+) -> torch.Tensor:  # fmt: skip
     """`mpsnn.ops.batch_norm.bn_backward_portable`'s bits (no neuron, NONE or RELU)."""
     x, g = x.contiguous(), g.contiguous()
     n, c, h, w = x.shape
     dx = torch.empty_like(x)
-    relu, slope = _relu(neuron)
+    relu, slope = _relu(p.neuron)
     plan = _elementwise_plan(x, span, block, rows)
-    m = torch.as_tensor(count, dtype=torch.float32, device=x.device).reshape(-1).contiguous()
-    p = [_per_channel(t, x) for t in (mean, var, gamma, beta, sum_gy, sum_gy_xhat)]
+    m = _count(sums, x)
     _backward[(cdiv(n * c, plan.rows), plan.splits)](
-        g, x, dx, *p, m, 0 if m.numel() == 1 else 1, n * c, c, h * w, plan.span, float(eps),
-        slope, RELU=relu, ROWS=plan.rows, BLOCK=plan.block,
-        num_warps=_warps(plan.rows * plan.block), enable_fp_fusion=False,
+        g, x, dx, *_channel_params(p, x), *_channel_sums(sums, x), m,
+        0 if m.numel() == 1 else 1, n * c, c, h * w, plan.span, float(p.eps), slope,
+        RELU=relu, ROWS=plan.rows, BLOCK=plan.block, num_warps=_warps(plan.rows * plan.block),
+        enable_fp_fusion=False,
     )  # fmt: skip
     return dx

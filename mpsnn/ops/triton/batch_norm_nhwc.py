@@ -14,16 +14,20 @@ NCHW path).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from mpsnn.ops.batch_norm_params import BatchNormParams, BatchNormSums
 from mpsnn.ops.triton.batch_norm import (
     _MAX_PARTS,
     _chan_merge,
+    _channel_params,
+    _channel_sums,
     _coefficients,
+    _count,
     _neuron,
     _programs_wanted,
     _relu,
@@ -228,10 +232,6 @@ def _tile(
     return _Tile(bm, bc, rows, cdiv(m, rows))
 
 
-def _per_channel(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return t.to(device=x.device, dtype=torch.float32).contiguous()
-
-
 def _nhwc(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous(memory_format=torch.channels_last)
 
@@ -256,60 +256,56 @@ def nhwc_statistics(
 
 
 def nhwc_forward(
-    x: torch.Tensor, mean: Any, var: Any, gamma: Any, beta: Any, eps: float,
-    neuron: Any = None, *, tile: tuple[int, int] | None = None,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor, p: BatchNormParams, *, tile: tuple[int, int] | None = None
+) -> torch.Tensor:
     """The normalization (+ ReLU) of channels-last ``x``; the result is channels-last."""
     n, c, h, w = x.shape
-    relu, slope = _relu(neuron)
+    relu, slope = _relu(p.neuron)
     y = torch.empty_like(x)  # keeps the channels-last layout
     t = _tile(x, _EW_TILE_BYTES, tile, 1)
-    p = [_per_channel(v, x) for v in (mean, var, gamma, beta)]
     m = n * h * w
     _forward_nhwc[(cdiv(m, t.bm), cdiv(c, t.bc))](
-        x, y, *p, m, c, float(eps), slope, RELU=relu, BM=t.bm, BC=t.bc,
+        x, y, *_channel_params(p, x), m, c, float(p.eps), slope, RELU=relu, BM=t.bm, BC=t.bc,
         num_warps=_warps(t.bm * t.bc), enable_fp_fusion=False,
     )  # fmt: skip
     return y
 
 
 def nhwc_gradient_sums(
-    g: torch.Tensor, x: torch.Tensor, mean: Any, var: Any, gamma: Any, beta: Any, eps: float,
-    neuron: Any = None, *, tile: tuple[int, int] | None = None, rows: int | None = None,
+    g: torch.Tensor, x: torch.Tensor, p: BatchNormParams, *,
+    tile: tuple[int, int] | None = None, rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(Σ gy, Σ gy xhat)`` of channels-last ``x`` (``g`` is made channels-last)."""
     n, c, h, w = x.shape
-    relu, slope = _relu(neuron)
+    relu, slope = _relu(p.neuron)
     g = _nhwc(g)
     t = _tile(x, _SUMS_TILE_BYTES, tile, rows)
     part = torch.empty(2, c, t.chunks, dtype=torch.float32, device=x.device)
-    p = [_per_channel(v, x) for v in (mean, var, gamma, beta)]
     _gradient_sums_partial_nhwc[(cdiv(c, t.bc), t.chunks)](
-        g, x, part, *p, n * h * w, c, t.rows, float(eps), slope, RELU=relu, BM=t.bm, BC=t.bc,
-        num_warps=_warps(t.bm * t.bc), enable_fp_fusion=False,
+        g, x, part, *_channel_params(p, x), n * h * w, c, t.rows, float(p.eps), slope,
+        RELU=relu, BM=t.bm, BC=t.bc, num_warps=_warps(t.bm * t.bc), enable_fp_fusion=False,
     )  # fmt: skip
     sums = part.sum(dim=2)
     return sums[0], sums[1]
 
 
 def nhwc_backward(
-    g: torch.Tensor, x: torch.Tensor, mean: Any, var: Any, gamma: Any, beta: Any, eps: float,
-    sum_gy: Any, sum_gy_xhat: Any, count: Any, neuron: Any = None, *,
+    g: torch.Tensor, x: torch.Tensor, p: BatchNormParams, sums: BatchNormSums, *,
     tile: tuple[int, int] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``dx`` of channels-last ``x`` (``g`` is made channels-last); the result is
     channels-last."""
     n, c, h, w = x.shape
-    relu, slope = _relu(neuron)
+    relu, slope = _relu(p.neuron)
     g = _nhwc(g)
     dx = torch.empty_like(x)
     t = _tile(x, _EW_TILE_BYTES, tile, 1)
-    cnt = torch.as_tensor(count, dtype=torch.float32, device=x.device).reshape(-1).contiguous()
-    p = [_per_channel(v, x) for v in (mean, var, gamma, beta, sum_gy, sum_gy_xhat)]
+    cnt = _count(sums, x)
     m = n * h * w
     _backward_nhwc[(cdiv(m, t.bm), cdiv(c, t.bc))](
-        g, x, dx, *p, cnt, 0 if cnt.numel() == 1 else 1, m, c, float(eps), slope, RELU=relu,
-        BM=t.bm, BC=t.bc, num_warps=_warps(t.bm * t.bc), enable_fp_fusion=False,
+        g, x, dx, *_channel_params(p, x), *_channel_sums(sums, x), cnt,
+        0 if cnt.numel() == 1 else 1, m, c, float(p.eps), slope, RELU=relu, BM=t.bm, BC=t.bc,
+        num_warps=_warps(t.bm * t.bc), enable_fp_fusion=False,
     )  # fmt: skip
     return dx
 
