@@ -64,9 +64,10 @@ def bench_adam(
     mm, vv = [s[0] for s in st], [s[1] for s in st]
     hyper = optim.make_hyper(device, learning_rate=lr, beta1=betas[0], beta2=betas[1], epsilon=eps)
     step = optim.make_step(device)
+    plans = optim.UpdatePlans()  # the tables an optimizer keeps between its updates
 
     def mps_adam() -> object:
-        optim.adam_update(w, g, w, mm, vv, None, hyper, step)
+        optim.adam_update(w, g, w, mm, vv, None, hyper, step, plans=plans)
         return w
 
     w2 = [x.clone() for x in w]
@@ -77,7 +78,7 @@ def bench_adam(
     def mps_portable() -> object:
         fast_paths.set_enabled(False)
         try:
-            optim.adam_update(w2, g, w2, mm2, vv2, None, hyper, step2)
+            optim.adam_update(w2, g, w2, mm2, vv2, None, hyper, step2, plans=plans)
         finally:
             fast_paths.set_enabled(True)
         return w2

@@ -54,6 +54,8 @@ __all__ = [
     "neuron_forward",
     "plain_relu",
     "relu_backward_of_result",
+    "relu_in_place",
+    "relu_mask_backward",
 ]
 
 # Type codes match `mpsnn.cnn.neuron.NeuronType` (MPS MPSCNNNeuronType values).
@@ -254,6 +256,32 @@ def relu_backward_of_result(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if y.dtype != g.dtype:
         y = y.to(g.dtype)  # only compared with 0: the same sign in any floating dtype
     return torch.ops.aten.threshold_backward(g, y, 0)
+
+
+def relu_in_place(p: NeuronParams, z: torch.Tensor) -> torch.Tensor | None:
+    """The plain ReLU of a CPU ``z`` written over ``z`` (a new tensor of the caller's, whose
+    values it needs no more), returning its slope ``m = (z >= 0)`` (1.0/0.0 in ``z``'s dtype,
+    a new tensor); None, with ``z`` untouched, unless `plain_relu` holds for a CPU ``z``.
+
+    For a caller that would keep ``z`` only to differentiate the ReLU: keeping ``m`` instead,
+    `relu_mask_backward` gives `activation_backward`'s bits (``z m = m z``, and the slope is
+    ``m`` itself) in one pass where that takes two. CUDA keeps ``z`` (its Triton pass reads it
+    once)."""
+    if z.device.type != "cpu" or not plain_relu(p, z):
+        return None
+    m = _nonnegative(z)
+    z.mul_(m)
+    return m
+
+
+def relu_mask_backward(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``g f'(z)`` of the plain ReLU from its slope ``m`` (`relu_in_place`), in ``g``'s dtype:
+    `activation_backward`'s arithmetic for that neuron (``m g``, widened to the wider dtype
+    when they differ), a new tensor."""
+    if g.dtype != m.dtype:
+        wide = torch.promote_types(g.dtype, m.dtype)
+        return (g.to(wide) * m.to(wide)).to(g.dtype)
+    return m * g
 
 
 def activation_backward(p: NeuronParams, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

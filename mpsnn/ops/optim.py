@@ -37,23 +37,28 @@ The update is out of place: ``w`` is read from ``values`` and ``w_new`` written 
 updated in place.
 
 CUDA graphs: updates can be captured and replayed. The first update of a list of tensors (same
-tensors, same rule and options) checks the lists and builds the Triton kernel's tables. Outside
-a capture the tables are cached per list and stream, keyed on the addresses, dtypes, shapes and
+tensors, same rule and options) checks the lists and builds the Triton kernel's tables. Their
+owner is an `UpdatePlans` (each `mpsnn.optim` optimizer holds one; pass it as ``plans=``):
+outside a capture it caches them per list and stream, keyed on the addresses, dtypes, shapes and
 contiguity of all tensors but the gradients (their addresses and dtypes only) and the current
-stream; the cache holds 64 lists at most, and the least recently used goes first. Later
-updates copy nothing from the host and never wait for the device. Gradients at new addresses
-at every step (a training graph's gradients are new tensors at every step) cost a check of the
-gradients alone (the other lists' checks are kept per list, keyed on everything but the
-gradient addresses) and a small copy of the address table, which never waits for the device
-either. A list first seen inside a capture gets tables staged through pinned host memory for
-that capture alone. Examples are gradients allocated in the captured region, as in a compiled
-training step. The graph copies those tables again at each replay, a few kilobytes,
-and they are not cached. Tables that a graph records, whether built there or taken from the
-cache, are kept alive for the graph: eviction from the cache does not free them. See
-`mpsnn.ops.triton.optim` for the lifetimes and `release_graph_tables`. Still run one update
-with the same rule and options before capturing, so that the Triton kernel is compiled outside
-the capture. The portable path needs no warm-up beyond PyTorch's own. New gradients are always
-checked (shape, dtype, contiguity against their values).
+stream; it holds 64 lists at most, the least recently used going first, and its tables die
+with it. Later updates copy nothing from the host and never wait for the device. Gradients at
+new addresses at every step (a training graph's gradients are new tensors at every step) cost
+a check of the gradients alone (the other lists' checks are kept per list, keyed on everything
+but the gradient addresses) and a small copy of the address table, which never waits for the
+device either. Without ``plans`` an update checks its lists and builds its tables every time,
+and drops them when it returns. A list first seen inside a capture gets tables staged through
+pinned host memory for that capture alone. Examples are gradients allocated in the captured
+region, as in a compiled training step. The graph copies those tables again at each replay, a
+few kilobytes, and they are not cached. Every table a capture records, built there or taken
+from the cache, is handed to the capture being recorded (`mpsnn.core.capture.keep_for_replays`):
+the captured buffer keeps it for as long as it lives, so neither eviction from the cache nor
+the owner's death frees it, and it is freed with the capture. A capture of your own
+(``torch.cuda.graph``) that records an update on the Triton path must run inside
+`mpsnn.core.capture.keeping_for_replays` and keep the list it yields with the graph (else
+`ValueError`). Still run one update with the same rule and options before capturing, so that
+the Triton kernel is compiled outside the capture. The portable path needs no warm-up beyond
+PyTorch's own. New gradients are always checked (shape, dtype, contiguity against their values).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ from typing import Any
 
 import torch
 
+from mpsnn.core.capture import keep_for_replays
 from mpsnn.core.device import _raw_stream
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops.optim_hyper import (
@@ -86,6 +92,7 @@ __all__ = [
     "HYPER_SIZE",
     "Hyper",
     "RegularizationType",
+    "UpdatePlans",
     "UpdateRule",
     "adam_update",
     "apply_update",
@@ -113,6 +120,7 @@ def sgd_update(
     nesterov: bool = False,
     clip: bool = False,
     regularization: RegularizationType = RegularizationType.NONE,
+    plans: UpdatePlans | None = None,
 ) -> None:
     """MPSNNOptimizerStochasticGradientDescent: ``w - lr g`` without momenta; with them
     ``m = mu m + lr g, w - m``, or Nesterov's ``m = mu m + g, w - lr (g + mu m)``."""
@@ -120,11 +128,11 @@ def sgd_update(
         if nesterov:
             raise ValueError("[sgd_update] Nesterov momentum needs momentum vectors")
         apply_update(UpdateRule.SGD, values, grads, results, (), hyper,
-                     clip=clip, regularization=regularization)  # fmt: skip
+                     clip=clip, regularization=regularization, plans=plans)  # fmt: skip
         return
     rule = UpdateRule.SGD_NESTEROV if nesterov else UpdateRule.SGD_MOMENTUM
     apply_update(rule, values, grads, results, (momenta,), hyper,
-                 clip=clip, regularization=regularization)  # fmt: skip
+                 clip=clip, regularization=regularization, plans=plans)  # fmt: skip
 
 
 def rmsprop_update(
@@ -136,10 +144,11 @@ def rmsprop_update(
     *,
     clip: bool = False,
     regularization: RegularizationType = RegularizationType.NONE,
+    plans: UpdatePlans | None = None,
 ) -> None:
     """MPSNNOptimizerRMSProp: ``s = decay s + (1 - decay) g², w - lr g / (sqrt(s) + eps)``."""
     apply_update(UpdateRule.RMSPROP, values, grads, results, (sums_of_squares,), hyper,
-                 clip=clip, regularization=regularization)  # fmt: skip
+                 clip=clip, regularization=regularization, plans=plans)  # fmt: skip
 
 
 def adam_update(
@@ -154,6 +163,7 @@ def adam_update(
     *,
     clip: bool = False,
     regularization: RegularizationType = RegularizationType.NONE,
+    plans: UpdatePlans | None = None,
 ) -> None:
     """MPSNNOptimizerAdam (AMSGrad when ``max_velocities`` are given); advances ``step`` once
     for the whole list. See the module docstring for ``lr_t`` and the eps placement."""
@@ -163,7 +173,7 @@ def adam_update(
     else:
         rule, states = UpdateRule.ADAM_AMSGRAD, (momenta, velocities, max_velocities)
     apply_update(rule, values, grads, results, states, hyper, step,
-                 clip=clip, regularization=regularization)  # fmt: skip
+                 clip=clip, regularization=regularization, plans=plans)  # fmt: skip
 
 
 @torch.no_grad()
@@ -178,12 +188,15 @@ def apply_update(
     *,
     clip: bool = False,
     regularization: RegularizationType = RegularizationType.NONE,
+    plans: UpdatePlans | None = None,
 ) -> None:
     """One update of ``rule`` over a list of parameters (the module docstring has the math).
 
     ``values``, ``results``, ``states[k]`` (one list per entry of ``rule.state_names``): float32,
     or float64 (portable path); ``grads``: float16, bfloat16 or float32 (float64 with float64
     values); same shape per parameter, all on ``hyper``'s device. ``step``: Adam's step tensor.
+    ``plans``: the owner of the checks and tables kept between updates (see the module
+    docstring); None: nothing is kept past this update (but what a capture records).
     """
     rule = UpdateRule(rule)
     regularization = RegularizationType(regularization)
@@ -197,7 +210,7 @@ def apply_update(
             step[:1].add_(1)  # an update of nothing still counts
         return
     lists = (values, grads, results, *states)
-    fast = _plan(rule, lists, hyper)
+    fast = _plan(rule, lists, hyper, plans)
     if fast is not None:
         fast.launch(rule, hyper, step, clip, regularization)
         return
@@ -207,19 +220,41 @@ def apply_update(
 # ---------------------------------------------------------------------------------------------
 # checks and the per-list cache
 
-_PLANS: OrderedDict[int, tuple[tuple, Any]] = OrderedDict()
 _MAX_PLANS = 64
 # what an update takes: values (results and states alike) and, besides those, gradients
 VALUE_DTYPES = (torch.float32, torch.float64)
 GRADIENT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# Lists checked already, keyed on everything but the gradient addresses: new gradients of
-# checked lists need only their own check.
-_CHECKED: OrderedDict[int, tuple] = OrderedDict()
 _data_ptr = torch.Tensor.data_ptr
 _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
 _contiguous = torch.Tensor.is_contiguous
+
+
+class UpdatePlans:
+    """The checks and Triton tables of one owner's updates (an optimizer's), kept between its
+    updates and freed with it (see the module docstring).
+
+    ``_plans``: tables per list (None: the portable path), keyed on every address, dtype, shape
+    and contiguity and the stream; ``_checked``: the lists checked already, keyed on everything
+    but the gradient addresses (new gradients of checked lists need only their own check). Both
+    hold `_MAX_PLANS` lists at most, the least recently used going first. Tables a capture
+    records are the capture's (`mpsnn.core.capture.keep_for_replays`), never entered here."""
+
+    __slots__ = ("__weakref__", "_checked", "_plans")
+
+    def __init__(self) -> None:
+        self._plans: OrderedDict[int, tuple[tuple, Any]] = OrderedDict()
+        self._checked: OrderedDict[int, tuple] = OrderedDict()
+
+    def __len__(self) -> int:
+        """How many lists have their tables (or their portable-path answer) kept."""
+        return len(self._plans)
+
+    def clear(self) -> None:
+        """Drop every kept check and table (captures keep those they recorded)."""
+        self._plans.clear()
+        self._checked.clear()
 
 
 def _stream(device: torch.device) -> int:
@@ -232,17 +267,29 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def _plan(rule: UpdateRule, lists: tuple[Sequence[torch.Tensor], ...], hyper: torch.Tensor) -> Any:
-    """The Triton tables for ``lists``, or None for the portable path. The lists are checked
-    once per key and the answer kept. The key (it is built at every step, so it is lean): the
-    addresses of every tensor, the shapes of the values (the kernel's element counts), the
-    gradient dtypes; the shape of a gradient or state tensor is checked against its value's
-    when the key is new.
+def _plan(
+    rule: UpdateRule,
+    lists: tuple[Sequence[torch.Tensor], ...],
+    hyper: torch.Tensor,
+    plans: UpdatePlans | None,
+) -> Any:
+    """The Triton tables for ``lists``, or None for the portable path. With ``plans`` the lists
+    are checked once per key and the answer kept there. The key (it is built at every step, so
+    it is lean): the addresses of every tensor, the shapes of the values (the kernel's element
+    counts), the gradient dtypes; the shape of a gradient or state tensor is checked against
+    its value's when the key is new.
 
     CUDA graphs: tables built during a capture are that capture's own (their device contents
-    exist once a replay ran): returned, never cached. A cached table used during a capture is
-    kept for the graph, so that its eviction from the cache does not free what the graph reads
-    (`mpsnn.ops.triton.optim`)."""
+    exist once a replay ran): never cached. Every table a capture records, built there or
+    cached, is handed to the capture (`_keep_for_capture`), so that neither its eviction nor
+    the owner's death frees what the graph reads (`mpsnn.ops.triton.optim`)."""
+    if plans is None:
+        _check_lists(rule, lists, hyper.device)
+        capturing = _capturing(hyper)
+        plan = fast_paths.optimizer_tables(lists, capturing=capturing)
+        if capturing and plan is not None:
+            _keep_for_capture(plan)
+        return plan
     others = [t for k, lst in enumerate(lists) if k != 1 for t in lst]
     grads = lists[1]
     # the gradient addresses last: the key without them is the key of the lists' checks.
@@ -256,31 +303,45 @@ def _plan(rule: UpdateRule, lists: tuple[Sequence[torch.Tensor], ...], hyper: to
         *map(_data_ptr, grads),
     )  # fmt: skip
     h = hash(key)  # hashed once: a long tuple does not cache its hash
-    entry = _PLANS.get(h)
+    cache = plans._plans
+    entry = cache.get(h)
     if entry is not None and entry[0] == key:
-        _PLANS.move_to_end(h)
+        cache.move_to_end(h)
         plan = entry[1]
         if plan is not None and _capturing(hyper):
-            plan.keep_for_graphs()  # this capture records the cached tables' addresses
+            _keep_for_capture(plan)  # this capture records the cached tables' addresses
         return plan
     checked = key[: len(key) - len(grads)]
     hc = hash(checked)
-    if _CHECKED.get(hc) == checked:
-        _CHECKED.move_to_end(hc)
+    if plans._checked.get(hc) == checked:
+        plans._checked.move_to_end(hc)
         _check_lists(rule, lists, hyper.device, only_grads=True)
     else:
         _check_lists(rule, lists, hyper.device)
-        _CHECKED[hc] = checked
-        if len(_CHECKED) > _MAX_PLANS:
-            _CHECKED.popitem(last=False)
+        plans._checked[hc] = checked
+        if len(plans._checked) > _MAX_PLANS:
+            plans._checked.popitem(last=False)
     capturing = _capturing(hyper)
     plan = fast_paths.optimizer_tables(lists, capturing=capturing)
     if capturing and plan is not None:
-        return plan  # staged for this capture and kept for its graph; not for other uses
-    _PLANS[h] = (key, plan)
-    if len(_PLANS) > _MAX_PLANS:
-        _PLANS.popitem(last=False)
+        _keep_for_capture(plan)
+        return plan  # staged for this capture and kept by it; not for other uses
+    cache[h] = (key, plan)
+    if len(cache) > _MAX_PLANS:
+        cache.popitem(last=False)
     return plan
+
+
+def _keep_for_capture(plan: Any) -> None:
+    """Hand ``plan`` to the capture being recorded in this thread, which keeps it for its
+    replays; raise when no recording of mpsnn's is in progress (nothing would keep it)."""
+    if not keep_for_replays(plan):
+        raise ValueError(
+            "[apply_update] a CUDA graph that records the multi-tensor update must keep its "
+            "tables: capture it with CommandBuffer.capture, or inside "
+            "mpsnn.core.capture.keeping_for_replays() (keep the list it yields with the "
+            "graph), got a capture with neither"
+        )
 
 
 def _capturing(hyper: torch.Tensor) -> bool:
@@ -296,7 +357,8 @@ def _check_lists(
     only_grads: bool = False,
 ) -> None:
     """Raise unless the lists fit the rule (see `apply_update`); ``only_grads``: the other
-    lists passed this check already (the key of `_CHECKED` covers what it read of them)."""
+    lists passed this check already (the key of `UpdatePlans._checked` covers what it read of
+    them)."""
     who = f"[apply_update {rule.name}]"
     names = ("values", "grads", "results", *rule.state_names)
     if len(lists) != len(names):

@@ -11,7 +11,8 @@ between replays of a captured step). Adam counts its updates twice: ``time_step`
 reads, advances at each encode (as MPS's ``timeStep``); its device copy, which the bias
 correction reads, is written by the recorded work when it runs (and advances at each replay of
 a captured step). One encode updates all its tensors with one launch on the GPU (a
-multi-tensor Triton kernel), few ``torch._foreach`` operations elsewhere.
+multi-tensor Triton kernel, whose device tables the optimizer keeps between its updates and
+frees with itself: `mpsnn.ops.optim.UpdatePlans`), few ``torch._foreach`` operations elsewhere.
 
 An encode is **out of place**, as in MPS: it reads the input values and writes the results
 (which may be the same tensors). Encode forms, selected by the keywords given:
@@ -44,7 +45,13 @@ import torch
 from mpsnn.core._checks import check_enum, check_type
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.kernel import Kernel
-from mpsnn.ops.optim import GRADIENT_DTYPES, VALUE_DTYPES, _capturing, apply_update
+from mpsnn.ops.optim import (
+    GRADIENT_DTYPES,
+    VALUE_DTYPES,
+    UpdatePlans,
+    _capturing,
+    apply_update,
+)
 from mpsnn.ops.optim_hyper import (
     RegularizationType,
     UpdateRule,
@@ -213,6 +220,9 @@ class Optimizer(Kernel):
             **self._rule_hyper(),
         )
         self._step: torch.Tensor | None = None
+        # the checks and device tables of this optimizer's updates: kept between its updates,
+        # freed with it (a capture keeps those it recorded for as long as it lives)
+        self._plans = UpdatePlans()
 
     # -- options (read-only, as MPS, except the learning rate and clipping switch) ----------
 
@@ -311,6 +321,7 @@ class Optimizer(Kernel):
         values, results = list(values), list(results)
         states = [list(s) for s in states]
         encode = self._count_encode()  # Adam: time_step advances now, at encode (as MPS)
+        plans = self._plans
 
         def run() -> None:
             g = list(grads())
@@ -318,9 +329,8 @@ class Optimizer(Kernel):
                 # the device copy takes this encode's count (the update adds one); captured
                 # work only adds one, so each replay advances it
                 step[:1].fill_(encode.t - 1)  # type: ignore[index]
-            apply_update(
-                rule, values, g, results, states, hyper, step, clip=clip, regularization=reg
-            )
+            apply_update(rule, values, g, results, states, hyper, step,
+                         clip=clip, regularization=reg, plans=plans)  # fmt: skip
 
         if cb is None:
             run()

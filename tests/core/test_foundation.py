@@ -144,10 +144,11 @@ def test_reset_starts_a_new_sum() -> None:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_in_place_weight_changes_reach_every_storage_format(device, dtype) -> None:
-    """``conv.weights.zero_()`` changes float16/bfloat16 outputs too (a cached cast used to
-    keep the old weights), and a command-buffer reload writes into the same master tensor."""
+    """A reload from the data source changes float16/bfloat16 outputs too (their weight copies
+    are rewritten with the masters), and a command-buffer reload writes into the same master
+    tensor."""
     dev = m.Device(device)
-    conv, _, _, b = _conv(dev, dtype=torch.float32, seed=20)
+    conv, _, w, b = _conv(dev, dtype=torch.float32, seed=20)
     q = dev.new_command_queue()
     x = _batch(2, 2, 5, 5, seed=21, dtype=dtype, device=device)
     cb = q.command_buffer()
@@ -155,7 +156,8 @@ def test_in_place_weight_changes_reach_every_storage_format(device, dtype) -> No
     run(cb)
     assert before.tensor.abs().sum() > 0
     master = conv.weights.data_ptr()
-    conv.weights.zero_()
+    conv.data_source.set_weights_and_biases(torch.zeros_like(w), b)
+    conv.reload_weights_and_biases_from_data_source()
     cb = q.command_buffer()
     after = conv.encode_batch(cb, x)
     run(cb)

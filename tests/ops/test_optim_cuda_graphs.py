@@ -1,18 +1,22 @@
 """The whole optimizer dispatch on CUDA at a larger size, and CUDA-graph capture of the
 updates: a captured update follows the learning rate and advances Adam's step on the device at
 every replay; gradients allocated inside the captured region run the Triton update, replayed
-with new values to the bits of the eager path; the tables a graph needs are kept for it (not
-freed when evicted from the caches), also staged with pinned copies pending. The first test
-also runs on the CPU (the step and learning rate read from their tensors at each update)."""
+with new values to the bits of the eager path; the tables a graph needs are kept by the capture
+(not freed when evicted from the caches or when their owner dies) and freed with it, also
+staged with pinned copies pending. The first test also runs on the CPU (the step and learning
+rate read from their tensors at each update); tests/ops/test_optim_table_lifetime.py checks
+the lifetimes on the CPU."""
 
 from __future__ import annotations
 
 import gc
 import warnings
+import weakref
 
 import pytest
 import torch
 
+from mpsnn.core.capture import keep_for_replays, keeping_for_replays
 from mpsnn.ops import optim
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops.optim import RegularizationType as Reg
@@ -83,26 +87,25 @@ def test_cuda_update_and_graph_capture(monkeypatch) -> None:
             fast_paths.set_enabled(True)
 
 
-def _own_caches(monkeypatch) -> None:
-    """Empty table caches and an empty list of tables kept for graphs, owned by this test."""
-    monkeypatch.setattr(optim, "_PLANS", type(optim._PLANS)())
+def _own_caches(monkeypatch) -> optim.UpdatePlans:
+    """An empty shared chunk cache, owned by this test, and a new owner of update tables."""
     monkeypatch.setattr(triton_optim, "_CHUNKS", type(triton_optim._CHUNKS)())
-    monkeypatch.setattr(triton_optim, "_GRAPH_TABLES", {})
+    return optim.UpdatePlans()
 
 
-def _drop_caches() -> list[torch.Tensor]:
+def _drop_caches(plans: optim.UpdatePlans) -> list[torch.Tensor]:
     """Evict everything from the table caches (the test's own: `_own_caches`) and collect.
     Then fill freshly allocated device memory with -1. Had a graph's tables been freed with
     their cache entries, that memory would now hold -1 "addresses". Returns the filler; keep
     it until the replays are done."""
-    optim._PLANS.clear()
+    plans.clear()
     triton_optim._CHUNKS.clear()
     gc.collect()
     return [torch.full((n,), -1, dtype=torch.int64, device="cuda") for n in (4, 16, 64, 512, 4096)]
 
 
 def _capture_and_replay(shapes, monkeypatch) -> None:
-    _own_caches(monkeypatch)
+    plans = _own_caches(monkeypatch)
     rule = Rule.ADAM_AMSGRAD
     values = _params(torch.float32, "cuda", shapes, seed=6)
     grads = [torch.randn_like(x) for x in values]
@@ -113,7 +116,8 @@ def _capture_and_replay(shapes, monkeypatch) -> None:
     step = optim.make_step("cuda")
 
     def update() -> None:
-        optim.apply_update(rule, values, grads, values, states, hyper, step, clip=True)
+        optim.apply_update(rule, values, grads, values, states, hyper, step, clip=True,
+                           plans=plans)  # fmt: skip
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -125,9 +129,10 @@ def _capture_and_replay(shapes, monkeypatch) -> None:
         g = ref_gradient(x, grads[i].double().cpu(), p, True, Reg.NONE)
         ref[i] = ref_update(rule, x, g, ref_state[i], p, 1)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with keeping_for_replays() as kept, torch.cuda.graph(graph):
         update()
-    filler = _drop_caches()
+    assert len(kept) == (1 if fast_paths.enabled() else 0)  # the cached tables it recorded
+    filler = _drop_caches(plans)
     for k, lr in enumerate([0.02, -0.01, 0.005]):
         optim.set_hyper(hyper, learning_rate=lr)
         graph.replay()
@@ -166,7 +171,7 @@ def test_cuda_graph_with_gradients_allocated_in_the_capture(rule, chunks, mode, 
     the capture the caches are emptied: the graph needs nothing from them."""
     steps, clip, reg = 4, True, Reg.L2
     sources = [_grads(k, GRAPH_GRADS, "cuda", GRAPH_SHAPES, seed=300) for k in range(steps)]
-    _own_caches(monkeypatch)
+    plans = _own_caches(monkeypatch)
 
     def fresh():
         values = _params(torch.float32, "cuda", GRAPH_SHAPES, seed=8)
@@ -174,17 +179,16 @@ def test_cuda_graph_with_gradients_allocated_in_the_capture(rule, chunks, mode, 
         return values, _states(rule, values), hyper, optim.make_step("cuda")
 
     def update(values, grads, states, hyper, step):
-        optim.apply_update(
-            rule, values, grads, values, states, hyper, step, clip=clip, regularization=reg
-        )
+        optim.apply_update(rule, values, grads, values, states, hyper, step,
+                           clip=clip, regularization=reg, plans=plans)  # fmt: skip
 
     # the eager Triton path; it also compiles every kernel variant the capture launches
     eager = fresh()
     for k in range(steps):
         optim.set_hyper(eager[2], learning_rate=LRS[k])
         update(eager[0], sources[k], *eager[1:])
-    assert len(optim._PLANS) == steps and all(plan for _, plan in optim._PLANS.values())
-    assert len(triton_optim._CHUNKS) == 1 and not triton_optim._GRAPH_TABLES
+    assert len(plans) == steps and all(plan for _, plan in plans._plans.values())
+    assert len(triton_optim._CHUNKS) == 1
     if chunks != "cached":
         triton_optim._CHUNKS.clear()
 
@@ -193,19 +197,20 @@ def test_cuda_graph_with_gradients_allocated_in_the_capture(rule, chunks, mode, 
     graph = torch.cuda.CUDAGraph()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with torch.cuda.graph(graph, capture_error_mode=mode):
+        with keeping_for_replays() as held, torch.cuda.graph(graph, capture_error_mode=mode):
             grads += [
                 torch.empty(s, dtype=dt, device="cuda")
                 for s, dt in zip(GRAPH_SHAPES, GRAPH_GRADS, strict=True)
             ]
             update(values, grads, states, hyper, step)
-    assert len(optim._PLANS) == steps  # the capture's tables are not cached
-    (kept,) = triton_optim._GRAPH_TABLES.values()  # but kept for the graph
+    assert len(plans) == steps  # the capture's tables are not cached
+    (kept,) = held  # but kept by the capture
     assert len(kept.staged) == (1 if chunks == "cached" else 1 + len(kept.groups))
     assert all(t.is_pinned() for t in kept.staged)
     assert len(triton_optim._CHUNKS) == (1 if chunks == "cached" else 0)
+    gone = weakref.ref(kept)
     del kept
-    filler = _drop_caches()
+    filler = _drop_caches(plans)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for k in range(steps):
@@ -221,6 +226,10 @@ def test_cuda_graph_with_gradients_allocated_in_the_capture(rule, chunks, mode, 
         assert torch.equal(a, b), f"tensor {i} differs from the eager Triton path"
     if rule in (Rule.ADAM, Rule.ADAM_AMSGRAD):
         assert step.tolist() == [steps, 0]
+    assert gone() is not None  # alive while the capture's list is
+    del held, graph
+    gc.collect()
+    assert gone() is None  # freed with it
 
 
 @needs_cuda
@@ -228,11 +237,12 @@ def test_cuda_graph_tables_staged_with_pinned_copies_pending(monkeypatch) -> Non
     """The staging works even when PyTorch's pinned-memory allocator has events left to
     process: a pinned buffer freed after a non-blocking copy leaves one, as a data loader
     with pinned memory does. Allocating a pinned buffer inside the capture must not query
-    that event. `build_tables` called directly inside a capture works too."""
-    _own_caches(monkeypatch)
+    that event. `build_tables` called directly inside a capture works too, its caller handing
+    the result to the capture."""
+    plans = _own_caches(monkeypatch)
     hyper = optim.make_hyper("cuda", learning_rate=0.5)
     warm = [[torch.zeros(8, device="cuda")] for _ in range(3)]
-    optim.sgd_update(*warm, None, hyper)  # compiles the kernel (SGD, no clip, float32)
+    optim.sgd_update(*warm, None, hyper, plans=plans)  # compiles the kernel (SGD, float32)
     host = torch.ones(1 << 16, pin_memory=True)
     torch.empty(1 << 16, device="cuda").copy_(host, non_blocking=True)
     del host  # freed with its copy's event recorded, processed by a later pinned allocation
@@ -242,13 +252,69 @@ def test_cuda_graph_tables_staged_with_pinned_copies_pending(monkeypatch) -> Non
     graph = torch.cuda.CUDAGraph()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            optim.sgd_update(fresh, ones, fresh, None, hyper)
+        with (
+            keeping_for_replays() as kept,
+            torch.cuda.graph(graph, capture_error_mode="thread_local"),
+        ):
+            optim.sgd_update(fresh, ones, fresh, None, hyper, plans=plans)
             tables = triton_optim.build_tables([other, ones, other])
+            assert keep_for_replays(tables)
             tables.launch(Rule.SGD, hyper, None, False, Reg.NONE)
-    assert len(triton_optim._GRAPH_TABLES) == 2 and len(optim._PLANS) == 1  # the warm-up's
+    assert len(kept) == 2 and len(plans) == 1  # the warm-up's
     del tables
     graph.replay()
     graph.replay()
     torch.cuda.synchronize()
     assert fresh[0].tolist() == [-1.0] * 8 and other[0].tolist() == [-1.0] * 8
+
+
+@needs_cuda
+def test_a_captured_buffer_keeps_the_tables_it_recorded_and_frees_them_with_it() -> None:
+    """`CommandBuffer.capture` of an optimizer's update: the captured buffer holds the tables
+    the graph reads (the optimizer's cached ones), also once the optimizer is gone, and they
+    are freed with the captured buffer."""
+    import mpsnn as m
+
+    dev = m.Device("cuda")
+    q = dev.new_command_queue()
+    opt = m.SGD(dev, descriptor=m.OptimizerDescriptor(learning_rate=0.5))
+    w, g = torch.zeros(8, device="cuda"), torch.ones(8, device="cuda")
+
+    vectors = dict(input_gradient_vector=g, input_values_vector=w, result_values_vector=w)
+    cb = q.command_buffer()
+    opt.encode(cb, **vectors)  # warm-up: compiles the kernel, caches the tables in `opt`
+    cb.commit()
+    cb.wait_until_completed()
+    ((_, cached),) = opt._plans._plans.values()
+    cb = q.command_buffer()
+    opt.encode(cb, **vectors)
+    captured = cb.capture()  # recorded, not run
+    assert [t for t in captured._keep_alive if t is cached] == [cached]
+    gone = weakref.ref(cached)
+    opt._plans.clear()  # evicted from the optimizer's cache: the capture keeps it
+    del cached, opt, cb
+    gc.collect()
+    assert gone() is not None
+    for _ in range(2):
+        captured.replay()
+    captured.wait_until_completed()
+    assert w.tolist() == [-1.5] * 8  # the warm-up and two replays
+    del captured
+    gc.collect()
+    assert gone() is None
+
+
+@needs_cuda
+def test_a_capture_of_your_own_must_keep_the_tables(monkeypatch) -> None:
+    """A ``torch.cuda.graph`` capture that records a Triton update outside any
+    `keeping_for_replays` scope is refused: nothing would keep the tables its graph reads."""
+    plans = _own_caches(monkeypatch)
+    hyper = optim.make_hyper("cuda", learning_rate=0.5)
+    w, g = [torch.zeros(8, device="cuda")], [torch.ones(8, device="cuda")]
+    optim.sgd_update(w, g, w, None, hyper, plans=plans)  # compiles the kernel
+    graph = torch.cuda.CUDAGraph()
+    with (
+        pytest.raises(ValueError, match=r"\[apply_update\] a CUDA graph that records"),
+        torch.cuda.graph(graph, capture_error_mode="thread_local"),
+    ):
+        optim.sgd_update(w, g, w, None, hyper, plans=plans)

@@ -194,7 +194,8 @@ def test_init_state_and_argument_checks() -> None:
 
 
 def test_lists_are_checked_once_per_list(monkeypatch) -> None:
-    monkeypatch.setattr(optim, "_PLANS", type(optim._PLANS)())  # addresses may be reused
+    """An owner (`UpdatePlans`) keeps each list's answer; an update without one keeps none."""
+    plans = optim.UpdatePlans()  # this test's own: addresses may be reused
     calls = []
     real = fast_paths.optimizer_tables
     monkeypatch.setattr(
@@ -205,17 +206,20 @@ def test_lists_are_checked_once_per_list(monkeypatch) -> None:
     w, g = [torch.randn(4), torch.randn(2, 2)], [torch.randn(4), torch.randn(2, 2)]
     hyper = optim.make_hyper("cpu", learning_rate=0.1)
     for _ in range(3):
-        optim.sgd_update(w, g, w, None, hyper)
-    assert len(calls) == 1
-    optim.sgd_update(w, [torch.randn(4), torch.randn(2, 2)], w, None, hyper)  # new gradients
-    assert len(calls) == 2
+        optim.sgd_update(w, g, w, None, hyper, plans=plans)
+    assert len(calls) == 1 and len(plans) == 1
+    new = [torch.randn(4), torch.randn(2, 2)]
+    optim.sgd_update(w, new, w, None, hyper, plans=plans)  # new gradients
+    assert len(calls) == 2 and len(plans) == 2
+    for _ in range(2):
+        optim.sgd_update(w, g, w, None, hyper)  # no owner: built each time, kept nowhere
+    assert len(calls) == 4 and len(plans) == 2
 
 
 def test_new_gradients_of_checked_lists_check_the_gradients_alone(monkeypatch) -> None:
     """Gradients at new addresses (a training graph's, at every step) re-check the gradient
     list only, and a bad gradient still raises, at a checked key too."""
-    monkeypatch.setattr(optim, "_PLANS", type(optim._PLANS)())
-    monkeypatch.setattr(optim, "_CHECKED", type(optim._CHECKED)())
+    plans = optim.UpdatePlans()
     checks = []
     real = optim._check_lists
     monkeypatch.setattr(
@@ -226,36 +230,41 @@ def test_new_gradients_of_checked_lists_check_the_gradients_alone(monkeypatch) -
     w = [torch.randn(4), torch.randn(2, 2)]
     hyper = optim.make_hyper("cpu", learning_rate=0.1)
     kept = [[torch.randn(4), torch.randn(2, 2)] for _ in range(2)]  # alive: new addresses
-    optim.sgd_update(w, kept[0], w, None, hyper)
-    optim.sgd_update(w, kept[1], w, None, hyper)
+    optim.sgd_update(w, kept[0], w, None, hyper, plans=plans)
+    optim.sgd_update(w, kept[1], w, None, hyper, plans=plans)
     assert checks == [False, True]
     with pytest.raises(ValueError, match=r"grads\[1\] has shape \(3,\), values\[1\] \(2, 2\)"):
-        optim.sgd_update(w, [torch.randn(4), torch.randn(3)], w, None, hyper)
+        optim.sgd_update(w, [torch.randn(4), torch.randn(3)], w, None, hyper, plans=plans)
     with pytest.raises(ValueError, match="grads has 1 tensors, values has 2"):
-        optim.sgd_update(w, [torch.randn(4)], w, None, hyper)
+        optim.sgd_update(w, [torch.randn(4)], w, None, hyper, plans=plans)
     with pytest.raises(TypeError, match=r"grads\[0\] is torch.float64 with torch.float32 values"):
-        optim.sgd_update(w, [torch.randn(4).double(), torch.randn(2, 2)], w, None, hyper)
+        optim.sgd_update(
+            w, [torch.randn(4).double(), torch.randn(2, 2)], w, None, hyper, plans=plans
+        )
     other = [torch.randn(4), torch.randn(2, 2)]  # new results: every list is checked again
-    optim.sgd_update(w, kept[0], other, None, hyper)
+    optim.sgd_update(w, kept[0], other, None, hyper, plans=plans)
     assert checks[-1] is False
 
 
-def test_a_tensor_of_another_layout_at_a_checked_address_is_checked_again(monkeypatch) -> None:
+def test_a_tensor_of_another_layout_at_a_checked_address_is_checked_again() -> None:
     """The cached check covers the dtype, shape and contiguity of every non-gradient tensor,
     not only its address: a view at the same address with another dtype or shape is refused
     (with new gradients, the key of a training step)."""
-    monkeypatch.setattr(optim, "_PLANS", type(optim._PLANS)())
-    monkeypatch.setattr(optim, "_CHECKED", type(optim._CHECKED)())
+    plans = optim.UpdatePlans()
     hyper = optim.make_hyper("cpu", learning_rate=0.1, momentum_scale=0.9)
     rule = Rule.SGD_MOMENTUM
     v, r, mom = torch.ones(4), torch.empty(4), torch.zeros(4)
-    optim.apply_update(rule, [v], [torch.ones(4)], [r], [[mom]], hyper)
+    optim.apply_update(rule, [v], [torch.ones(4)], [r], [[mom]], hyper, plans=plans)
     with pytest.raises(TypeError, match=r"results\[0\] is torch.int32 with torch.float32"):
-        optim.apply_update(rule, [v], [torch.ones(4)], [r.view(torch.int32)], [[mom]], hyper)
+        optim.apply_update(
+            rule, [v], [torch.ones(4)], [r.view(torch.int32)], [[mom]], hyper, plans=plans
+        )
     with pytest.raises(ValueError, match=r"results\[0\] has shape \(2, 2\), values\[0\] \(4,\)"):
-        optim.apply_update(rule, [v], [torch.ones(4)], [r.view(2, 2)], [[mom]], hyper)
+        optim.apply_update(rule, [v], [torch.ones(4)], [r.view(2, 2)], [[mom]], hyper, plans=plans)
     with pytest.raises(TypeError, match=r"momentum\[0\] is torch.int32 with torch.float32"):
-        optim.apply_update(rule, [v], [torch.ones(4)], [r], [[mom.view(torch.int32)]], hyper)
+        optim.apply_update(
+            rule, [v], [torch.ones(4)], [r], [[mom.view(torch.int32)]], hyper, plans=plans
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,11 +6,14 @@ picks the kernel."""
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
 
+from mpsnn.core.capture import keeping_for_replays
 from mpsnn.ops import optim
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops.optim import RegularizationType as Reg
@@ -114,11 +117,11 @@ def test_triton_tables(device) -> None:
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_triton_tables_staged_for_a_capture(device, monkeypatch) -> None:
     """The tables built for a capture hold what the eager ones hold and give the same bits.
-    They are staged through host buffers (pinned on CUDA), copied without waiting, kept out of
-    the shared chunk cache, and kept for the graphs. ``capturing=True`` forces that route here:
-    on CUDA nothing is captured, and on the CPU nothing can be (the buffers are not pinned)."""
+    They are staged through host buffers (pinned on CUDA), copied without waiting, and kept out
+    of the shared chunk cache; nothing but the caller holds them. ``capturing=True`` forces
+    that route here: on CUDA nothing is captured, and on the CPU nothing can be (the buffers
+    are not pinned)."""
     monkeypatch.setattr(triton_optim, "_CHUNKS", type(triton_optim._CHUNKS)())
-    monkeypatch.setattr(triton_optim, "_GRAPH_TABLES", {})
     n = triton_optim.BLOCK
     shapes = [(2 * n + 1,), (0,), (5,), (3, 4)]
     dtypes = [torch.float16, torch.float32, torch.float32, torch.bfloat16]  # 3 chunk tables
@@ -144,7 +147,7 @@ def test_triton_tables_staged_for_a_capture(device, monkeypatch) -> None:
     for buf, table in zip(staged.staged, copies, strict=True):
         assert buf.device.type == "cpu" and buf.is_pinned() == (device == "cuda")
         assert buf.data_ptr() != table.data_ptr() and torch.equal(buf, table.cpu())
-    assert list(triton_optim._GRAPH_TABLES.values()) == [staged, again]  # kept for graphs
+    gone = weakref.ref(staged), weakref.ref(again)  # their only owner is this test
 
     w0 = [v.clone() for v in values]
     hyper = _hyper(Rule.ADAM, device, 0.1)
@@ -162,17 +165,19 @@ def test_triton_tables_staged_for_a_capture(device, monkeypatch) -> None:
     for run in runs[1:]:
         for i, (a, b) in enumerate(zip(run, runs[0], strict=True)):
             assert torch.equal(a, b), f"tensor {i}"
-    assert triton_optim.release_graph_tables() == 2 and not triton_optim._GRAPH_TABLES
+    del t, staged, again, copies, buf, table
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None]
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_tables_first_seen_in_a_capture_are_not_cached(device, monkeypatch) -> None:
     """`apply_update`'s cache around captures, which are simulated here by replacing the
     capture status and the dispatch, so that this also runs on the CPU. Tables built during a
-    capture are used without a warning, kept for the graph, and not cached. A cached table used
-    during a capture is kept for the graph too. All of them update the same bits."""
-    monkeypatch.setattr(optim, "_PLANS", type(optim._PLANS)())
-    monkeypatch.setattr(triton_optim, "_GRAPH_TABLES", {})
+    capture are used without a warning, handed to the capture being recorded, and not cached.
+    A cached table used during a capture is handed to it too. All of them update the same
+    bits."""
+    plans = optim.UpdatePlans()
     capturing = [True]
     monkeypatch.setattr(optim, "_capturing", lambda hyper: capturing[0])
     built = []
@@ -190,26 +195,27 @@ def test_tables_first_seen_in_a_capture_are_not_cached(device, monkeypatch) -> N
     ref_values = [v.clone() for v in values]
     ref_momenta = [m.clone() for m in momenta]
     ref = triton_optim.build_tables([ref_values, grads, ref_values, ref_momenta], False)
-    kept = triton_optim._GRAPH_TABLES
 
     def update() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            optim.sgd_update(values, grads, values, momenta, hyper)
+            optim.sgd_update(values, grads, values, momenta, hyper, plans=plans)
         ref.launch(Rule.SGD_MOMENTUM, hyper, None, False, Reg.NONE)
 
-    update()  # first seen during a capture: this capture's own tables
-    assert built == [True] and len(optim._PLANS) == 0 and len(kept) == 1
+    with keeping_for_replays() as kept:
+        update()  # first seen during a capture: this capture's own tables
+    assert built == [True] and len(plans) == 0 and len(kept) == 1
     capturing[0] = False
     update()  # outside: built again, eagerly, and cached
-    assert built == [True, False] and len(optim._PLANS) == 1 and len(kept) == 1
+    assert built == [True, False] and len(plans) == 1 and len(kept) == 1
     update()  # cached
     assert built == [True, False] and len(kept) == 1
     capturing[0] = True
-    update()  # cached, used by a capture: kept for its graph
-    assert built == [True, False] and len(kept) == 2
-    ((_, cached_plan),) = optim._PLANS.values()
-    assert cached_plan in kept.values()
+    with keeping_for_replays() as later:
+        update()  # cached, used by a capture: kept by that capture too
+    assert built == [True, False] and len(kept) == 1 and len(later) == 1
+    ((_, cached_plan),) = plans._plans.values()
+    assert later[0] is cached_plan and kept[0] is not cached_plan
     for a, b in zip([*values, *momenta], [*ref_values, *ref_momenta], strict=True):
         assert torch.equal(a, b)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -338,25 +339,28 @@ class TensorConvolutionDataSource(ConvolutionDataSource):
 
 class ConvWeights:
     """A kernel's master weights: OIHW ``weight`` and ``(O,)`` ``bias`` on its device, float32
-    (float64 when the data source gives float64), updated **in place** by reloads and
-    optimizers, so that anything recorded earlier (a captured CUDA graph, an optimizer's
-    multi-tensor list) keeps reading the current values.
+    (float64 when the data source gives float64), updated **in place** by reloads (a training
+    graph's updates end with one), so that anything recorded earlier (a captured CUDA graph)
+    keeps reading the current values.
 
-    Low-precision copies for float16/bfloat16 images are made when a command runs and cached
-    against the master's version counter (any in-place change, also through a view, bumps it);
-    while a CUDA graph is being captured they are always made, so that the graph recomputes
-    them at every replay. A copy is therefore never stale.
+    Copies in other dtypes (for float16/bfloat16 images) are tensors of this object, made on
+    first use (`cast`) and rewritten in place by the reloads right after the masters, in the
+    same command (`load_ohwi`, `copy_oihw`, `refresh_all`): a CUDA graph that records a reload
+    rewrites them at every replay, and the forward reads them with no check. Other writes into
+    the masters (``kernel.weights`` written in place, a state wrapping it) reach the copies at
+    the next reload, as a kernel sees its data source's new values at reload in MPS.
     """
 
-    __slots__ = ("_casts", "_matrix", "bias", "channels_last_casts", "weight")
+    __slots__ = ("_bias", "_casts", "_channels_last", "_matrix", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight
-        self.bias = bias
-        # low-precision CUDA casts in the convolutions' layout (`_low`); a fully connected
+        self._bias = bias
+        # low-precision casts in the convolutions' layout (`_new_cast`); a fully connected
         # layer, which reads its weights as an (O, C kH kW) matrix, turns it off
-        self.channels_last_casts = True
-        self._casts: dict[torch.dtype, tuple[int, torch.Tensor, torch.Tensor | None]] = {}
+        self._channels_last = True
+        # dtype -> (weights, bias) in that dtype: written by the writers of the masters
+        self._casts: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._matrix: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
@@ -374,41 +378,87 @@ class ConvWeights:
         b = biases.to(dev, w.dtype, copy=True) if biases is not None else None
         return cls(w, b)
 
-    def load_ohwi(self, weights: torch.Tensor, biases: torch.Tensor | None) -> None:
-        """Copy new OHWI values into the masters, in place (now, on the current stream)."""
-        self.weight.copy_(weights.permute(0, 3, 1, 2))
-        if biases is not None:
-            if self.bias is None:
-                self.bias = torch.zeros_like(
-                    biases, dtype=self.weight.dtype, device=self.weight.device
-                )
-            self.bias.copy_(biases)
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self._bias
 
-    def _version(self) -> int:
-        v = self.weight._version
-        return v if self.bias is None else v + (self.bias._version << 32)
+    @bias.setter
+    def bias(self, value: torch.Tensor | None) -> None:
+        """New bias storage (a layer gaining or losing its bias): the copies follow now."""
+        self._bias = value
+        for dtype, (w, _) in self._casts.items():
+            self._casts[dtype] = (w, None if value is None else value.to(dtype, copy=True))
+
+    @property
+    def channels_last_casts(self) -> bool:
+        """Whether 4-D casts take the layout the convolutions run in (`_new_cast`)."""
+        return self._channels_last
+
+    @channels_last_casts.setter
+    def channels_last_casts(self, value: bool) -> None:
+        if value != self._channels_last:
+            self._channels_last = value
+            self._casts.clear()  # made again, in the new layout, at their next use
+
+    def load_ohwi(self, weights: torch.Tensor, biases: torch.Tensor | None) -> None:
+        """Copy new OHWI values into the masters, in place (now, on the current stream), and
+        rewrite the copies."""
+        if biases is not None and self._bias is None:
+            self.bias = torch.zeros_like(biases, dtype=self.weight.dtype, device=self.weight.device)
+        self.copy_oihw(weights.permute(0, 3, 1, 2), biases)
+
+    def copy_oihw(self, weights: torch.Tensor, biases: torch.Tensor | None) -> None:
+        """Copy OIHW ``weights`` (and ``biases``, when given: the masters have a bias) into
+        the masters, in place, then rewrite the copies (now, on the current stream; as
+        recorded work, inside a command)."""
+        self.weight.copy_(weights)
+        if biases is not None:
+            self._bias.copy_(biases)  # type: ignore[union-attr]
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Rewrite the copies from the masters (the writers of the masters call it)."""
+        for w, b in tuple(self._casts.values()):  # (a completion thread may reload)
+            w.copy_(self.weight)
+            if b is not None:
+                b.copy_(self._bias)  # type: ignore[arg-type]
+
+    @staticmethod
+    def refresh_all(masters: Sequence[ConvWeights]) -> None:
+        """`refresh` of several kernels' masters as one multi-tensor copy."""
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        for ws in masters:
+            for w, b in tuple(ws._casts.values()):
+                dst.append(w)
+                src.append(ws.weight)
+                if b is not None:
+                    dst.append(b)
+                    src.append(ws._bias)  # type: ignore[arg-type]
+        if dst:
+            torch._foreach_copy_(dst, src)
 
     def cast(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Weights and bias in ``dtype`` (run time: see the class docstring)."""
         if dtype is self.weight.dtype:  # the common case, at every forward (dtypes are singletons)
-            return self.weight, self.bias
-        if self.weight.is_cuda and torch.cuda.is_current_stream_capturing():
-            b = self.bias.to(dtype) if self.bias is not None else None
-            return self._low(dtype), b
-        version = self._version()
+            return self.weight, self._bias
         got = self._casts.get(dtype)
-        if got is None or got[0] != version:
-            b = self.bias.to(dtype) if self.bias is not None else None
-            got = (version, self._low(dtype), b)
+        if got is None:
+            b = self._bias.to(dtype) if self._bias is not None else None
+            got = (self._new_cast(dtype), b)
+            if self.weight.is_cuda and torch.cuda.is_current_stream_capturing():
+                # made by recorded work, in the graph's pool: written only when a replay
+                # runs, so it is this use's alone (the graph casts again at every replay)
+                return got
             self._casts[dtype] = got
-        return got[1], got[2]
+        return got
 
-    def _low(self, dtype: torch.dtype) -> torch.Tensor:
+    def _new_cast(self, dtype: torch.dtype) -> torch.Tensor:
         """The weights in ``dtype``, in the layout the convolutions run in (`mpsnn.core.layout`)
         so that cuDNN does not convert them at every forward and backward; one cast either
         way."""
         w = self.weight
-        if self.channels_last_casts and w.dim() == 4:
+        if self._channels_last and w.dim() == 4:
             return w.to(dtype, memory_format=storage_layout(dtype, w.device))
         return w.to(dtype)
 

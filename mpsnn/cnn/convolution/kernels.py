@@ -50,6 +50,7 @@ from mpsnn.ops.convolution import (
     conv_transpose_forward,
     fc_forward,
 )
+from mpsnn.ops.neuron import relu_in_place
 
 __all__ = [
     "Convolution",
@@ -184,8 +185,8 @@ class _ConvolutionBase(CNNKernel):
 
     @property
     def weights(self) -> torch.Tensor:
-        """The master weights in OHWI, as a view: writing into it changes what later work reads
-        (on the device, in stream order)."""
+        """The master weights in OHWI, as a view to read. Change them by reloading: their
+        float16/bfloat16 copies are rewritten only by reloads (see `ConvWeights`)."""
         return self._weights.ohwi
 
     @property
@@ -222,9 +223,7 @@ class _ConvolutionBase(CNNKernel):
         ws, sw, sb = self._reload_sources(state)
 
         def run() -> None:
-            ws.weight.copy_(sw)
-            if sb is not None:
-                ws.bias.copy_(sb)  # type: ignore[union-attr]
+            ws.copy_oihw(sw, sb)  # the masters, then their low-precision copies
 
         self._apply(command_buffer, Encoding(run, (), (state,)))
 
@@ -320,8 +319,16 @@ class _ConvolutionBase(CNNKernel):
             z = op(x, w, b)
             if neuron is None:
                 return z
-            for state in keep:
-                state._preactivation = z
+            if keep:
+                # a plain ReLU on the CPU: its result written over z (a new tensor of ours;
+                # not a cropped view, which the destination would copy) and its slope kept
+                # in place of z: the gradient's one pass instead of two
+                mask = relu_in_place(neuron.params, z) if z._base is None else None
+                for state in keep:
+                    state._preactivation = z if mask is None else None
+                    state._relu_mask = mask
+                if mask is not None:
+                    return z
             return neuron.forward(z)
 
         return forward
@@ -351,6 +358,7 @@ def reload_weights_and_biases(
                 dst.append(ws.bias)
                 src.append(sb)
         torch._foreach_copy_(dst, src)
+        ConvWeights.refresh_all([ws for ws, _, _ in parts])  # the low-precision copies
 
     command_buffer.record("reload_weights_and_biases", run)
     for kernel, state in pairs:

@@ -50,6 +50,8 @@ class ConvolutionGradientState(AccumulatorState):
         o, kh, kw, ig = desc.weights_shape
         self._oihw = (o, ig, kh, kw)
         self._preactivation: torch.Tensor | None = None  # fused neuron input (run time)
+        # or, for a plain ReLU on the CPU, its slope instead (`mpsnn.ops.neuron.relu_in_place`)
+        self._relu_mask: torch.Tensor | None = None
         self._bias_sums_skipped = False  # a graph's layer without biases: no bias sums
 
     @property
@@ -96,12 +98,12 @@ class ConvolutionGradientState(AccumulatorState):
         return "OHWI"
 
     def resources(self) -> list[torch.Tensor]:
-        extra = [self._preactivation] if self._preactivation is not None else []
-        return super().resources() + extra
+        kept = (self._preactivation, self._relu_mask)
+        return super().resources() + [t for t in kept if t is not None]
 
     def _free_storage(self) -> None:
         super()._free_storage()
-        self._preactivation = None
+        self._preactivation = self._relu_mask = None
 
     def destination_image_descriptor(
         self, source_images: Any, source_states: Any, kernel: Any, suggested_descriptor: Any

@@ -51,17 +51,19 @@ immutable once built. How they reach the device depends on when they are built:
 
 Lifetime rule: a table that a graph reads must outlive every replay of that graph. This covers
 the device tables read by the kernel and the pinned buffers read by the memcpy nodes. Neither
-may be freed (PyTorch's allocators would reuse the memory) or written again. There is no hook
-for a graph's destruction, so every `MultiTensorTables` built during a capture, or taken from
-the cache by a capture, is kept in ``_GRAPH_TABLES`` (`MultiTensorTables.keep_for_graphs`).
-The cache of `mpsnn.ops.optim` and ``_CHUNKS`` may then evict it freely: a table holds its
-pinned buffers (``staged``) and its chunk tables (``groups``), so keeping the table keeps all
-of them. Kept tables are never written: pinned buffers are filled once, before their copy is
-recorded. Memory kept for a table built in a capture: 8 bytes per tensor and list on the device,
-and as much pinned (rounded up to a power of two). The device table also keeps its segment of
-the graph's pool (2 MiB) from being released when the graph is destroyed.
-`release_graph_tables` drops everything kept. Call it only once no graph that recorded an
-optimizer update will be replayed again.
+may be freed (PyTorch's allocators would reuse the memory) or written again. A table holds its
+pinned buffers (``staged``) and its chunk tables (``groups``), so keeping the table keeps all of
+them, and tables have no other owner than whoever holds them: `build_tables` keeps nothing.
+`mpsnn.ops.optim` hands every table that a capture records, built there or taken from its
+cache, to that capture (`mpsnn.core.capture.keep_for_replays`): the `CapturedCommandBuffer`
+(and the `CompiledGraph` holding it) keeps them, and they are freed with it. Tables built
+outside a capture belong to the cache of the optimizer that built them, and die with it.
+``_CHUNKS`` is the one table store shared by the process: at most ``_MAX_CHUNKS`` chunk
+tables, keyed on sizes (no addresses), filled only outside captures; evicting one frees it
+once no table holds it. Kept tables are never written: pinned buffers are filled once, before
+their copy is recorded. Memory kept for a table built in a capture: 8 bytes per tensor and list
+on the device, and as much pinned (rounded up to a power of two). The device table also keeps
+its segment of the graph's pool (2 MiB) from being released until the capture is freed.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ import triton.language as tl
 from mpsnn.ops.optim_hyper import RegularizationType, UpdateRule
 from mpsnn.ops.triton.launch import fast_kernel
 
-__all__ = ["BLOCK", "MultiTensorTables", "build_tables", "release_graph_tables"]
+__all__ = ["BLOCK", "MultiTensorTables", "build_tables"]
 
 BLOCK = 2048  # elements per program: 16 per thread with 4 warps (four 16-byte accesses)
 _NUM_WARPS = 4
@@ -273,9 +275,10 @@ class MultiTensorTables:
     ``groups``: one chunk table per gradient dtype present (one launch each; almost always
     one). ``ptrs``: (tensors, lists) int64 base addresses. ``staged``: for tables built during a
     CUDA-graph capture, the pinned host buffers that the graph's copy nodes read at every replay
-    (empty otherwise). Built by `build_tables`."""
+    (empty otherwise). Built by `build_tables`; kept by whoever launches them (see the lifetime
+    rule in the module docstring)."""
 
-    __slots__ = ("aligned", "block", "groups", "n_lists", "ptrs", "staged")
+    __slots__ = ("__weakref__", "aligned", "block", "groups", "n_lists", "ptrs", "staged")
 
     def __init__(
         self,
@@ -311,26 +314,6 @@ class MultiTensorTables:
                 num_warps=_NUM_WARPS, enable_fp_fusion=False,
             )  # fmt: skip
 
-    def keep_for_graphs(self) -> None:
-        """Keep these tables, with their chunk tables and staged buffers, until
-        `release_graph_tables`. Call it when a CUDA graph records a launch of them: the graph
-        reads them at every replay (see the lifetime rule in the module docstring)."""
-        _GRAPH_TABLES[id(self)] = self
-
-
-# The tables CUDA graphs may read at replay, by id; see the lifetime rule in the module
-# docstring. Kept until `release_graph_tables`.
-_GRAPH_TABLES: dict[int, MultiTensorTables] = {}
-
-
-def release_graph_tables() -> int:
-    """Drop the tables kept for CUDA graphs; returns how many there were. Call it only when
-    no graph that recorded an optimizer update will be replayed again (all were destroyed or
-    reset): a later replay could read freed memory, or memory reused by something else."""
-    n = len(_GRAPH_TABLES)
-    _GRAPH_TABLES.clear()
-    return n
-
 
 def build_tables(
     lists: Sequence[Sequence[torch.Tensor]], capturing: bool | None = None
@@ -341,12 +324,12 @@ def build_tables(
 
     ``capturing``: whether a CUDA graph is being captured on the current stream. None means
     detect it. Outside a capture the address table is copied to the device (and the chunk
-    tables too, the first time these sizes and gradient dtypes are seen), and nothing is kept
-    for graphs. If a graph later records a launch of the result, the caller keeps the result
-    alive as long as the graph, for example with `MultiTensorTables.keep_for_graphs`. During
-    a capture the tables are staged through pinned memory, recorded as copies, and kept for
-    the graph (see the module docstring). Such tables belong to that capture: their device
-    contents exist only once a replay has run.
+    tables too, the first time these sizes and gradient dtypes are seen). During a capture the
+    tables are staged through pinned memory and recorded as copies (see the module
+    docstring); such tables belong to that capture: their device contents exist only once a
+    replay has run. Either way nothing keeps the result but the caller: when a graph records
+    a launch of it, the caller keeps it alive as long as the graph
+    (`mpsnn.core.capture.keep_for_replays`).
     """
     values, grads = lists[0], lists[1]
     device = values[0].device
@@ -359,12 +342,9 @@ def build_tables(
         return None
     host = _address_table(lists)
     ptrs, staged_ptrs = _upload(host, device, capturing)
-    tables = MultiTensorTables(
+    return MultiTensorTables(
         ptrs, groups, bool((host % 16 == 0).all()), BLOCK, (*staged, *staged_ptrs)
     )
-    if capturing:
-        tables.keep_for_graphs()
-    return tables
 
 
 def _address_table(lists: Sequence[Sequence[torch.Tensor]]) -> np.ndarray:
@@ -404,7 +384,7 @@ def _upload(
     buffer is not kept (nothing staged): the pinned-memory allocator reuses it once the copy
     ran. During one, the capture records the copy as a memcpy node that reads the buffer at
     every replay: the buffer is new, written here once, never written again, and returned to
-    be kept for the graph. ``blocking`` (outside a capture): the host waits for the copy, so
+    be kept with the tables. ``blocking`` (outside a capture): the host waits for the copy, so
     the table is written before any stream reads it.
     """
     cuda = device.type == "cuda"
