@@ -37,7 +37,12 @@ from mpsnn.core.geometry import Window
 from mpsnn.core.image import Image
 from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord, GradientState, _unique
-from mpsnn.ops.neuron import activation, activation_backward, relu_backward_of_result
+from mpsnn.ops.neuron import (
+    activation,
+    activation_backward,
+    relu_backward_of_result,
+    relu_mask_backward,
+)
 
 __all__ = ["Neuron", "NeuronGradient", "NeuronRecord"]
 
@@ -225,8 +230,16 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
         self, fused: FusedNeuron, state: Any, result: Image, region: tuple, whole: bool
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         """``g -> g f'(z)`` of a fused neuron, from the pre-activation ``z`` the forward kept
-        in its state (``result`` is the forward's destination)."""
-        return lambda g: fused.backward(g, state._preactivation)
+        in its state, or from the slope a plain ReLU kept there instead (the same bits:
+        `relu_mask_backward`); ``result`` is the forward's destination."""
+
+        def backward(g: torch.Tensor) -> torch.Tensor:
+            mask = getattr(state, "_relu_mask", None)
+            if mask is not None:
+                return relu_mask_backward(g, mask)
+            return fused.backward(g, state._preactivation)
+
+        return backward
 
     def _incoming_transform(
         self, states: list[Any], result: Image

@@ -44,6 +44,7 @@ from mpsnn.ops.pooling import (
     l2_pool_forward,
     max_pool_backward,
     max_pool_forward,
+    max_pool_forward_argmax,
     pool_geometry,
 )
 
@@ -66,17 +67,70 @@ _PARAMS = (
 )  # fmt: skip
 
 
+class _Argmax:
+    """The argmax a max pooling's forward command found (`max_pool_forward_argmax`: the CPU
+    tile path's), handed over once to the gradient (`take`) when it reads the tensor the
+    forward read (the same tensor, or a view of the same memory, shape, strides and dtype;
+    held here, so that memory is not reused meanwhile); anything else, and a second gradient,
+    gets None and recomputes it: the same bits either way.
+
+    Only a graph's step uses it (`_Pooling._graph_encode_batch`): there nothing writes an image
+    between its producer and its last reader, so the source the gradient reads holds what the
+    forward read. A client's own encodes may write the source in between, and recompute."""
+
+    __slots__ = ("_source", "_tap")
+
+    def __init__(self) -> None:
+        self._source: torch.Tensor | None = None
+        self._tap: torch.Tensor | None = None
+
+    def put(self, x: torch.Tensor, tap: torch.Tensor | None) -> None:
+        """At the forward's run: ``tap`` for source ``x`` (None: none found)."""
+        self._source, self._tap = (None, None) if tap is None else (x, tap)
+
+    def take(self, x: torch.Tensor) -> torch.Tensor | None:
+        """At the gradient's run: the argmax for source ``x``, or None; released either way."""
+        src, tap = self._source, self._tap
+        self._source = self._tap = None
+        if src is None:
+            return None
+        if x is not src and (
+            x.data_ptr() != src.data_ptr()
+            or x.dtype != src.dtype
+            or x.shape != src.shape
+            or x.stride() != src.stride()
+        ):
+            return None
+        return tap
+
+
+class _InGraph:
+    """Marks a kernel's encodes made by a graph's step (`_graph_encode_batch`), in which max
+    pooling hands the forward's argmax to its gradient (`_Argmax`)."""
+
+    _in_graph = False
+
+    def _graph_encode_batch(self, *args: Any) -> Any:
+        object.__setattr__(self, "_in_graph", True)
+        try:
+            return super()._graph_encode_batch(*args)  # type: ignore[misc]
+        finally:
+            object.__setattr__(self, "_in_graph", False)
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class PoolingRecord:
     """What a pooling encode hands its gradient: the kernel's window parameters (in the
-    order of ``_PARAMS``), its zero pad (average pooling) and the resolved geometry."""
+    order of ``_PARAMS``), its zero pad (average pooling), the resolved geometry and, for max
+    pooling, the argmax its command finds (`_Argmax`; None for the other poolings)."""
 
     window: tuple[int, int, int, int, int, int]
     zero_pad: tuple[int, int]
     geometry: PoolGeometry
+    argmax: _Argmax | None = None
 
 
-class _Pooling(CNNKernel):
+class _Pooling(_InGraph, CNNKernel):
     """Shared by the forward pooling kernels."""
 
     _gradient_state_class = GradientState
@@ -114,12 +168,25 @@ class _Pooling(CNNKernel):
 
     def _make_forward(self, window: Window, records: Records, memo: dict[str, Any]) -> Forward:
         geom, op = self._geometry(window, memo), self._forward_op
-        return lambda x: op(x, geom)
+        stash = records[0][1].params.argmax if records else None
+        if stash is None:
+            return lambda x: op(x, geom)
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            y, tap = max_pool_forward_argmax(x, geom)
+            stash.put(x, tap)
+            return y
+
+        return forward
 
     def _record_params(self, window: Window, memo: dict[str, Any]) -> PoolingRecord:
         params = (self._kw, self._kh, self._sx, self._sy, self._dx, self._dy)
         zero_pad = (getattr(self, "_zpx", 0), getattr(self, "_zpy", 0))
-        return PoolingRecord(params, zero_pad, self._geometry(window, memo))
+        # a graph's training encode of max pooling: its gradient takes the argmax the forward
+        # finds
+        max_pool = self._forward_op is max_pool_forward
+        stash = _Argmax() if max_pool and self._in_graph else None
+        return PoolingRecord(params, zero_pad, self._geometry(window, memo), stash)
 
 
 class PoolingMax(_Pooling):
@@ -228,7 +295,7 @@ def _policy_region(size: int, a: Any, method: PaddingMethod, first: bool) -> tup
     return -before, size + after
 
 
-class PoolingGradient(GradientKernel):
+class PoolingGradient(_InGraph, GradientKernel):
     """Base of the pooling gradients (MPS ``MPSCNNPoolingGradient``).
 
     Args:
@@ -297,6 +364,9 @@ class PoolingGradient(GradientKernel):
     ) -> Backward:
         geom: PoolGeometry = record.params.geometry
         op = self._backward_op
+        stash = record.params.argmax if op is max_pool_backward and self._in_graph else None
+        if stash is not None:  # max pooling: the forward's argmax, where it is still valid
+            op = lambda g, x, geom: max_pool_backward(g, x, geom, stash.take(x))  # noqa: E731
         sw, sh = self._source_size.width, self._source_size.height
         if sw >= window.x.count and sh >= window.y.count:
             return lambda g, x: op(g, x, geom)
@@ -313,8 +383,10 @@ class PoolingGradient(GradientKernel):
 @gradient_of(PoolingMax)
 class PoolingMaxGradient(PoolingGradient):
     """Gradient of `PoolingMax` (MPS ``MPSCNNPoolingMaxGradient``): each output's gradient goes
-    to the first maximum of its window, recomputed from the source; none goes to a maximum that
-    is a ZERO-edge padding value. On CUDA, disjoint windows use a one-pass Triton kernel."""
+    to the first maximum of its window in the source it reads (on the CPU, disjoint windows
+    take the argmax the forward found when that source is the tensor the forward read,
+    unchanged; otherwise it is recomputed); none goes to a maximum that is a ZERO-edge padding
+    value. On CUDA, disjoint windows use a one-pass Triton kernel."""
 
 
 @gradient_of(DilatedPoolingMax)

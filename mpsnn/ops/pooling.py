@@ -5,8 +5,10 @@ without operator padding so that out-of-image reads are real values: 0 for ZERO 
 edge pixel for CLAMP. Per output ``o`` with window taps ``T(o)``:
 
 * max:      ``y = max_{t in T(o)} x_t``; gradient to the **first** maximum in raster order
-  (rows, then columns), recomputed from the source (no index tensor is kept between forward
-  and gradient). A maximum that is a ZERO-edge padding value passes no gradient back.
+  (rows, then columns), that of the source the gradient reads (the CPU tile path takes the
+  forward's argmax when that source is the very tensor the forward read, unchanged: see
+  `max_pool_forward_argmax`; else it is recomputed). A maximum that is a ZERO-edge padding
+  value passes no gradient back.
 * average:  ``y = sum_{t in T(o), t in image} x_t / N(o)``. ``N`` counts the taps inside a
   per-axis interval: the whole window for ZERO edges (``k_x k_y``); the image grown by
   ``zero_pad_size`` on each side for CLAMP (MPS: CLAMP shrinks the window); the image plus the
@@ -48,6 +50,7 @@ __all__ = [
     "l2_pool_forward",
     "max_pool_backward",
     "max_pool_forward",
+    "max_pool_forward_argmax",
     "pool_geometry",
 ]
 
@@ -119,21 +122,36 @@ def _cpu_tiles(x: torch.Tensor, geom: PoolGeometry) -> bool:
 def max_pool_forward(x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
     """``y = max_{t in T(o)} x_t``: the first maximum's value (the last NaN if the window has
     one). The tile path and the general path give the same bits."""
+    return max_pool_forward_argmax(x, geom)[0]
+
+
+def max_pool_forward_argmax(
+    x: torch.Tensor, geom: PoolGeometry
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(y, tap)``: `max_pool_forward`'s ``y`` and, on the tile path, each window's argmax as
+    its tap number ``k = i kw + j`` (int64, ``(N, C, OH, OW)``), which the tile pass computes
+    anyway: what `max_pool_backward` recomputes from the same ``x`` (pass it there as
+    ``argmax`` and the gradient skips that pass). ``tap`` is None on the other paths."""
     t = apply_extract(x, geom.plan)
     if _cpu_tiles(x, geom):
-        return _tile_max(t, geom)[0]
+        return _tile_max(t, geom)
     k, s, d = _kernel(geom)
-    return F.max_pool2d(t, k, s, 0, d)
+    return F.max_pool2d(t, k, s, 0, d), None
 
 
-def max_pool_backward(g: torch.Tensor, x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
-    """Route each output's gradient to the first maximum of its window (recomputed from ``x``).
+def max_pool_backward(
+    g: torch.Tensor, x: torch.Tensor, geom: PoolGeometry, argmax: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Route each output's gradient to the first maximum of its window in ``x``.
 
     Paths: the Triton kernel (CUDA, `mpsnn.ops.triton.max_pool_backward`), else the tile path
-    (`_tile_max_backward`), else `max_pool_backward_portable`. All give the same bits."""
+    (`_tile_max_backward`), else `max_pool_backward_portable`. All give the same bits.
+    ``argmax``: the ``tap`` `max_pool_forward_argmax` returned for this very ``x`` (same
+    tensor, unchanged since), or None; the tile path then uses it instead of recomputing it
+    (and overwrites it), the other paths ignore it."""
     fast = fast_paths.max_pool_backward(g, x, geom)
     if fast is None and _cpu_tiles(x, geom):
-        fast = _tile_max_backward(g, x, geom)
+        fast = _tile_max_backward(g, x, geom, argmax)
     return fast if fast is not None else max_pool_backward_portable(g, x, geom)
 
 
@@ -177,14 +195,17 @@ def _tile_max(t: torch.Tensor, geom: PoolGeometry) -> tuple[torch.Tensor, torch.
     return y, k
 
 
-def _tile_max_backward(g: torch.Tensor, x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
-    """The general gradient, bit for bit: `_tile_max`'s argmax ``k = i kw + j`` becomes the
-    index ``(oh kh + i) w + ow kw + j`` into the plane of ``t`` (what the general path's
+def _tile_max_backward(
+    g: torch.Tensor, x: torch.Tensor, geom: PoolGeometry, tap: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The general gradient, bit for bit: `_tile_max`'s argmax ``k = i kw + j`` (``tap``, when
+    the forward kept it for this ``x``; it is overwritten) becomes the index
+    ``(oh kh + i) w + ow kw + j`` into the plane of ``t`` (what the general path's
     ``max_pool2d_with_indices`` returns), and PyTorch's backward runs on it as there."""
     t = apply_extract(x, geom.plan)
     (kh, kw), (oh, ow) = (geom.y.kernel, geom.x.kernel), (geom.y.count, geom.x.count)
     n, c, h, w = t.shape
-    k = _tile_max(t, geom)[1]
+    k = _tile_max(t, geom)[1] if tap is None else tap
     corner = device_constant(  # each window's first tap, (oh kh) w + ow kw
         ("pool-tile-corner", oh, ow, kh, kw, w), torch.int64, t.device,
         lambda: torch.arange(oh).view(-1, 1) * (kh * w) + torch.arange(ow) * kw,

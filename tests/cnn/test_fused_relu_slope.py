@@ -1,0 +1,133 @@
+"""A plain ReLU (``a = +0.0``) fused into a convolution on the CPU: the training encode writes
+the ReLU over the convolution's result and keeps the slope ``z >= 0`` in the state instead of
+the pre-activation ``z``, so the neuron gradient is one pass (``m g``) where it took two
+(``z >= 0``, then the product). The bits are those of `activation` and `activation_backward`
+on ``z``: -0.0 for a negative input, NaN for -inf and NaN, mixed formats computed in the
+wider one. Other neurons keep the pre-activation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mpsnn as m
+from mpsnn.cnn.neuron import NeuronType as T
+from mpsnn.ops.neuron import (
+    activation,
+    activation_backward,
+    relu_in_place,
+    relu_mask_backward,
+)
+from tests.helpers import run
+
+_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(_BITS[t.element_size()])
+
+
+def _specials(dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, 5, 4, generator=gen, dtype=torch.float64)
+    x.view(-1)[::5] = -0.0
+    x.view(-1)[1::7] = 0.0
+    x.view(-1)[2::11] = -float("inf")
+    x.view(-1)[3::13] = float("inf")
+    x.view(-1)[4::17] = float("nan")
+    return x.to(dtype)
+
+
+class _Count(TorchDispatchMode):
+    """Counts the ``>=`` comparisons that run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ge = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten.ge:
+            self.ge += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_relu_in_place_and_its_slope_give_the_general_bits(dtype) -> None:
+    p = m.NeuronDescriptor(T.RELU).params
+    z = _specials(dtype, 0)
+    want = activation(p, z)
+    got = z.clone()
+    mask = relu_in_place(p, got)
+    assert mask is not None and mask.dtype == dtype
+    assert torch.equal(bits(got), bits(want))
+    for g_dtype in (dtype, torch.float32, torch.float64):  # mixed formats: the wider one
+        g = _specials(g_dtype, 1)
+        assert torch.equal(bits(relu_mask_backward(g, mask)), bits(activation_backward(p, g, z)))
+
+
+@pytest.mark.parametrize("a", [0.1, -0.0])
+def test_relu_in_place_is_only_the_plain_relu(a) -> None:
+    p = m.NeuronDescriptor(T.RELU, a=a).params
+    z = _specials(torch.float32, 2)
+    before = z.clone()
+    assert relu_in_place(p, z) is None
+    assert torch.equal(bits(z), bits(before))
+    assert relu_in_place(m.NeuronDescriptor(T.TANH).params, z) is None
+
+
+def _convolution(neuron, dtype, gen):
+    desc = m.ConvolutionDescriptor(3, 3, 2, 4, fused_neuron_descriptor=neuron)
+    w = torch.randn(desc.weights_shape, generator=gen)
+    b = torch.randn(4, generator=gen)
+    b[1] = 0.0
+    w[1] = 0.0  # channel 1: z = 0 everywhere, the ReLU's kink (slope 1 by the MPS rule)
+    dev = m.Device("cpu")
+    ds = m.TensorConvolutionDataSource(desc, w, b)
+    plain = m.TensorConvolutionDataSource(m.ConvolutionDescriptor(3, 3, 2, 4), w, b)
+    return dev, ds, m.Convolution(dev, plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_fused_relu_gradient_reads_the_kept_slope(dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    neuron = m.NeuronDescriptor(T.RELU)
+    dev, ds, plain = _convolution(neuron, dtype, gen)
+    conv, ngrad = m.Convolution(dev, ds), m.NeuronGradient(dev, neuron)
+    x = torch.randn(2, 2, 7, 6, generator=gen, dtype=torch.float64).to(dtype)
+    src = m.Image.from_tensor(x)
+    q = dev.new_command_queue()
+    cb = q.command_buffer()
+    state = conv.result_state(src)
+    y = conv.encode(cb, src, destination_state=state)
+    z = plain.encode(cb, src)  # the pre-activation, from the same weights
+    run(cb)
+    assert state._preactivation is None and state._relu_mask is not None
+    assert state._relu_mask in state.resources()
+    p = neuron.params
+    assert torch.equal(bits(y.tensor), bits(activation(p, z.tensor)))
+    g = _specials(dtype, 4)[:, :, :, :4].repeat(1, 2, 2, 2)[:, :4, :7, :6].contiguous()
+    cb = q.command_buffer()
+    dz = ngrad.encode(cb, m.Image.from_tensor(g), y, state)
+    with _Count() as count:
+        run(cb)
+    assert count.ge == 0  # one product, no comparison
+    assert torch.equal(bits(dz.tensor), bits(activation_backward(p, g, z.tensor)))
+    assert torch.equal(bits(dz.tensor[:, 1]), bits(g[:, 1]))  # z = 0: slope 1, g as is
+
+
+def test_other_neurons_keep_the_pre_activation() -> None:
+    gen = torch.Generator().manual_seed(5)
+    neuron = m.NeuronDescriptor(T.RELU, a=0.25)
+    dev, ds, plain = _convolution(neuron, torch.float32, gen)
+    conv, ngrad = m.Convolution(dev, ds), m.NeuronGradient(dev, neuron)
+    src = m.Image.from_tensor(torch.randn(1, 2, 5, 5, generator=gen))
+    cb = dev.new_command_queue().command_buffer()
+    state = conv.result_state(src)
+    y = conv.encode(cb, src, destination_state=state)
+    z = plain.encode(cb, src)
+    g = torch.randn(1, 4, 5, 5, generator=gen)
+    dz = ngrad.encode(cb, m.Image.from_tensor(g), y, state)
+    run(cb)
+    assert state._relu_mask is None and torch.equal(state._preactivation, z.tensor)
+    assert torch.equal(dz.tensor, activation_backward(neuron.params, g, z.tensor))
