@@ -77,7 +77,7 @@ class ConvGeometry(NamedTuple):
 
 
 def conv_geometry(y: AxisWindow, x: AxisWindow, edge: EdgeMode, groups: int) -> ConvGeometry:
-    plan = plan_extract(y, x, edge)
+    plan = plan_extract(y, x, edge, whole_tail=True)  # extra outputs are cut off (`crop`)
     crop = (
         _out_len(plan.y.length, plan.y.pad, y) != y.count
         or _out_len(plan.x.length, plan.x.pad, x) != x.count

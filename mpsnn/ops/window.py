@@ -67,27 +67,50 @@ class ExtractPlan(NamedTuple):
     identity: bool  # the source is used as it is (no view, no copy)
 
 
-def _plan_axis(a: AxisWindow, edge: EdgeMode, allow_pad: bool) -> AxisPlan:
+def _plan_axis(a: AxisWindow, edge: EdgeMode, allow_pad: bool, whole_tail: bool) -> AxisPlan:
     lo, hi, size = a.start, a.stop, a.size
     if lo >= 0 and hi <= size:
+        if whole_tail and lo == 0 and _same_outputs(a, hi, size, 0):
+            hi = size  # the taps start at 0, and the unread tail makes no further output
         return AxisPlan(_VIEW, lo, hi, size, 0, hi - lo)
     if allow_pad and edge is EdgeMode.ZERO and lo < 0 < hi and hi - size <= -lo:
-        return AxisPlan(_OPERATOR_PAD, 0, min(hi, size), size, -lo, min(hi, size))
+        end = min(hi, size)
+        if whole_tail and _same_outputs(a, end, size, -lo):
+            end = size
+        return AxisPlan(_OPERATOR_PAD, 0, end, size, -lo, end)
     mode = _ZERO_COPY if edge is EdgeMode.ZERO else _CLAMP_COPY
     return AxisPlan(mode, lo, hi, size, 0, hi - lo)
 
 
+def _same_outputs(a: AxisWindow, length: int, size: int, pad: int) -> bool:
+    """Whether an operator padding ``pad`` on both sides makes as many outputs from ``size``
+    pixels as from the first ``length`` (so reading the whole axis costs no extra output)."""
+    return (size + 2 * pad - a.extent) // a.stride == (length + 2 * pad - a.extent) // a.stride
+
+
 def plan_extract(
-    ay: AxisWindow, ax: AxisWindow, edge: EdgeMode, *, allow_pad: bool = True
+    ay: AxisWindow,
+    ax: AxisWindow,
+    edge: EdgeMode,
+    *,
+    allow_pad: bool = True,
+    whole_tail: bool = False,
 ) -> ExtractPlan:
     """Decide, once per geometry, how `apply_extract` prepares each axis.
 
     Args:
         allow_pad: False when the operator cannot pad by itself (then the result is padded).
+        whole_tail: the operator may read the source past the window's last tap (a strided
+            convolution): an axis whose taps start at the image's first pixel keeps the whole
+            image instead of a cropped view when that makes no further output. A cropped
+            view of a channels-last image is not channels-last contiguous, so the operator
+            would copy it, and its gradient would be embedded back by another copy (a 1x1
+            stride-2 convolution on an even size reads all but the last row and column).
     """
     if edge not in (EdgeMode.ZERO, EdgeMode.CLAMP):
         raise ValueError(f"[extract] edge must be ZERO or CLAMP, got {edge.name}")
-    py, px = _plan_axis(ay, edge, allow_pad), _plan_axis(ax, edge, allow_pad)
+    py = _plan_axis(ay, edge, allow_pad, whole_tail)
+    px = _plan_axis(ax, edge, allow_pad, whole_tail)
     identity = all(
         p.mode in (_VIEW, _OPERATOR_PAD) and p.lo == 0 and p.hi == p.size for p in (py, px)
     )

@@ -1,7 +1,9 @@
 """Twenty training steps of LeNet-5, Apple's MNIST network and ResNet-18 (float32 and bfloat16
 storage, eager and compiled) give the recorded losses, weights and logits bit for bit
 (`benchmarks/tools/record_steps.py`, which made tests/data/step_records_*.json from the
-execution layer these must keep matching). A failure names the workload and what differs: the
+execution layer these must keep matching: LeNet and Apple's network from the tree before the
+graph's plan was rebuilt by passes; ResNet-18 again once its strided convolutions read whole
+images, a deliberate change of rounding — the records' ``meta.notes`` say so). A failure names the workload and what differs: the
 first step whose loss differs, then each tensor."""
 
 from __future__ import annotations
