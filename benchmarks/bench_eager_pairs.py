@@ -66,7 +66,7 @@ def measure(
     net = build_model(model, dev, make_optimizer(opt, dev, None), seed=0, input_shape=shape)
     graph = net.training_graph(batch, storage=DTYPES[dtype])
     queue = dev.new_command_queue()
-    images, labels = [_batch(x)], [_labels(dev, y)]
+    images, labels = [_batch(x, DTYPES[dtype])], [_labels(dev, y)]
 
     def mine() -> None:
         cb = queue.command_buffer()

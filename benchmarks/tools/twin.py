@@ -38,7 +38,7 @@ def mpsnn_graph_step(
                       input_shape=tuple(x.shape[1:]))  # fmt: skip
     graph = net.training_graph(x.shape[0], storage=DTYPES[dtype])
     queue = dev.new_command_queue()
-    images, labels = [_batch(x)], [_labels(dev, y)]
+    images, labels = [_batch(x, DTYPES[dtype])], [_labels(dev, y)]
 
     def encode(cb: Any) -> None:
         graph.encode_batch(cb, images, labels)

@@ -161,7 +161,7 @@ def _mpsnn_eager(
                       input_shape=shape)  # fmt: skip
     graph = net.training_graph(batch, storage=DTYPES[dtype])
     queue = dev.new_command_queue()
-    images, labels = [_batch(x)], [_labels(dev, y)]
+    images, labels = [_batch(x, DTYPES[dtype])], [_labels(dev, y)]
 
     def step() -> None:
         cb = queue.command_buffer()
@@ -211,10 +211,14 @@ def _torch_optimizer(name: str, params: Any, cuda: bool) -> torch.optim.Optimize
     return torch.optim.RMSprop(params, lr=rate, alpha=0.9)
 
 
-def _batch(x: torch.Tensor) -> Any:
+def _batch(x: torch.Tensor, storage: Any = None) -> Any:
+    """``x`` as a source batch, in the graph's ``storage`` format when that is a narrower
+    floating-point one (as PyTorch's autocast casts a convolution's input: the first layer
+    then computes in that format rather than in the wider float32 of the images)."""
     from mpsnn.core.image_batch import ImageBatch
+    from mpsnn.training.loop import storage_images
 
-    return ImageBatch.from_tensor(x)
+    return ImageBatch.from_tensor(storage_images(x, storage))
 
 
 def _labels(dev: Any, y: torch.Tensor) -> Any:

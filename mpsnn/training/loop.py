@@ -108,7 +108,7 @@ class TrainingLoop:
         n = len(x)
         # the classes are known: no scan of the device labels (which would wait)
         labels = LossLabels(self.device, y.view(-1, 1, 1), max_index=self.classes - 1)
-        images = [ImageBatch(Image.from_tensor(x))]
+        images = [ImageBatch(Image.from_tensor(storage_images(x, self.storage)))]
         graph = self._graph_for(n)
         if self.step is not None and n == self.local_batch:
             self.step(images, [labels])
@@ -153,7 +153,9 @@ class TrainingLoop:
         """The inference graph's logits ``(n, classes)`` for images ``x`` (call
         `reload_weights` after training steps first)."""
         cb = self.queue.command_buffer()
-        out = self.inference.encode_batch(cb, [ImageBatch(Image.from_tensor(x))])
+        out = self.inference.encode_batch(
+            cb, [ImageBatch(Image.from_tensor(storage_images(x, self.storage)))]
+        )
         cb.commit()
         return out.tensor.flatten(1)
 
@@ -177,3 +179,13 @@ class TrainingLoop:
             if after_batch is not None:
                 after_batch()
         return correct
+
+
+def storage_images(x: torch.Tensor, storage: FeatureChannelFormat | None = None) -> torch.Tensor:
+    """``x`` in ``storage``'s dtype when that is float16 or bfloat16 and ``x`` is float32 (as
+    PyTorch's autocast casts a convolution's input: the first layer then computes in the
+    graph's format rather than in the images' wider float32); ``x`` otherwise."""
+    dtype = None if storage is None else storage.dtype
+    if x.dtype is torch.float32 and dtype in (torch.float16, torch.bfloat16):
+        return x.to(dtype)
+    return x
