@@ -14,6 +14,7 @@ as in `DilatedPoolingMax`, forward and gradient alike.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,9 +71,9 @@ _PARAMS = (
 class _Argmax:
     """The argmax a max pooling's forward command found (`max_pool_forward_argmax`: the CPU
     tile path's), handed over once to the gradient (`take`) when it reads the tensor the
-    forward read (the same tensor, or a view of the same memory, shape, strides and dtype;
-    held here, so that memory is not reused meanwhile); anything else, and a second gradient,
-    gets None and recomputes it: the same bits either way.
+    forward read (the same tensor, or a view of the same memory, shape, strides and dtype,
+    while that tensor is alive); anything else, and a second gradient, gets None and
+    recomputes it: the same bits either way.
 
     Only a graph's step uses it (`_Pooling._graph_encode_batch`): there nothing writes an image
     between its producer and its last reader, so the source the gradient reads holds what the
@@ -81,17 +82,21 @@ class _Argmax:
     __slots__ = ("_source", "_tap")
 
     def __init__(self) -> None:
-        self._source: torch.Tensor | None = None
+        self._source: weakref.ref[torch.Tensor] | None = None
         self._tap: torch.Tensor | None = None
 
     def put(self, x: torch.Tensor, tap: torch.Tensor | None) -> None:
-        """At the forward's run: ``tap`` for source ``x`` (None: none found)."""
-        self._source, self._tap = (None, None) if tap is None else (x, tap)
+        """At the forward's run: ``tap`` for source ``x`` (None: none found). ``x`` is held
+        weakly: a source the graph frees after the forward (and recomputes before the
+        backward) is freed, and the gradient then finds the argmax again."""
+        self._source, self._tap = (None, None) if tap is None else (weakref.ref(x), tap)
 
     def take(self, x: torch.Tensor) -> torch.Tensor | None:
-        """At the gradient's run: the argmax for source ``x``, or None; released either way."""
-        src, tap = self._source, self._tap
+        """At the gradient's run: the argmax for source ``x``, or None; released either way.
+        While the forward's source is alive its memory cannot hold another tensor."""
+        ref, tap = self._source, self._tap
         self._source = self._tap = None
+        src = None if ref is None else ref()
         if src is None:
             return None
         if x is not src and (

@@ -214,3 +214,51 @@ def test_inference_tensors_are_recomputed(monkeypatch) -> None:
         want = max_pool_backward_portable(g, x, _geometry(4, 4))
     assert passes.calls == 1
     assert torch.equal(bits(dx.tensor), bits(want))
+
+
+def test_a_source_the_graph_frees_after_the_forward_is_not_kept() -> None:
+    """Batch normalization before the pooling: the graph frees its result after the pooling's
+    forward and recomputes it before the gradient. The hand-over does not keep it alive (the
+    gradient then finds the argmax again in the recomputed tensor: the same bits)."""
+    import gc
+    import weakref
+
+    from mpsnn.cnn import pooling as pooling_module
+    from tests.graph._helpers import DEV, ce_loss, conv_ds, encode, gen, sgd1, training
+
+    g = gen(21)
+    x = m.ImageNode("x")
+    conv = m.ConvolutionNode(x, conv_ds(g, 3, 3, 1, 4, sgd1(), dtype=torch.float32))
+    bn = m.BatchNormalizationNode(
+        conv.result_image, m.TensorBatchNormalizationDataSource(4, optimizer=sgd1())
+    )
+    pool = m.PoolingMaxNode(bn.result_image, 2)
+    fc = m.FullyConnectedNode(
+        pool.result_image, conv_ds(g, 3, 3, 4, 3, sgd1(), dtype=torch.float32)
+    )
+    graph, _ = training(
+        ce_loss(fc.result_image, 2), needed=False, fmt=m.FeatureChannelFormat.FLOAT32
+    )
+    assert graph.plan.recompute.before  # the normalization's result is recomputed
+    seen: list[weakref.ref] = []
+    real_put = pooling_module._Argmax.put
+
+    def put(self, t, tap):
+        seen.append(weakref.ref(t))
+        real_put(self, t, tap)
+
+    alive_at_gradient = []
+    real_take = pooling_module._Argmax.take
+
+    def take(self, t):
+        gc.collect()
+        alive_at_gradient.append(seen[-1]() is not None)
+        return real_take(self, t)
+
+    pooling_module._Argmax.put, pooling_module._Argmax.take = put, take
+    try:
+        images = torch.randn(2, 1, 6, 6, dtype=torch.float64, generator=g).float()
+        encode(graph, [images], [m.LossLabels(DEV, torch.tensor([[[0]], [[2]]]))])
+    finally:
+        pooling_module._Argmax.put, pooling_module._Argmax.take = real_put, real_take
+    assert seen and alive_at_gradient == [False]
