@@ -21,7 +21,8 @@ several trials, interleaved between the two sides, the device synchronized aroun
   eager (`mpsnn.cli.bench.measure`); the eager step in alternating pairs of runs
   (`benchmarks.bench_eager_pairs`);
 * CPU: the main job's step (`mpsnn train`'s network, batch 64, Adam) eager, in alternating
-  pairs against PyTorch eager.
+  pairs against PyTorch eager, with the command's own data and trainer when Fashion-MNIST is
+  installed (`benchmarks.bench_cpu_step`).
 
 A row's ``ratio`` is mpsnn's time over PyTorch's (above 1: mpsnn is slower). A row regressed
 when its ratio AND mpsnn's own time are both more than ``--tolerance`` (5%) above the
@@ -274,7 +275,26 @@ def graph_rows(model: str) -> Callable[[str, Plan, dict[str, float]], list[dict[
 
 
 def main_job_rows(device: str, plan: Plan, cache: dict[str, float]) -> list[dict[str, Any]]:
-    return [eager_row("main", "cnn", device, *plan.pairs["cnn"])]
+    """``mpsnn train``'s step as the command runs it (`benchmarks.bench_cpu_step`: its own
+    trainer, Fashion-MNIST read and standardized, which sets the host allocator's state: on a
+    process that read no data, fresh pages made mpsnn's step 10-20% slower), when the data is
+    installed; else the same network on synthetic images (`eager_row`)."""
+    batch, pairs, steps = plan.pairs["cnn"]
+    from benchmarks.bench_cpu_step import measure
+    from mpsnn.cli.common import UserError
+
+    try:
+        r = measure(pairs, steps, batch)
+    except (FileNotFoundError, UserError) as exc:
+        if "Fashion-MNIST" not in str(exc):
+            raise
+        return [eager_row("main", "cnn", device, batch, pairs, steps)]  # no data here
+    row = make_row("main", f"cnn b{batch} float32 adam step eager",
+                   statistics.median(r["mpsnn_ms"]), statistics.median(r["torch_ms"]),
+                   "float32", pairs=pairs, steps=steps, data="fashion-mnist")  # fmt: skip
+    row["ratio"] = statistics.median(m / t for m, t in zip(r["mpsnn_ms"], r["torch_ms"],
+                                                            strict=True))  # fmt: skip
+    return [row]
 
 
 GroupFn = Callable[[str, Plan, dict[str, float]], list[dict[str, Any]]]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench_eager_pairs, suite
+from mpsnn.data.fashion_mnist import find_fashion_mnist
 
 
 def test_eager_pairs_alternate_and_swap_the_order() -> None:
@@ -222,6 +223,15 @@ def test_suite_quick_cpu_run_writes_the_json(tmp_path: Path, capsys) -> None:
     assert "conv3x3 8->8 16x16 b2 bfloat16 gradient" in names
     assert "bn+relu backward 1x64x56x56 float32" in names
     assert "cnn b8 float32 adam step eager" in names
+    main = next(r for r in doc["rows"] if r["group"] == "main")
+    # the command's own data and trainer where Fashion-MNIST is installed (scripts/setup.sh
+    # installs it), synthetic images elsewhere
+    try:
+        find_fashion_mnist()
+        installed = True
+    except FileNotFoundError:
+        installed = False
+    assert main.get("data") == ("fashion-mnist" if installed else None)
     for r in doc["rows"]:
         if r["group"] != "main":  # main: the median of the pairs' ratios
             assert r["ratio"] == pytest.approx(r["mpsnn_ms"] / r["pytorch_ms"])
