@@ -77,9 +77,13 @@ def bench_standard(
     iters: int,
     trials: int,
     clamp_offset: bool = True,
+    channels_last: bool = False,
 ) -> list[dict]:
     """Rows of forward, gradient and step (mpsnn vs PyTorch; ``ratio`` = mpsnn / torch), then,
-    with ``clamp_offset``, the clamp+offset step against mpsnn's standard one."""
+    with ``clamp_offset``, the clamp+offset step against mpsnn's standard one.
+    ``channels_last``: both sides get their images and weights channels-last (the layout mpsnn
+    stores float16/bfloat16 images in on CUDA, as in a graph step) instead of NCHW (which
+    mpsnn converts at each call)."""
     dev = m.Device(device)
     q = dev.new_command_queue()
     gen = torch.Generator().manual_seed(0)
@@ -92,6 +96,8 @@ def bench_standard(
     gy = torch.randn(n, c, hw, hw, generator=gen).to(device=device, dtype=dtype)
     w = ds.weights().permute(0, 3, 1, 2).contiguous().to(device=device, dtype=dtype)
     b = ds.bias_terms().to(device=device, dtype=dtype)
+    if channels_last:
+        x, gy, w = (t.contiguous(memory_format=torch.channels_last) for t in (x, gy, w))
     src, dsrc = m.ImageBatch.from_tensor(x), m.ImageBatch.from_tensor(gy)
 
     def torch_fwd() -> object:
@@ -161,6 +167,7 @@ def bench_standard(
                 device=device,
                 dtype=str(dtype).split(".")[1],
                 case=name,
+                layout="channels_last" if channels_last else "nchw",
                 torch_ms=tt * 1e3,
                 mpsnn_ms=tm * 1e3,
                 ratio=tm / tt,
@@ -227,6 +234,8 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=7)
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--json", default=None)
+    p.add_argument("--channels-last", action="store_true",
+                   help="images and weights channels-last on both sides")  # fmt: skip
     args = p.parse_args()
     device = args.device
     iters = args.iters or (50 if device.startswith("cuda") else 3)
@@ -244,8 +253,9 @@ def main() -> None:
     rows = []
     for name in args.dtypes.split(","):
         rows += bench_standard(
-            device, getattr(torch, name), args.batch, args.channels, args.size, iters, args.trials
-        )
+            device, getattr(torch, name), args.batch, args.channels, args.size, iters, args.trials,
+            channels_last=args.channels_last,
+        )  # fmt: skip
     over = bench_overhead(device, 2000 if device == "cpu" else 500, 15)
     print(
         f"# {info['device']} | torch {info['torch']} | {info['config']} | threads {info['threads']}"
