@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from mpsnn.cnn.convolution import ConvolutionGradientOption
 from mpsnn.core.device import Device
 from mpsnn.graph.nodes import FilterNode, GradientFilterNode, ImageNode, StateNode
 from mpsnn.graph.plan_passes import (
@@ -214,8 +215,6 @@ def kernels_pass(
         producer = results[0].producer
         k = kernels.get(producer._id) if producer is not None else None
         if hasattr(k, "gradient_option"):
-            from mpsnn.cnn.convolution import ConvolutionGradientOption
-
             k.gradient_option = ConvolutionGradientOption.GRADIENT_WITH_WEIGHTS_AND_BIAS
             skips = True
     return MappingProxyType(kernels), MappingProxyType(pre_gradient), skips
