@@ -27,7 +27,7 @@ import torch
 import mpsnn as m
 from benchmarks.bench_convolution import compare
 from benchmarks.bench_layers import copy_bandwidth
-from mpsnn.ops import optim
+from mpsnn.ops import optim, optim_hyper
 from mpsnn.ops import triton as fast_paths
 
 
@@ -60,10 +60,12 @@ def bench_adam(
     # mpsnn: values updated in place, state made once per parameter
     w = make(0.05)
     g = make(1.0)
-    st = [optim.init_state(optim.UpdateRule.ADAM, x) for x in w]
+    st = [optim_hyper.init_state(optim_hyper.UpdateRule.ADAM, x) for x in w]
     mm, vv = [s[0] for s in st], [s[1] for s in st]
-    hyper = optim.make_hyper(device, learning_rate=lr, beta1=betas[0], beta2=betas[1], epsilon=eps)
-    step = optim.make_step(device)
+    hyper = optim_hyper.make_hyper(
+        device, learning_rate=lr, beta1=betas[0], beta2=betas[1], epsilon=eps
+    )
+    step = optim_hyper.make_step(device)
     plans = optim.UpdatePlans()  # the tables an optimizer keeps between its updates
 
     def mps_adam() -> object:
@@ -71,9 +73,9 @@ def bench_adam(
         return w
 
     w2 = [x.clone() for x in w]
-    st2 = [optim.init_state(optim.UpdateRule.ADAM, x) for x in w2]
+    st2 = [optim_hyper.init_state(optim_hyper.UpdateRule.ADAM, x) for x in w2]
     mm2, vv2 = [s[0] for s in st2], [s[1] for s in st2]
-    step2 = optim.make_step(device)
+    step2 = optim_hyper.make_step(device)
 
     def mps_portable() -> object:
         fast_paths.set_enabled(False)

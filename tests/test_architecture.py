@@ -255,6 +255,63 @@ def test_no_module_only_re_exports() -> None:
     assert not shims, "modules that only re-export: " + ", ".join(sorted(shims))
 
 
+def _all_names(tree: ast.Module) -> list[str]:
+    """The names a module's top-level ``__all__ = [...]`` (or ``__all__: ... = [...]``) lists."""
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if isinstance(node, ast.Assign | ast.AnnAssign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in targets
+        ):
+            return list(ast.literal_eval(node.value)) if node.value is not None else []
+    return []
+
+
+def _defined_names(tree: ast.Module) -> set[str]:
+    """The names a module defines at its top level (also under a top-level ``if``/``try``):
+    ``def``, ``class`` and assignment targets (an enum, a type alias), never imports."""
+    found: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                found.add(node.name)
+            elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                found.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+            elif isinstance(node, ast.If | ast.Try):
+                visit(node.body)
+                visit(node.orelse)
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+                visit(getattr(node, "finalbody", []))
+
+    visit(tree.body)
+    return found
+
+
+def test_no_module_re_exports_names_of_another() -> None:
+    """Outside the package ``__init__`` files (the public faces), a module's ``__all__`` lists
+    only what it defines, and it marks no imported name for export (``import X as X``): a name
+    has one home, and importers name it."""
+    found = []
+    for mod, path in sorted(MODULES.items()):
+        if path.name == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        defined = _defined_names(tree)
+        found += [
+            f"{mod} lists {name} in __all__" for name in _all_names(tree) if name not in defined
+        ]
+        found += [
+            f"{mod} marks {a.name} from {node.module} for export"
+            for node in tree.body
+            if isinstance(node, ast.ImportFrom)
+            for a in node.names
+            if a.asname == a.name
+        ]
+    assert not found, "re-exported names: " + "; ".join(found)
+
+
 def test_names_are_imported_from_the_module_that_defines_them() -> None:
     """Inside mpsnn, a name taken from a library module (not a package ``__init__``) is one
     that module defines, not one it imports: a moved name is imported from its new home."""

@@ -27,8 +27,10 @@ from typing import Any
 
 import torch
 
-from mpsnn.cli.families import FAMILIES, Config, Outcome, Values
-from mpsnn.cli.references import REFERENCES, NoEquivalent
+from mpsnn.cli.families import FAMILIES
+from mpsnn.cli.family import Config, Outcome, Values
+from mpsnn.cli.references import REFERENCES
+from mpsnn.cli.references_geometry import NoEquivalent
 
 __all__ = ["ADJOINT_TOLERANCES", "GRADIENT_NAMES", "TOLERANCES", "run_check"]
 

@@ -87,8 +87,8 @@ def _check_batch(batch: int, world: int) -> None:
 def _saved_batch_size(folder: Path | None, fresh: int) -> int:
     """The global batch of the checkpoint a resumed run continues (read on the CPU), or
     ``fresh`` when the folder holds no checkpoint (``--resume`` then starts a fresh run)."""
-    from mpsnn.cli.runs import check_checkpoint
-    from mpsnn.cli.trainer import _FIELDS, CHECKPOINT
+    from mpsnn.cli.runs import CHECKPOINT, check_checkpoint
+    from mpsnn.cli.trainer import _FIELDS
     from mpsnn.core.device import Device
     from mpsnn.errors import CheckpointError
     from mpsnn.io import load

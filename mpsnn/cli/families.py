@@ -29,16 +29,12 @@ from mpsnn.cli.family import (
     randn64,
     run_buffer,
 )
-from mpsnn.cli.references import Geometry
+from mpsnn.cli.references_geometry import Geometry
 
 __all__ = [
     "COMPARISONS",
     "FAMILIES",
     "NEURON_TYPES",
-    "Config",
-    "Family",
-    "Outcome",
-    "Values",
     "make_config",
 ]
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from mpsnn.cli.family import Config, Cotangent, Family, Outcome, Values, cpu64, m, run_buffer
-from mpsnn.cli.references import Geometry
+from mpsnn.cli.references_geometry import Geometry
 from mpsnn.cnn.loss import LossDescriptor, LossType, ReductionType
 from mpsnn.cnn.loss_split import ForwardLoss, LossGradient
 

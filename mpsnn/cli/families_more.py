@@ -33,7 +33,7 @@ from mpsnn.cli.family import (
     randn64,
     run_buffer,
 )
-from mpsnn.cli.references import Geometry
+from mpsnn.cli.references_geometry import Geometry
 from mpsnn.cnn.reduce import source_region
 
 __all__ = ["REDUCE_OPS", "more_families"]

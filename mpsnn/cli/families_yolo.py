@@ -34,7 +34,7 @@ import torch
 
 from mpsnn.cli.families_loss import REDUCTIONS
 from mpsnn.cli.family import Config, Cotangent, Family, Outcome, Values, cpu64, m, run_buffer
-from mpsnn.cli.references import Geometry
+from mpsnn.cli.references_geometry import Geometry
 from mpsnn.cnn.loss import LossType
 from mpsnn.cnn.loss_labels import LossLabels
 from mpsnn.cnn.yolo import YOLOLoss, YOLOLossDescriptor

@@ -22,7 +22,7 @@ import torch
 
 import mpsnn.core
 from mpsnn.cli.policies import describe_padding, padding_policy
-from mpsnn.cli.references import Geometry
+from mpsnn.cli.references_geometry import Geometry
 from mpsnn.cnn import (
     arithmetic,
     arithmetic_gradient,

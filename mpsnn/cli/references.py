@@ -37,7 +37,7 @@ from mpsnn.cli.references_loss import forward_loss
 from mpsnn.cli.references_yolo import yolo_loss
 from mpsnn.core.geometry import EdgeMode
 
-__all__ = ["REFERENCES", "Geometry", "NoEquivalent"]
+__all__ = ["REFERENCES"]
 
 
 # -- window kernels ------------------------------------------------------------------------------

@@ -118,8 +118,8 @@ _FORMS = {
 
 def forward_loss(g: Any, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, str]:
     """The loss image of ``t["x"]``, ``t["labels"]`` and ``t["weights"]`` (when given) with the
-    parameters of ``g``, the run's `mpsnn.cli.references.Geometry` (not imported: that module
-    imports this one); autograd of it gives the gradients."""
+    parameters of ``g``, the run's `mpsnn.cli.references_geometry.Geometry`; autograd of it gives
+    the gradients."""
     p = g.params
     out = loss_image(t["x"], t["labels"], t.get("weights"), p)
     form = _FORMS[p["loss_type"]].format(delta=p["delta"])

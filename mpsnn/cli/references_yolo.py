@@ -164,8 +164,8 @@ def yolo_loss_image(
 
 def yolo_loss(g: Any, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, str]:
     """The loss image of ``t["x"]`` with ``t["labels"]`` and ``t["weights"]`` (when given) and
-    the parameters of ``g``, the run's `mpsnn.cli.references.Geometry`; autograd of it gives
-    the gradient."""
+    the parameters of ``g``, the run's `mpsnn.cli.references_geometry.Geometry`; autograd of it
+    gives the gradient."""
     p = g.params
     out = yolo_loss_image(t["x"], t["labels"], t.get("weights"), p)
     sxy, swh, snoobj, sobj, scls = p["scales"]

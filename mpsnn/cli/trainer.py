@@ -48,7 +48,6 @@ from mpsnn.cli.common import (
 from mpsnn.cli.runs import (
     CHECKPOINT,
     DATASETS,
-    METRICS,
     check_checkpoint,
     check_dataset,
     check_dropout,
@@ -69,7 +68,7 @@ from mpsnn.core.image_batch import ImageBatch
 from mpsnn.data.dataset import ImageDataset, input_statistics, standardize
 from mpsnn.training.loop import TrainingLoop, epoch_order
 
-__all__ = ["CHECKPOINT", "METRICS", "Dataset", "TrainConfig", "Trainer", "load_dataset"]
+__all__ = ["Dataset", "TrainConfig", "Trainer", "load_dataset"]
 
 
 @dataclasses.dataclass

@@ -37,7 +37,6 @@ from mpsnn.core.geometry import (
     Window,
 )
 from mpsnn.core.gradient_command import Backward, _backward_command
-from mpsnn.core.gradient_command import _covers as _covers
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.kernel import Kernel, SharedProperties, image_sequences, resolve_span

@@ -5,8 +5,9 @@ An encoded CUDA buffer can be *captured* instead of committed
 `CapturedCommandBuffer.replay` reads the current contents of the input images (refill them in
 place) and writes the same output storage.
 
-This module sits below `mpsnn.core.device` (which re-exports `CapturedCommandBuffer`): it knows
-a command buffer only through `_Capturable`, what the capture reads and calls.
+This module sits below `mpsnn.core.device` (whose `CommandBuffer.capture` returns a
+`CapturedCommandBuffer`): it knows a command buffer only through `_Capturable`, what the capture
+reads and calls.
 
 What a replay reads must outlive every replay. Storage made before the capture is kept by the
 captured buffer (`allocated_before_capture`). Objects made *during* the recording that nothing

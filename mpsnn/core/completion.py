@@ -5,7 +5,7 @@ Only a CUDA buffer with completed handlers needs a thread: its queue
 buffers in commit order and runs their handlers; the worker ends when its queue is
 garbage-collected, and every worker left is drained at interpreter exit.
 
-This module sits below `mpsnn.core.device` (which re-exports its names): it knows a command
+This module sits below `mpsnn.core.device` (whose queues start its workers): it knows a command
 buffer only through `_Completable`, what the worker reads and calls.
 """
 

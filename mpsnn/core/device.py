@@ -29,9 +29,7 @@ from typing import Any
 import torch
 
 from mpsnn.core.capture import CapturedCommandBuffer, allocated_before_capture, record_graph
-from mpsnn.core.completion import _WORKERS as _WORKERS
 from mpsnn.core.completion import _CompletionWorker
-from mpsnn.core.completion import _drain_workers as _drain_workers
 from mpsnn.errors import UnsupportedError
 
 __all__ = [

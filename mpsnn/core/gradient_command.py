@@ -3,7 +3,8 @@
 At execution it reads the incoming-gradient block (the region the forward wrote) and the
 secondary block, computes in the wider of their dtypes, calls the family's `Backward` and
 writes the result into the destination gradient: channels the forward did not read get 0, and
-a clip rect on the gradient kernel crops it. `mpsnn.core.binary` re-exports these names.
+a clip rect on the gradient kernel crops it. `mpsnn.core.binary` records it; import `Backward`
+from here.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Byte I/O of images: the region checks and value conversions behind `Image.read_bytes`,
 `Image.write_bytes`, `Image.numpy` and UNORM8 writes (`Image._write_block`).
 
-These helpers know nothing of `mpsnn.core.image.Image` (which re-exports them): they take the
+These helpers know nothing of `mpsnn.core.image.Image` (which calls them): they take the
 image's name, shape and format and work on tensors.
 """
 

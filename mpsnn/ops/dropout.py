@@ -29,7 +29,6 @@ from mpsnn.ops._dtypes import acc_dtype
 from mpsnn.ops.plans import DropoutGeometry
 
 __all__ = [
-    "DropoutGeometry",
     "dropout_apply",
     "dropout_apply_counted",
     "dropout_apply_portable",

@@ -9,7 +9,7 @@ present, `mpsnn.ops.triton.optim`; otherwise a few ``torch._foreach_*`` operatio
 The rules and the regularization types (`UpdateRule`, `RegularizationType`), the
 hyperparameter tensor (`Hyper`, `HYPER_SIZE`, `make_hyper`, `set_hyper`), Adam's step tensor
 (`make_step`, `set_step`) and the state vectors (`init_state`) live in `mpsnn.ops.optim_hyper`,
-which documents their layout; this module re-exports them.
+which documents their layout; import them from there.
 
 Every gradient ``g`` of a value ``w`` goes through, in order (float32 arithmetic for float32
 values, float64 for float64; float16/bfloat16 gradients are read as float32):
@@ -75,33 +75,18 @@ from mpsnn.core.device import _raw_stream
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops.optim_hyper import (
     _ADAM_RULES,
-    HYPER_SIZE,
     Hyper,
     RegularizationType,
     UpdateRule,
     _check_hyper,
     _check_step,
-    init_state,
-    make_hyper,
-    make_step,
-    set_hyper,
-    set_step,
 )
 
 __all__ = [
-    "HYPER_SIZE",
-    "Hyper",
-    "RegularizationType",
     "UpdatePlans",
-    "UpdateRule",
     "adam_update",
     "apply_update",
-    "init_state",
-    "make_hyper",
-    "make_step",
     "rmsprop_update",
-    "set_hyper",
-    "set_step",
     "sgd_update",
 ]
 

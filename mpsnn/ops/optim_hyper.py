@@ -1,6 +1,6 @@
 """The vocabulary of the optimizer updates (`mpsnn.ops.optim`): the update rules and their
 state vectors, the regularization types, and the device tensors that hold the
-hyperparameters and Adam's step. `mpsnn.ops.optim` re-exports every public name here.
+hyperparameters and Adam's step. Their one home is here; `mpsnn.ops.optim` applies the updates.
 
 Hyperparameters live in device memory, so that a captured CUDA graph follows changes made
 between replays and Adam's step advances on the device. The hyperparameter tensor

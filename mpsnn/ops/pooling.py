@@ -43,7 +43,6 @@ from mpsnn.ops.plans import PoolGeometry
 from mpsnn.ops.window import apply_extract, apply_extract_adjoint, plan_extract
 
 __all__ = [
-    "PoolGeometry",
     "average_pool_backward",
     "average_pool_forward",
     "l2_pool_backward",

@@ -10,9 +10,9 @@ import math
 
 import torch
 
-from mpsnn.ops import optim
-from mpsnn.ops.optim import RegularizationType as Reg
-from mpsnn.ops.optim import UpdateRule as Rule
+from mpsnn.ops import optim, optim_hyper
+from mpsnn.ops.optim_hyper import RegularizationType as Reg
+from mpsnn.ops.optim_hyper import UpdateRule as Rule
 
 SHAPES = [(4, 3, 3, 3), (4,), (1,), (7, 5)]  # conv weight, bias, a single element, a matrix
 LRS = [0.1, 0.05, -0.02, 0.2, 0.01, 0.07]  # changed between steps, one negative
@@ -100,7 +100,7 @@ def _grads(step, dtypes, device="cpu", shapes=SHAPES, seed=100):
 
 
 def _hyper(rule, device, lr):
-    return optim.make_hyper(device, learning_rate=lr, momentum_scale=SLOT5[rule], **HYPER)
+    return optim_hyper.make_hyper(device, learning_rate=lr, momentum_scale=SLOT5[rule], **HYPER)
 
 
 def _ref_params(rule, lr):
@@ -109,7 +109,7 @@ def _ref_params(rule, lr):
 
 def _states(rule, values):
     """One list per state vector; RMSProp's and Adam's second moments start at 0 like MPS."""
-    per_param = [optim.init_state(rule, v) for v in values]
+    per_param = [optim_hyper.init_state(rule, v) for v in values]
     return [list(col) for col in zip(*per_param, strict=True)] if per_param[0] else []
 
 
@@ -123,10 +123,10 @@ def _run(rule, values, grad_dtypes, steps, clip, reg, in_place, device="cpu", up
     )
     states = _states(rule, values)
     hyper = _hyper(rule, device, LRS[0])
-    step = optim.make_step(device)
+    step = optim_hyper.make_step(device)
     spare = [torch.empty_like(v) for v in values]
     for k in range(steps):
-        optim.set_hyper(hyper, learning_rate=LRS[k])
+        optim_hyper.set_hyper(hyper, learning_rate=LRS[k])
         grads = _grads(k, grad_dtypes, device, [tuple(v.shape) for v in values])
         grads_before = [x.clone() for x in grads]
         if in_place:

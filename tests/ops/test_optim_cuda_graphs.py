@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from mpsnn.core.capture import keep_for_replays, keeping_for_replays
-from mpsnn.ops import optim
+from mpsnn.ops import optim, optim_hyper
 from mpsnn.ops import triton as fast_paths
-from mpsnn.ops.optim import RegularizationType as Reg
-from mpsnn.ops.optim import UpdateRule as Rule
+from mpsnn.ops.optim_hyper import RegularizationType as Reg
+from mpsnn.ops.optim_hyper import UpdateRule as Rule
 from mpsnn.ops.triton import optim as triton_optim  # the dev setup installs Triton
 from tests.helpers import assert_close
 from tests.ops._optim_helpers import (
@@ -49,12 +49,12 @@ def test_cuda_update_and_graph_capture(monkeypatch) -> None:
     advances the step at every replay."""
     w = [torch.randn(6)]
     m, v = [torch.zeros(6)], [torch.zeros(6)]
-    hyper = optim.make_hyper("cpu", learning_rate=0.1, beta1=0.9, beta2=0.99, epsilon=1e-3)
-    step = optim.make_step("cpu")
+    hyper = optim_hyper.make_hyper("cpu", learning_rate=0.1, beta1=0.9, beta2=0.99, epsilon=1e-3)
+    step = optim_hyper.make_step("cpu")
     g = [torch.ones(6)]
     optim.adam_update(w, g, w, m, v, None, hyper, step)
     w1 = w[0].clone()
-    optim.set_hyper(hyper, learning_rate=0.0)
+    optim_hyper.set_hyper(hyper, learning_rate=0.0)
     optim.adam_update(w, g, w, m, v, None, hyper, step)
     assert torch.equal(w[0], w1) and step.tolist() == [2, 0]
     if not torch.cuda.is_available():
@@ -113,7 +113,7 @@ def _capture_and_replay(shapes, monkeypatch) -> None:
     ref_state = [[torch.zeros_like(x) for _ in range(3)] for x in ref]
     states = _states(rule, values)
     hyper = _hyper(rule, "cuda", 0.01)
-    step = optim.make_step("cuda")
+    step = optim_hyper.make_step("cuda")
 
     def update() -> None:
         optim.apply_update(rule, values, grads, values, states, hyper, step, clip=True,
@@ -134,7 +134,7 @@ def _capture_and_replay(shapes, monkeypatch) -> None:
     assert len(kept) == (1 if fast_paths.enabled() else 0)  # the cached tables it recorded
     filler = _drop_caches(plans)
     for k, lr in enumerate([0.02, -0.01, 0.005]):
-        optim.set_hyper(hyper, learning_rate=lr)
+        optim_hyper.set_hyper(hyper, learning_rate=lr)
         graph.replay()
         p = _ref_params(rule, lr)
         for i, x in enumerate(ref):
@@ -176,7 +176,7 @@ def test_cuda_graph_with_gradients_allocated_in_the_capture(rule, chunks, mode, 
     def fresh():
         values = _params(torch.float32, "cuda", GRAPH_SHAPES, seed=8)
         hyper = _hyper(rule, "cuda", LRS[0])
-        return values, _states(rule, values), hyper, optim.make_step("cuda")
+        return values, _states(rule, values), hyper, optim_hyper.make_step("cuda")
 
     def update(values, grads, states, hyper, step):
         optim.apply_update(rule, values, grads, values, states, hyper, step,
@@ -185,7 +185,7 @@ def test_cuda_graph_with_gradients_allocated_in_the_capture(rule, chunks, mode, 
     # the eager Triton path; it also compiles every kernel variant the capture launches
     eager = fresh()
     for k in range(steps):
-        optim.set_hyper(eager[2], learning_rate=LRS[k])
+        optim_hyper.set_hyper(eager[2], learning_rate=LRS[k])
         update(eager[0], sources[k], *eager[1:])
     assert len(plans) == steps and all(plan for _, plan in plans._plans.values())
     assert len(triton_optim._CHUNKS) == 1
@@ -216,7 +216,7 @@ def test_cuda_graph_with_gradients_allocated_in_the_capture(rule, chunks, mode, 
         for k in range(steps):
             for g, src in zip(grads, sources[k], strict=True):
                 g.copy_(src)  # new gradient values, in place
-            optim.set_hyper(hyper, learning_rate=LRS[k])
+            optim_hyper.set_hyper(hyper, learning_rate=LRS[k])
             graph.replay()
     torch.cuda.synchronize()
     assert all((f == -1).all() for f in filler)
@@ -240,7 +240,7 @@ def test_cuda_graph_tables_staged_with_pinned_copies_pending(monkeypatch) -> Non
     that event. `build_tables` called directly inside a capture works too, its caller handing
     the result to the capture."""
     plans = _own_caches(monkeypatch)
-    hyper = optim.make_hyper("cuda", learning_rate=0.5)
+    hyper = optim_hyper.make_hyper("cuda", learning_rate=0.5)
     warm = [[torch.zeros(8, device="cuda")] for _ in range(3)]
     optim.sgd_update(*warm, None, hyper, plans=plans)  # compiles the kernel (SGD, float32)
     host = torch.ones(1 << 16, pin_memory=True)
@@ -312,7 +312,7 @@ def test_a_capture_of_your_own_must_keep_the_tables(monkeypatch) -> None:
     """A ``torch.cuda.graph`` capture that records a Triton update outside any
     `keeping_for_replays` scope is refused: nothing would keep the tables its graph reads."""
     plans = _own_caches(monkeypatch)
-    hyper = optim.make_hyper("cuda", learning_rate=0.5)
+    hyper = optim_hyper.make_hyper("cuda", learning_rate=0.5)
     w, g = [torch.zeros(8, device="cuda")], [torch.ones(8, device="cuda")]
     optim.sgd_update(w, g, w, None, hyper, plans=plans)  # compiles the kernel
     graph = torch.cuda.CUDAGraph()

@@ -11,10 +11,11 @@ import math
 import pytest
 import torch
 
-from mpsnn.ops import optim
+from mpsnn.ops import optim, optim_hyper
 from mpsnn.ops import triton as fast_paths
-from mpsnn.ops.optim import RegularizationType as Reg
-from mpsnn.ops.optim import UpdateRule as Rule
+from mpsnn.ops.optim_hyper import Hyper
+from mpsnn.ops.optim_hyper import RegularizationType as Reg
+from mpsnn.ops.optim_hyper import UpdateRule as Rule
 from tests.helpers import assert_close
 from tests.ops._optim_helpers import (
     LRS,
@@ -91,7 +92,7 @@ def test_non_contiguous_tensors() -> None:
     wm = [x.clone() for x in m]
     for k in range(3):
         grads = [torch.randn(v.shape, dtype=torch.float64) for v in values]
-        hyper = optim.make_hyper("cpu", learning_rate=LRS[k], momentum_scale=0.9)
+        hyper = optim_hyper.make_hyper("cpu", learning_rate=LRS[k], momentum_scale=0.9)
         optim.sgd_update(values, grads, values, m, hyper)
         for i in range(2):
             wm[i] = 0.9 * wm[i] + LRS[k] * grads[i]
@@ -110,8 +111,8 @@ def test_adam_step_advances_once_per_update_over_all_tensors() -> None:
     w, b = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
     m = [torch.zeros_like(w), torch.zeros_like(b)]
     v = [torch.zeros_like(w), torch.zeros_like(b)]
-    hyper = optim.make_hyper("cpu", learning_rate=0.01, beta1=0.9, beta2=0.999, epsilon=1e-8)
-    step = optim.make_step("cpu")
+    hyper = optim_hyper.make_hyper("cpu", learning_rate=0.01, beta1=0.9, beta2=0.999, epsilon=1e-8)
+    step = optim_hyper.make_step("cpu")
     for k in range(1, 4):
         gw, gb = torch.randn_like(w), torch.randn_like(b)
         w0 = w.clone()
@@ -122,7 +123,7 @@ def test_adam_step_advances_once_per_update_over_all_tensors() -> None:
         lr_t = 0.01 * math.sqrt(1 - 0.999**k) / (1 - 0.9**k)
         want = w0 - lr_t * m[0] / (v[0].sqrt() + 1e-8)
         assert_close(w, want, f"update {k}", tol=1e-13)
-    optim.set_step(step, 100)  # MPS's settable time step
+    optim_hyper.set_step(step, 100)  # MPS's settable time step
     w0 = w.clone()
     optim.adam_update([w, b], [gw, gb], [w, b], m, v, None, hyper, step)
     lr_t = 0.01 * math.sqrt(1 - 0.999**101) / (1 - 0.9**101)
@@ -135,48 +136,48 @@ def test_adam_step_advances_once_per_update_over_all_tensors() -> None:
 def test_hyperparameters_are_read_from_the_tensor_at_each_update() -> None:
     w = [torch.randn(5, dtype=torch.float64)]
     g = [torch.randn(5, dtype=torch.float64)]
-    hyper = optim.make_hyper("cpu", learning_rate=0.5)
+    hyper = optim_hyper.make_hyper("cpu", learning_rate=0.5)
     lists = (w, g, w, [], hyper)
     want = w[0].clone()
     for lr, rescale in ((0.5, 1.0), (-0.25, 1.0), (0.1, 2.0)):
-        optim.set_hyper(hyper, learning_rate=lr, gradient_rescale=rescale)
+        optim_hyper.set_hyper(hyper, learning_rate=lr, gradient_rescale=rescale)
         optim.apply_update(Rule.SGD, *lists)  # the same call each time: nothing rebuilt
         want = want - lr * rescale * g[0]
         assert_close(w[0], want, f"lr {lr}", tol=1e-14)
-    assert hyper.tolist()[: optim.Hyper.REGULARIZATION_SCALE] == [0.1, 2.0, -math.inf, math.inf]
+    assert hyper.tolist()[: Hyper.REGULARIZATION_SCALE] == [0.1, 2.0, -math.inf, math.inf]
 
 
 def test_hyperparameter_layout_and_helpers() -> None:
-    h = optim.make_hyper(
+    h = optim_hyper.make_hyper(
         "cpu", learning_rate=-1.5, gradient_rescale=2, gradient_clip_min=-3,
         gradient_clip_max=4, regularization_scale=5, beta1=6, beta2=7, epsilon=8,
     )  # fmt: skip
     assert h.dtype == torch.float64 and h.tolist() == [-1.5, 2, -3, 4, 5, 6, 7, 8]
-    assert optim.Hyper.DECAY == optim.Hyper.BETA1 == optim.Hyper.MOMENTUM_SCALE == 5
-    optim.set_hyper(h, decay=0.25, epsilon=1e-3)
+    assert Hyper.DECAY == Hyper.BETA1 == Hyper.MOMENTUM_SCALE == 5
+    optim_hyper.set_hyper(h, decay=0.25, epsilon=1e-3)
     assert h[5].item() == 0.25 and h[7].item() == 1e-3
     with pytest.raises(ValueError, match="share a slot"):
-        optim.make_hyper("cpu", learning_rate=1, beta1=0.9, decay=0.9)
+        optim_hyper.make_hyper("cpu", learning_rate=1, beta1=0.9, decay=0.9)
     with pytest.raises(ValueError, match="finite"):
-        optim.make_hyper("cpu", learning_rate=math.inf)
+        optim_hyper.make_hyper("cpu", learning_rate=math.inf)
     with pytest.raises(ValueError, match="finite"):
-        optim.set_hyper(h, learning_rate=math.nan)
+        optim_hyper.set_hyper(h, learning_rate=math.nan)
     with pytest.raises(ValueError, match="unknown hyperparameter"):
-        optim.set_hyper(h, momentum=0.9)
-    s = optim.make_step("cpu", 7)
+        optim_hyper.set_hyper(h, momentum=0.9)
+    s = optim_hyper.make_step("cpu", 7)
     assert s.dtype == torch.int64 and s.tolist() == [7, 0]
 
 
 def test_init_state_and_argument_checks() -> None:
     w = torch.randn(3, 2).t()
     for rule in Rule:
-        st = optim.init_state(rule, w)
+        st = optim_hyper.init_state(rule, w)
         assert len(st) == len(rule.state_names)
         assert all(s.shape == w.shape and s.is_contiguous() and not s.any() for s in st)
-    hyper = optim.make_hyper("cpu", learning_rate=0.1)
+    hyper = optim_hyper.make_hyper("cpu", learning_rate=0.1)
     x, g = [torch.zeros(3)], [torch.zeros(3)]
     with pytest.raises(ValueError, match="state lists"):
-        optim.apply_update(Rule.ADAM, x, g, x, [x], hyper, optim.make_step("cpu"))
+        optim.apply_update(Rule.ADAM, x, g, x, [x], hyper, optim_hyper.make_step("cpu"))
     with pytest.raises(ValueError, match="step tensor"):
         optim.apply_update(Rule.ADAM, x, g, x, [[torch.zeros(3)]] * 2, hyper)
     with pytest.raises(ValueError, match="shape"):
@@ -204,7 +205,7 @@ def test_lists_are_checked_once_per_list(monkeypatch) -> None:
         lambda lists, capturing=None: calls.append(1) or real(lists, capturing),
     )
     w, g = [torch.randn(4), torch.randn(2, 2)], [torch.randn(4), torch.randn(2, 2)]
-    hyper = optim.make_hyper("cpu", learning_rate=0.1)
+    hyper = optim_hyper.make_hyper("cpu", learning_rate=0.1)
     for _ in range(3):
         optim.sgd_update(w, g, w, None, hyper, plans=plans)
     assert len(calls) == 1 and len(plans) == 1
@@ -228,7 +229,7 @@ def test_new_gradients_of_checked_lists_check_the_gradients_alone(monkeypatch) -
         lambda *a, only_grads=False: checks.append(only_grads) or real(*a, only_grads=only_grads),
     )
     w = [torch.randn(4), torch.randn(2, 2)]
-    hyper = optim.make_hyper("cpu", learning_rate=0.1)
+    hyper = optim_hyper.make_hyper("cpu", learning_rate=0.1)
     kept = [[torch.randn(4), torch.randn(2, 2)] for _ in range(2)]  # alive: new addresses
     optim.sgd_update(w, kept[0], w, None, hyper, plans=plans)
     optim.sgd_update(w, kept[1], w, None, hyper, plans=plans)
@@ -251,7 +252,7 @@ def test_a_tensor_of_another_layout_at_a_checked_address_is_checked_again() -> N
     not only its address: a view at the same address with another dtype or shape is refused
     (with new gradients, the key of a training step)."""
     plans = optim.UpdatePlans()
-    hyper = optim.make_hyper("cpu", learning_rate=0.1, momentum_scale=0.9)
+    hyper = optim_hyper.make_hyper("cpu", learning_rate=0.1, momentum_scale=0.9)
     rule = Rule.SGD_MOMENTUM
     v, r, mom = torch.ones(4), torch.empty(4), torch.zeros(4)
     optim.apply_update(rule, [v], [torch.ones(4)], [r], [[mom]], hyper, plans=plans)
@@ -287,11 +288,11 @@ def _torch_run(opt_cls, kwargs, steps, per_step=None, grad_dtype=torch.float64):
 def _mps_run(rule, p, steps, reg=Reg.NONE, lrs=None):
     values = _params(torch.float64, shapes=SHAPES[:2])
     states = _states(rule, values)
-    hyper = optim.make_hyper("cpu", **p)
-    step = optim.make_step("cpu")
+    hyper = optim_hyper.make_hyper("cpu", **p)
+    step = optim_hyper.make_step("cpu")
     for k in range(steps):
         if lrs:
-            optim.set_hyper(hyper, learning_rate=lrs[k])
+            optim_hyper.set_hyper(hyper, learning_rate=lrs[k])
         g = _grads(k, [torch.float64] * 2, shapes=SHAPES[:2])
         before = [x.clone() for x in g]
         optim.apply_update(rule, values, g, values, states, hyper, step, regularization=reg)

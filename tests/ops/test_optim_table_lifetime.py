@@ -25,9 +25,9 @@ import mpsnn as m
 import mpsnn.core.capture as capture
 import mpsnn.optim.base as optim_base
 from mpsnn.core.capture import CapturedCommandBuffer, keep_for_replays, keeping_for_replays
-from mpsnn.ops import optim
+from mpsnn.ops import optim, optim_hyper
 from mpsnn.ops import triton as fast_paths
-from mpsnn.ops.optim import UpdateRule as Rule
+from mpsnn.ops.optim_hyper import UpdateRule as Rule
 from mpsnn.ops.triton import optim as triton_optim
 
 
@@ -162,7 +162,7 @@ def test_tables_a_capture_records_are_the_captures(simulated) -> None:
     have them) and cached tables a recording uses are held by the captured buffer: neither
     clearing the owner's cache nor dropping the owner frees them; dropping the captured
     buffer does."""
-    hyper = optim.make_hyper("cpu", learning_rate=0.5)
+    hyper = optim_hyper.make_hyper("cpu", learning_rate=0.5)
     values, grads = _lists()
     other, _ = _lists()
     owner = [optim.UpdatePlans()]
@@ -219,7 +219,7 @@ def test_captures_register_nothing_process_wide(simulated) -> None:
     """Every module that handles captured updates holds no more after ten captures than after
     one (each capture's tables are its own), and a freed capture leaves nothing behind."""
     modules = [optim, triton_optim, capture, optim_base]
-    hyper = optim.make_hyper("cpu", learning_rate=0.5)
+    hyper = optim_hyper.make_hyper("cpu", learning_rate=0.5)
     opt = m.SGD(m.Device("cpu"), descriptor=m.OptimizerDescriptor(learning_rate=0.5))
     values, grads = _lists()
 
@@ -254,7 +254,7 @@ def test_a_recorded_update_without_a_recording_scope_is_refused(monkeypatch) -> 
     Triton update must provide the scope that keeps its tables."""
     _dispatch_tables(monkeypatch)
     monkeypatch.setattr(optim, "_capturing", lambda hyper: True)
-    hyper = optim.make_hyper("cpu", learning_rate=0.5)
+    hyper = optim_hyper.make_hyper("cpu", learning_rate=0.5)
     values, grads = _lists()
     for plans in (None, optim.UpdatePlans()):
         with pytest.raises(ValueError, match=r"\[apply_update\] a CUDA graph that records"):

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from mpsnn.core.capture import keeping_for_replays
-from mpsnn.ops import optim
+from mpsnn.ops import optim, optim_hyper
 from mpsnn.ops import triton as fast_paths
-from mpsnn.ops.optim import RegularizationType as Reg
-from mpsnn.ops.optim import UpdateRule as Rule
+from mpsnn.ops.optim_hyper import RegularizationType as Reg
+from mpsnn.ops.optim_hyper import UpdateRule as Rule
 from mpsnn.ops.triton import optim as triton_optim  # the dev setup installs Triton
 from tests.helpers import TRITON_DEVICES, assert_close
 from tests.ops._optim_helpers import _grads, _hyper, _option_id, _params, _run, _states
@@ -84,7 +84,7 @@ def test_triton_unaligned_tensors(device) -> None:
     for use_triton in (False, True):
         values = [b.clone()[1:] for b in buf]
         states = _states(Rule.ADAM, values)
-        hyper, step = _hyper(Rule.ADAM, device, 0.1), optim.make_step(device)
+        hyper, step = _hyper(Rule.ADAM, device, 0.1), optim_hyper.make_step(device)
         if use_triton:
             tables = triton_optim.build_tables([values, grads, values, *states])
             assert not tables.aligned
@@ -158,7 +158,7 @@ def test_triton_tables_staged_for_a_capture(device, monkeypatch) -> None:
         for s in states:
             for x in s:
                 x.zero_()
-        step = optim.make_step(device)
+        step = optim_hyper.make_step(device)
         for _ in range(2):
             t.launch(Rule.ADAM, hyper, step, True, Reg.L1)
         runs.append([x.clone() for x in (*values, *states[0], *states[1], step)])
