@@ -227,15 +227,26 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
         return Encoding(run, (out,), (grad, result, states[0]))
 
     def _fused_backward(
-        self, fused: FusedNeuron, state: Any, result: Image, region: tuple, whole: bool
+        self,
+        fused: FusedNeuron,
+        state: Any,
+        result: Image,
+        region: tuple,
+        whole: bool,
+        consume: bool = False,
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         """``g -> g f'(z)`` of a fused neuron, from the pre-activation ``z`` the forward kept
         in its state, or from the slope a plain ReLU kept there instead (the same bits:
-        `relu_mask_backward`); ``result`` is the forward's destination."""
+        `relu_mask_backward`); ``result`` is the forward's destination. ``consume``: nothing
+        reads the slope after this gradient (a graph's step), so the product is written into
+        it (no new tensor: on the CPU a fresh one costs its pages' first-touch faults)."""
 
         def backward(g: torch.Tensor) -> torch.Tensor:
             mask = getattr(state, "_relu_mask", None)
             if mask is not None:
+                if consume and mask.dtype is g.dtype and mask.shape == g.shape:
+                    state._relu_mask = None  # consumed: it holds the product now
+                    return mask.mul_(g)  # m g, as relu_mask_backward computes it
                 return relu_mask_backward(g, mask)
             return fused.backward(g, state._preactivation)
 
@@ -256,7 +267,9 @@ class NeuronGradient(_NeuronProperties, PointwiseGradient):
         self._check_forward(record)  # the state's kernel fused this very neuron
         fused = _fused(record)
         region, whole = _region(record.window, result._shape)
-        return self._fused_backward(fused, states[0], result, region, whole), result
+        # in a graph's step nothing else reads the slope the forward kept: consumed in place
+        backward = self._fused_backward(fused, states[0], result, region, whole, consume=True)
+        return backward, result
 
 
 class ReLUGradientOfResult(NeuronGradient):
@@ -283,11 +296,17 @@ class ReLUGradientOfResult(NeuronGradient):
         return relu_backward_of_result
 
     def _fused_backward(
-        self, fused: FusedNeuron, state: Any, result: Image, region: tuple, whole: bool
+        self,
+        fused: FusedNeuron,
+        state: Any,
+        result: Image,
+        region: tuple,
+        whole: bool,
+        consume: bool = False,
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         """A ReLU fused into a convolution: from the convolution's *result* (the region the
         forward wrote), so the forward need not keep its pre-activation (a graph turns that
-        off: `_keep_preactivation`)."""
+        off: `_keep_preactivation`). It reads no slope: ``consume`` changes nothing."""
 
         def backward(g: torch.Tensor) -> torch.Tensor:
             y = result._read()

@@ -131,3 +131,52 @@ def test_other_neurons_keep_the_pre_activation() -> None:
     run(cb)
     assert state._relu_mask is None and torch.equal(state._preactivation, z.tensor)
     assert torch.equal(dz.tensor, activation_backward(neuron.params, g, z.tensor))
+
+
+def test_a_client_may_read_the_kept_slope_twice() -> None:
+    """Outside a graph the state may be read by more than one gradient: the slope is left as
+    it was, and both gradients are right."""
+    gen = torch.Generator().manual_seed(6)
+    neuron = m.NeuronDescriptor(T.RELU)
+    dev, ds, plain = _convolution(neuron, torch.float32, gen)
+    conv, ngrad = m.Convolution(dev, ds), m.NeuronGradient(dev, neuron)
+    src = m.Image.from_tensor(torch.randn(1, 2, 5, 5, generator=gen))
+    cb = dev.new_command_queue().command_buffer()
+    state = conv.result_state(src)
+    y = conv.encode(cb, src, destination_state=state)
+    z = plain.encode(cb, src)
+    g1, g2 = torch.randn(1, 4, 5, 5, generator=gen), torch.randn(1, 4, 5, 5, generator=gen)
+    d1 = ngrad.encode(cb, m.Image.from_tensor(g1), y, state)
+    d2 = ngrad.encode(cb, m.Image.from_tensor(g2), y, state)
+    run(cb)
+    for g, d in ((g1, d1), (g2, d2)):
+        assert torch.equal(bits(d.tensor), bits(activation_backward(neuron.params, g, z.tensor)))
+    assert state._relu_mask is not None
+
+
+def test_a_graph_step_consumes_the_slope_in_place(monkeypatch) -> None:
+    """In a graph's step the ReLU's gradient runs inside the convolution gradient and nothing
+    else reads the slope: the product is written into it (no new tensor), with the bits of a
+    fresh product (the step records of tests/graph check whole trainings)."""
+    from mpsnn.cnn import neuron as cnn_neuron
+    from tests.graph._helpers import DEV, ce_loss, conv_ds, encode, gen, sgd1, training
+
+    fresh = []
+    real = cnn_neuron.relu_mask_backward
+
+    def spy(g, mask):
+        fresh.append(True)
+        return real(g, mask)
+
+    monkeypatch.setattr(cnn_neuron, "relu_mask_backward", spy)
+    g = gen(31)
+    x = m.ImageNode("x")
+    c1 = m.ConvolutionNode(x, conv_ds(g, 3, 3, 1, 4, sgd1()))
+    relu = m.NeuronReLUNode(c1.result_image)
+    c2 = m.FullyConnectedNode(relu.result_image, conv_ds(g, 3, 3, 4, 3, sgd1()))
+    graph, _ = training(ce_loss(c2.result_image, 2), needed=False)
+    assert graph.plan.pre_gradient  # the ReLU's gradient runs inside c2's gradient
+    images = torch.randn(2, 1, 1, 1, dtype=torch.float64, generator=g).expand(2, 1, 3, 3)
+    for _ in range(2):
+        encode(graph, [images.contiguous()], [m.LossLabels(DEV, torch.tensor([[[0]], [[2]]]))])
+    assert fresh == []  # consumed in place, never a fresh product
