@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.bench_eager_pairs import alternate
+
 BATCH = 64
 
 
@@ -99,12 +101,7 @@ def measure(pairs: int, steps: int, batch: int = BATCH) -> dict[str, Any]:
     for step in (mine, theirs, mine, theirs):
         for _ in range(3):
             step()
-    a: list[float] = []
-    b: list[float] = []
-    for i in range(pairs):
-        sides = ((mine, a), (theirs, b)) if i % 2 == 0 else ((theirs, b), (mine, a))
-        for step, out in sides:
-            out.append(timed(step))
+    a, b = alternate(mine, theirs, timed, pairs)
     ratios = [t / m for m, t in zip(a, b, strict=True)]
     return {"model": "cnn", "batch": batch, "dtype": "float32", "optimizer": c.optimizer,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "steps": steps,

@@ -418,10 +418,7 @@ class ConvWeights:
 
     def refresh(self) -> None:
         """Rewrite the copies from the masters (the writers of the masters call it)."""
-        for w, b in tuple(self._casts.values()):  # (a completion thread may reload)
-            w.copy_(self.weight)
-            if b is not None:
-                b.copy_(self._bias)  # type: ignore[arg-type]
+        ConvWeights.refresh_all((self,))
 
     @staticmethod
     def refresh_all(masters: Sequence[ConvWeights]) -> None:
@@ -429,7 +426,7 @@ class ConvWeights:
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         for ws in masters:
-            for w, b in tuple(ws._casts.values()):
+            for w, b in tuple(ws._casts.values()):  # (a completion thread may reload)
                 dst.append(w)
                 src.append(ws.weight)
                 if b is not None:
