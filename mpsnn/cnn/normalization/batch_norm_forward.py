@@ -176,10 +176,21 @@ class BatchNormalizationRecord(PointwiseRecord):
     def params(self, mean: torch.Tensor, var: torch.Tensor) -> BatchNormParams:
         """The ops-level arguments of a pass over this normalization with the batch's ``mean``
         and biased ``var`` (gamma and beta: the masters' current values)."""
-        f = None if self.neuron is None else self.neuron.params
-        gamma, beta = self.affine.first, self.affine.second
-        return BatchNormParams(mean=mean, var=var, gamma=gamma, beta=beta, eps=self.epsilon,
-                               neuron=f)  # fmt: skip
+        return bn_params(self.affine, self.epsilon, self.neuron, mean, var)
+
+
+def bn_params(
+    affine: MasterPair,
+    eps: float,
+    neuron: FusedNeuron | None,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+) -> BatchNormParams:
+    """`BatchNormParams` of a normalization with masters ``affine`` (gamma, beta: their current
+    values), ``eps`` and fused ``neuron``, for the statistics ``mean`` and biased ``var``."""
+    f = None if neuron is None else neuron.params
+    return BatchNormParams(mean=mean, var=var, gamma=affine.first, beta=affine.second, eps=eps,
+                           neuron=f)  # fmt: skip
 
 
 def check_channels_read(who: str, kernel: Any, source_channels: int, channels: int) -> None:
@@ -424,8 +435,7 @@ class BatchNormalization(AffineChannels, PointwiseKernel):
         )  # fmt: skip
 
     def _pointwise(self, window: Window, records: Records) -> Pointwise:
-        eps, affine = self.epsilon, self._affine
-        f = None if self._neuron is None else self._neuron.params
+        eps, affine, neuron = self.epsilon, self._affine, self._neuron
         training = bool(records) and records[0][0]._statistics_encoded
         if training:
             state = records[0][0]
@@ -440,8 +450,6 @@ class BatchNormalization(AffineChannels, PointwiseKernel):
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             mean, var = stats()
-            p = BatchNormParams(mean=mean, var=var, gamma=affine.first, beta=affine.second,
-                                eps=eps, neuron=f)  # fmt: skip
-            return bn_forward(x, p)
+            return bn_forward(x, bn_params(affine, eps, neuron, mean, var))
 
         return forward
