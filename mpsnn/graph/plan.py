@@ -132,9 +132,7 @@ def build_plan(graph: Any, results: list[ImageNode], needed: list[bool]) -> Grap
     fusion = fusion_pass(topology, modes)
     liveness = liveness_pass(topology, modes, fusion, results)
     recompute = recompute_pass(topology, modes, fusion, liveness)
-    kernels, pre_gradient, skips = kernels_pass(
-        graph, graph.device, topology, fusion, liveness, results, needed
-    )
+    kernels, pre_gradient, skips = kernels_pass(graph, topology, fusion, liveness, results, needed)
     return GraphPlan(topology, modes, fusion, liveness, recompute, kernels, pre_gradient, skips)
 
 
@@ -160,7 +158,6 @@ class _PassGradient:
 
 def kernels_pass(
     graph: Any,
-    device: Device,
     topology: Topology,
     fusion: Fusion,
     liveness: Liveness,
@@ -168,7 +165,9 @@ def kernels_pass(
     needed: list[bool],
 ) -> tuple[Mapping[int, Any], Mapping[int, tuple[Any, ImageNode]], bool]:
     """One kernel per filter node, fused where the fusion pass said, with the graph's
-    allocator on the kernel that makes each node's result."""
+    allocator on the kernel that makes each node's result (``graph``: their owner, and the
+    device the kernels are made for)."""
+    device: Device = graph.device
     order = topology.order
     fused_into = fusion.fused_into
     neuron_of = {t._id: n._fusible_neuron() for n in order if (t := fused_into.get(n._id))}

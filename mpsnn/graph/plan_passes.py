@@ -465,6 +465,8 @@ def recompute_pass(
     recomputed image equals the freed one bit for bit."""
     order, key = topology.order, fusion.key
     index = {n._id: i for i, n in enumerate(order)}
+    # the readers of each read-count key, in order: what liveness counted (content reads
+    # after fusion, kept images and sources left out), not `_readers`' raw source images
     readers: dict[int, list[FilterNode]] = {}
     for n in order:
         for k in liveness.reads_by[n._id]:
