@@ -184,9 +184,52 @@ def _check_whole(who: str, offsets: Sequence[Offset], clip: Any, channel_offsets
         )
 
 
-def _batch(kernel: Any, cb: CommandBuffer, value: Any, name: str) -> Image:
+def _batch(
+    kernel: Any, cb: CommandBuffer, value: Any, name: str, *, destination: bool = False
+) -> Image:
     who = type(kernel).__name__
-    return kernel._check_batch(cb, ImageBatch._of(cb, who, name, value), name)
+    batch = ImageBatch._of(cb, who, name, value, destination=destination)
+    return kernel._check_batch(cb, batch, name)
+
+
+def _check_arguments(
+    kernel: Any,
+    cb: CommandBuffer,
+    batch: bool,
+    images: Sequence[tuple[Any, str]],
+    weights: Any,
+    state: tuple[Any, str],
+    destination: tuple[Any, str],
+    *,
+    alias_weights: bool,
+) -> tuple[list[Image], Image | None, list[Any], Image | None]:
+    """The split loss encodes' argument checks, in this order: each of ``images`` (``(value,
+    name)`` pairs, the predictions and the labels last), the optional weights, the optional
+    gradient state (with ``batch``: one per predicted image) and the optional destination,
+    which must not alias those images (nor the weights, with ``alias_weights``). With
+    ``batch`` the images are `ImageBatch` es or sequences of images (see `ImageBatch._of`).
+    Returns the checked images, the weights, the states (a list) and the destination."""
+
+    def check(value: Any, name: str) -> Image:
+        return _batch(kernel, cb, value, name) if batch else kernel._check_image(cb, value, name)
+
+    checked = [check(value, name) for value, name in images]
+    wt = None if weights is None else check(weights, "weights")
+    states: list[Any] = []
+    value, name = state
+    if value is not None and batch:
+        count = checked[-2]._shape[0]
+        states = kernel._check_state_batch(cb, value, name, GradientState, count)
+    elif value is not None:
+        states = [kernel._check_state(cb, value, name, GradientState)]
+    dst = None
+    value, name = destination
+    if value is not None:
+        if batch:
+            value = _batch(kernel, cb, value, name, destination=True)
+        inputs = (*checked, wt) if alias_weights else checked
+        dst = kernel._check_destination(cb, value, name, *inputs)
+    return checked, wt, states, dst
 
 
 class ForwardLoss(_LossProperties, CNNKernel):
@@ -240,15 +283,11 @@ class ForwardLoss(_LossProperties, CNNKernel):
         """The loss image (see the class)."""
         cb = command_buffer
         self._check_command_buffer(cb)
-        src = self._check_image(cb, source_image, "source_image")
-        lab = self._check_image(cb, labels, "labels")
-        wt = None if weights is None else self._check_image(cb, weights, "weights")
-        states = []
-        if destination_state is not None:
-            states = [self._check_state(cb, destination_state, "destination_state", GradientState)]
-        dst = None
-        if destination_image is not None:
-            dst = self._check_destination(cb, destination_image, "destination_image", src, lab)
+        (src, lab), wt, states, dst = _check_arguments(
+            self, cb, False, [(source_image, "source_image"), (labels, "labels")], weights,
+            (destination_state, "destination_state"), (destination_image, "destination_image"),
+            alias_weights=False,
+        )  # fmt: skip
         return self._encode_loss(cb, src, lab, wt, states, dst, False)
 
     def encode_batch(  # type: ignore[override]
@@ -266,21 +305,11 @@ class ForwardLoss(_LossProperties, CNNKernel):
         self._check_command_buffer(cb)
         mark = cb._mark()
         try:  # sequences of images may record a stacking copy before the checks
-            src = _batch(self, cb, source_images, "source_images")
-            lab = _batch(self, cb, labels, "labels")
-            wt = None if weights is None else _batch(self, cb, weights, "weights")
-            states: list[Any] = []
-            if destination_states is not None:
-                states = self._check_state_batch(
-                    cb, destination_states, "destination_states", GradientState, src._shape[0]
-                )
-            dst = None
-            if destination_images is not None:
-                value = ImageBatch._of(
-                    cb, "ForwardLoss", "destination_images", destination_images, destination=True
-                )
-                dst = self._check_batch(cb, value, "destination_images")
-                self._check_destination(cb, dst, "destination_images", src, lab)
+            (src, lab), wt, states, dst = _check_arguments(
+                self, cb, True, [(source_images, "source_images"), (labels, "labels")], weights,
+                (destination_states, "destination_states"),
+                (destination_images, "destination_images"), alias_weights=False,
+            )  # fmt: skip
             out = self._encode_loss(cb, src, lab, wt, states, dst, True)
         except BaseException:
             cb._rollback(mark)
@@ -395,18 +424,12 @@ class LossGradient(_LossProperties, BinaryKernel):
         """The gradient (see the class)."""
         cb = command_buffer
         self._check_command_buffer(cb)
-        g = self._check_image(cb, source_gradient, "source_gradient")
-        src = self._check_image(cb, source_image, "source_image")
-        lab = self._check_image(cb, labels, "labels")
-        wt = None if weights is None else self._check_image(cb, weights, "weights")
-        states = []
-        if gradient_state is not None:
-            states = [self._check_state(cb, gradient_state, "gradient_state", GradientState)]
-        dst = None
-        if destination_image is not None:
-            dst = self._check_destination(
-                cb, destination_image, "destination_image", *(x for x in (g, src, lab, wt) if x)
-            )
+        images = [(source_gradient, "source_gradient"), (source_image, "source_image"),
+                  (labels, "labels")]  # fmt: skip
+        (g, src, lab), wt, states, dst = _check_arguments(
+            self, cb, False, images, weights, (gradient_state, "gradient_state"),
+            (destination_image, "destination_image"), alias_weights=True,
+        )  # fmt: skip
         return self._encode_gradient(cb, g, src, lab, wt, states, dst, False)
 
     def encode_batch(  # type: ignore[override]
@@ -424,26 +447,13 @@ class LossGradient(_LossProperties, BinaryKernel):
         cb = command_buffer
         self._check_command_buffer(cb)
         mark = cb._mark()
+        images = [(source_gradients, "source_gradients"), (source_images, "source_images"),
+                  (labels, "labels")]  # fmt: skip
         try:  # sequences of images may record a stacking copy before the checks
-            g = _batch(self, cb, source_gradients, "source_gradients")
-            src = _batch(self, cb, source_images, "source_images")
-            lab = _batch(self, cb, labels, "labels")
-            wt = None if weights is None else _batch(self, cb, weights, "weights")
-            states: list[Any] = []
-            if source_states is not None:
-                states = self._check_state_batch(
-                    cb, source_states, "source_states", GradientState, src._shape[0]
-                )
-            dst = None
-            if destination_gradients is not None:
-                value = ImageBatch._of(
-                    cb, "LossGradient", "destination_gradients", destination_gradients,
-                    destination=True,
-                )  # fmt: skip
-                dst = self._check_batch(cb, value, "destination_gradients")
-                self._check_destination(
-                    cb, dst, "destination_gradients", *(x for x in (g, src, lab, wt) if x)
-                )
+            (g, src, lab), wt, states, dst = _check_arguments(
+                self, cb, True, images, weights, (source_states, "source_states"),
+                (destination_gradients, "destination_gradients"), alias_weights=True,
+            )  # fmt: skip
             out = self._encode_gradient(cb, g, src, lab, wt, states, dst, True)
         except BaseException:
             cb._rollback(mark)
