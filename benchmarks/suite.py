@@ -56,40 +56,23 @@ from typing import Any
 
 import torch
 
-SCHEMA = 1
-TOLERANCE = 0.05
+from benchmarks.suite_compare import (
+    SCHEMA,
+    TOLERANCE,
+    baseline_notes,
+    baseline_path,
+    compare_rows,
+    keep_better,
+    load,
+    merged_baseline,
+    table,
+    validate,
+)
+
 #: the eager training step on CUDA: host-bound on both sides, see `eager_row`
 EAGER_CUDA_TOLERANCE = 0.3
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
-
-#: keys every row has (besides extras of its group)
-ROW_KEYS = {
-    "group": str,
-    "name": str,
-    "mpsnn_ms": float,
-    "pytorch_ms": float,
-    "ratio": float,
-    "dtype": str,
-    "precision": dict,
-    "device": str,
-    "torch": str,
-    "triton": (str, type(None)),
-    "date": str,
-    "commit": (str, type(None)),
-}
-#: keys of the whole results file
-DOC_KEYS = {
-    "schema": int,
-    "device": str,
-    "slug": str,
-    "quick": bool,
-    "torch": str,
-    "triton": (str, type(None)),
-    "date": str,
-    "commit": (str, type(None)),
-    "rows": list,
-}
 
 
 @dataclass(frozen=True)
@@ -241,6 +224,18 @@ def replay_row(model: str, device: str, batch: int, steps: int, trials: int) -> 
     return make_row(model, name, mine["ms"], theirs["ms"], case["dtype"], **peaks)
 
 
+def pairs_row(
+    group: str, name: str, times: dict[str, list[float]], dtype: str, **extra: Any
+) -> dict[str, Any]:
+    """A row of alternating pairs of runs (``times``: each side's ms per pair): the median of
+    each side's times, and as the ratio the median over the pairs of mpsnn's time over
+    PyTorch's in the pair."""
+    mine, theirs = times["mpsnn_ms"], times["torch_ms"]
+    row = make_row(group, name, statistics.median(mine), statistics.median(theirs), dtype, **extra)
+    row["ratio"] = statistics.median(m / t for m, t in zip(mine, theirs, strict=True))
+    return row
+
+
 def eager_row(
     group: str, model: str, device: str, batch: int, pairs: int, steps: int
 ) -> dict[str, Any]:
@@ -254,12 +249,8 @@ def eager_row(
     _, dtype, opt, _, _ = CASES[model]
     r = measure(model, device, pairs, steps, batch)
     extra = {"tolerance": EAGER_CUDA_TOLERANCE} if device.startswith("cuda") else {}
-    row = make_row(group, f"{model} b{batch} {dtype} {opt} step eager",
-                   statistics.median(r["mpsnn_ms"]), statistics.median(r["torch_ms"]), dtype,
-                   pairs=pairs, steps=steps, **extra)  # fmt: skip
-    row["ratio"] = statistics.median(m / t for m, t in zip(r["mpsnn_ms"], r["torch_ms"],
-                                                            strict=True))  # fmt: skip
-    return row
+    return pairs_row(group, f"{model} b{batch} {dtype} {opt} step eager", r, dtype,
+                     pairs=pairs, steps=steps, **extra)  # fmt: skip
 
 
 def graph_rows(model: str) -> Callable[[str, Plan, dict[str, float]], list[dict[str, Any]]]:
@@ -289,12 +280,8 @@ def main_job_rows(device: str, plan: Plan, cache: dict[str, float]) -> list[dict
         if "Fashion-MNIST" not in str(exc):
             raise
         return [eager_row("main", "cnn", device, batch, pairs, steps)]  # no data here
-    row = make_row("main", f"cnn b{batch} float32 adam step eager",
-                   statistics.median(r["mpsnn_ms"]), statistics.median(r["torch_ms"]),
-                   "float32", pairs=pairs, steps=steps, data="fashion-mnist")  # fmt: skip
-    row["ratio"] = statistics.median(m / t for m, t in zip(r["mpsnn_ms"], r["torch_ms"],
-                                                            strict=True))  # fmt: skip
-    return [row]
+    return [pairs_row("main", f"cnn b{batch} float32 adam step eager", r, "float32",
+                      pairs=pairs, steps=steps, data="fashion-mnist")]  # fmt: skip
 
 
 GroupFn = Callable[[str, Plan, dict[str, float]], list[dict[str, Any]]]
@@ -389,133 +376,7 @@ def environment(device: str) -> dict[str, Any]:
             "commit": git_commit()}  # fmt: skip
 
 
-# -- results files and the comparison --------------------------------------------------------
-
-
-def baseline_path(results_dir: Path, device_slug: str, quick: bool) -> Path:
-    """Where a device's baseline lives (``--quick`` runs have their own)."""
-    return Path(results_dir) / f"{device_slug}{'-quick' if quick else ''}.json"
-
-
-def validate(doc: Any) -> None:
-    """Raise ``ValueError`` unless ``doc`` is a results file of this schema."""
-
-    def check(obj: Any, keys: dict[str, Any], what: str) -> None:
-        if not isinstance(obj, dict):
-            raise ValueError(f"[suite] {what} must be an object, got {type(obj).__name__}")
-        for k, t in keys.items():
-            if k not in obj:
-                raise ValueError(f"[suite] {what} must have {k!r}, got keys {sorted(obj)}")
-            wrong_bool = isinstance(obj[k], bool) and t is not bool  # bool is an int
-            if wrong_bool or not isinstance(obj[k], t):
-                raise ValueError(f"[suite] {what}'s {k!r} must be {t}, got {obj[k]!r}")
-
-    check(doc, DOC_KEYS, "the results file")
-    if doc["schema"] != SCHEMA:
-        raise ValueError(f"[suite] schema must be {SCHEMA}, got {doc['schema']!r}")
-    names = set()
-    for i, row in enumerate(doc["rows"]):
-        check(row, ROW_KEYS, f"row {i}")
-        if not row["ratio"] > 0:
-            raise ValueError(f"[suite] row {row['name']!r}: ratio must be > 0, got {row['ratio']}")
-        if row["name"] in names:
-            raise ValueError(f"[suite] row names must be unique, got {row['name']!r} twice")
-        names.add(row["name"])
-
-
-def load(path: Path) -> dict[str, Any] | None:
-    """The results file at ``path`` (validated), or None when there is none."""
-    if not Path(path).exists():
-        return None
-    doc = json.loads(Path(path).read_text())
-    validate(doc)
-    return doc
-
-
-def compare_rows(
-    new: list[dict[str, Any]], old: list[dict[str, Any]], tolerance: float = TOLERANCE
-) -> list[dict[str, Any]]:
-    """One entry per row name of either list, new rows first, with ``ratio_change`` and
-    ``mpsnn_change`` (relative changes of the ratio and of mpsnn's time) and a ``status``:
-
-    * "regressed": the ratio AND mpsnn's time both grew by more than the tolerance;
-    * "improved": both shrank by more;
-    * "drift": one of them moved by more, the other did not follow: PyTorch's side or the
-      host changed, not mpsnn (reported, not a regression);
-    * "ok", "new" (no baseline row), "missing" (in the baseline, not in this run).
-
-    The tolerance is ``tolerance`` or the row's own ``tolerance``, whichever is larger."""
-    before = {r["name"]: r for r in old}
-    out = []
-    for r in new:
-        o = before.get(r["name"])
-        entry = {"name": r["name"], "group": r["group"], "ratio": r["ratio"],
-                 "mpsnn_ms": r["mpsnn_ms"], "pytorch_ms": r["pytorch_ms"]}  # fmt: skip
-        if o is None:
-            out.append({**entry, "status": "new"})
-            continue
-        tol = max(tolerance, r.get("tolerance", 0.0))
-        change = r["ratio"] / o["ratio"] - 1
-        mpsnn_change = r["mpsnn_ms"] / o["mpsnn_ms"] - 1
-        if change > tol and mpsnn_change > tol:
-            status = "regressed"
-        elif change < -tol and mpsnn_change < -tol:
-            status = "improved"
-        elif max(abs(change), abs(mpsnn_change)) > tol:
-            status = "drift"
-        else:
-            status = "ok"
-        out.append({**entry, "status": status, "baseline_ratio": o["ratio"],
-                    "ratio_change": change, "mpsnn_change": mpsnn_change})  # fmt: skip
-    seen = {r["name"] for r in new}
-    out += [{"name": o["name"], "group": o["group"], "status": "missing",
-             "baseline_ratio": o["ratio"]} for o in old if o["name"] not in seen]  # fmt: skip
-    return out
-
-
-def keep_better(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``first`` with each row that ``second`` measured again replaced by the run of the two
-    with the lower ratio (marked ``runs: 2``)."""
-    again = {r["name"]: r for r in second}
-    out = []
-    for r in first:
-        s = again.get(r["name"])
-        out.append(r if s is None else {**min(r, s, key=lambda x: x["ratio"]), "runs": 2})
-    return out
-
-
-def merged_baseline(
-    new: list[dict[str, Any]], old: list[dict[str, Any]], groups: list[str]
-) -> list[dict[str, Any]]:
-    """The rows of an updated baseline: this run's, then the old rows of groups it did not
-    run (``--only``); old rows of the groups it ran are dropped."""
-    return new + [r for r in old if r["group"] not in groups]
-
-
-# -- output ----------------------------------------------------------------------------------
-
-
-def table(comparison: list[dict[str, Any]]) -> str:
-    """The short table printed last."""
-
-    def pct(v: float | None) -> str:
-        return "" if v is None else f"{100 * v:+.1f}%"
-
-    width = max([len(c["name"]) for c in comparison] + [4])
-    lines = [f"{'row':{width}}  {'mpsnn ms':>9} {'torch ms':>9} {'ratio':>6} {'base':>6} "
-             f"{'d ratio':>8} {'d mpsnn':>8}  status"]  # fmt: skip
-    for c in comparison:
-        base = c.get("baseline_ratio")
-        if "ratio" in c:
-            nums = f"{c['mpsnn_ms']:9.3f} {c['pytorch_ms']:9.3f} {c['ratio']:6.3f}"
-        else:
-            nums = f"{'':9} {'':9} {'':6}"
-        lines.append(
-            f"{c['name']:{width}}  {nums} {'' if base is None else f'{base:.3f}':>6} "
-            f"{pct(c.get('ratio_change')):>8} {pct(c.get('mpsnn_change')):>8}  "
-            f"{c['status'].upper() if c['status'] == 'regressed' else c['status']}"
-        )
-    return "\n".join(lines)
+# -- the command -----------------------------------------------------------------------------
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -536,18 +397,6 @@ def _parser() -> argparse.ArgumentParser:
     add("--tolerance", type=float, default=TOLERANCE, help="allowed growth [default: 0.05]")
     add("--no-confirm", action="store_true", help="do not measure regressed groups again")
     return p
-
-
-def _baseline_notes(base_file: Path, baseline: dict[str, Any] | None, env: dict[str, Any],
-                    tolerance: float) -> list[str]:  # fmt: skip
-    if baseline is None:
-        return [f"# no baseline at {base_file}: nothing to compare with"]
-    notes = [f"# baseline: {base_file} (commit {baseline['commit']}, {baseline['date']}, torch "
-             f"{baseline['torch']}); regressed: the ratio (mpsnn / torch) and mpsnn's time both "
-             f"more than {100 * tolerance:.0f}% above the baseline's"]  # fmt: skip
-    if baseline["torch"] != env["torch"]:
-        notes.append(f"# note: the baseline ran torch {baseline['torch']}, this run {env['torch']}")
-    return notes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -584,10 +433,10 @@ def main(argv: list[str] | None = None) -> int:
            "tolerance": a.tolerance, "seconds": time.perf_counter() - started,
            "errors": errors, "rows": rows}  # fmt: skip
     validate(doc)
-    out = a.json or Path(a.results_dir) / f"{env['slug']}{'-quick' if a.quick else ''}.last.json"
+    out = a.json or base_file.with_suffix(".last.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
-    notes = [f"# results: {out}", *_baseline_notes(base_file, baseline, env, a.tolerance)]
+    notes = [f"# results: {out}", *baseline_notes(base_file, baseline, env, a.tolerance)]
     if a.update and errors:
         notes.append(f"# baseline NOT updated: {', '.join(errors)} failed")
     elif a.update:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_eager_pairs, suite
+from benchmarks import bench_eager_pairs, suite, suite_compare
 from mpsnn.data.fashion_mnist import find_fashion_mnist
 
 
@@ -54,12 +54,12 @@ def _status(comparison: list[dict]) -> dict[str, str]:
 def test_suite_flags_a_ratio_six_percent_worse_and_not_four() -> None:
     old = [_row("a", 1.0), _row("b", 1.0), _row("c", 2.0), _row("d", 1.0)]
     new = [_row("a", 1.06), _row("b", 1.04), _row("c", 1.80), _row("d", 1.0)]
-    got = suite.compare_rows(new, old)
+    got = suite_compare.compare_rows(new, old)
     assert _status(got) == {"a": "regressed", "b": "ok", "c": "improved", "d": "ok"}
     assert got[0]["ratio_change"] == pytest.approx(0.06)
     assert got[0]["mpsnn_change"] == pytest.approx(0.06)
     assert got[0]["baseline_ratio"] == 1.0
-    assert _status(suite.compare_rows(new, old, tolerance=0.1))["a"] == "ok"
+    assert _status(suite_compare.compare_rows(new, old, tolerance=0.1))["a"] == "ok"
 
 
 def test_suite_drift_of_the_host_or_pytorch_is_no_regression() -> None:
@@ -70,7 +70,7 @@ def test_suite_drift_of_the_host_or_pytorch_is_no_regression() -> None:
         _row("code", 1.07, mpsnn_ms=10.7),  # mpsnn 7% slower, PyTorch unchanged
         _row("both", 1.07, mpsnn_ms=12.84),  # mpsnn 7% slower on a 20% slower host
     ]
-    got = {c["name"]: c for c in suite.compare_rows(new, old)}
+    got = {c["name"]: c for c in suite_compare.compare_rows(new, old)}
     assert {n: c["status"] for n, c in got.items()} == {
         "host": "drift", "torch": "drift", "code": "regressed", "both": "regressed"
     }  # fmt: skip
@@ -81,29 +81,29 @@ def test_suite_drift_of_the_host_or_pytorch_is_no_regression() -> None:
 def test_suite_row_tolerance_widens_the_run_tolerance() -> None:
     old = [_row("eager", 1.0), _row("worse", 1.0)]
     new = [_row("eager", 1.2, tolerance=0.3), _row("worse", 1.35, tolerance=0.3)]
-    assert _status(suite.compare_rows(new, old)) == {"eager": "ok", "worse": "regressed"}
+    assert _status(suite_compare.compare_rows(new, old)) == {"eager": "ok", "worse": "regressed"}
     new = [_row("eager", 1.2, tolerance=0.01)]  # never narrower than the run's
-    assert _status(suite.compare_rows(new, old[:1], tolerance=0.25)) == {"eager": "ok"}
+    assert _status(suite_compare.compare_rows(new, old[:1], tolerance=0.25)) == {"eager": "ok"}
 
 
 def test_suite_new_and_missing_rows() -> None:
-    got = suite.compare_rows([_row("kept", 1.0), _row("added", 9.0)],
-                             [_row("kept", 1.0), _row("gone", 1.0)])  # fmt: skip
+    got = suite_compare.compare_rows([_row("kept", 1.0), _row("added", 9.0)],
+                                     [_row("kept", 1.0), _row("gone", 1.0)])  # fmt: skip
     assert [(c["name"], c["status"]) for c in got] == [
         ("kept", "ok"), ("added", "new"), ("gone", "missing")
     ]  # fmt: skip
     assert "ratio_change" not in got[1] and got[2]["baseline_ratio"] == 1.0
-    assert _status(suite.compare_rows([_row("x", 5.0)], [])) == {"x": "new"}
-    table = suite.table(got)
+    assert _status(suite_compare.compare_rows([_row("x", 5.0)], [])) == {"x": "new"}
+    table = suite_compare.table(got)
     assert "gone" in table and "missing" in table and table.splitlines()[0].startswith("row")
 
 
 def test_suite_keep_better_and_merged_baseline() -> None:
     first = [_row("a", 1.2), _row("b", 1.0)]
-    got = suite.keep_better(first, [_row("a", 1.1), _row("b", 1.3)])
+    got = suite_compare.keep_better(first, [_row("a", 1.1), _row("b", 1.3)])
     assert [(r["name"], r["ratio"], r["runs"]) for r in got] == [("a", 1.1, 2), ("b", 1.0, 2)]
     old = [_row("x", 1.0, group="conv"), _row("y", 1.0, group="adam")]
-    merged = suite.merged_baseline([_row("x2", 2.0, group="conv")], old, ["conv"])
+    merged = suite_compare.merged_baseline([_row("x2", 2.0, group="conv")], old, ["conv"])
     assert [r["name"] for r in merged] == ["x2", "y"]  # conv rows replaced, adam's kept
 
 
@@ -111,34 +111,34 @@ def test_suite_device_slug_and_baseline_files() -> None:
     assert suite.slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     assert suite.slug("cpu AMD EPYC, 2 threads") == "cpu-amd-epyc-2-threads"
     root = Path("r")
-    assert suite.baseline_path(root, "nvidia-h200", False) == root / "nvidia-h200.json"
-    assert suite.baseline_path(root, "nvidia-h200", True) == root / "nvidia-h200-quick.json"
+    assert suite_compare.baseline_path(root, "nvidia-h200", False) == root / "nvidia-h200.json"
+    assert suite_compare.baseline_path(root, "nvidia-h200", True) == root / "nvidia-h200-quick.json"
     assert suite.device_name("cpu").startswith("cpu ")
 
 
 def _doc(rows: list[dict]) -> dict:
     meta = {"device": "cpu x", "torch": "2", "triton": None, "date": "d", "commit": None}
-    return {"schema": suite.SCHEMA, "slug": "cpu-x", "quick": True, **meta,
+    return {"schema": suite_compare.SCHEMA, "slug": "cpu-x", "quick": True, **meta,
             "rows": [{**r, "dtype": "float32", "precision": {"dtype": "float32"}, **meta}
                      for r in rows]}  # fmt: skip
 
 
 def test_suite_schema_is_validated() -> None:
-    suite.validate(_doc([_row("a", 1.0)]))
+    suite_compare.validate(_doc([_row("a", 1.0)]))
     bad = _doc([_row("a", 1.0)])
     del bad["rows"][0]["pytorch_ms"]
     with pytest.raises(ValueError, match="row 0 must have 'pytorch_ms'"):
-        suite.validate(bad)
+        suite_compare.validate(bad)
     with pytest.raises(ValueError, match="must be unique"):
-        suite.validate(_doc([_row("a", 1.0), _row("a", 2.0)]))
+        suite_compare.validate(_doc([_row("a", 1.0), _row("a", 2.0)]))
     with pytest.raises(ValueError, match="schema must be 1"):
-        suite.validate({**_doc([]), "schema": 2})
+        suite_compare.validate({**_doc([]), "schema": 2})
     with pytest.raises(ValueError, match="'quick' must be"):
-        suite.validate({**_doc([]), "quick": 1})
+        suite_compare.validate({**_doc([]), "quick": 1})
     wrong = _doc([_row("a", 1.0)])
     wrong["rows"][0]["ratio"] = True  # a bool is no float
     with pytest.raises(ValueError, match="'ratio' must be"):
-        suite.validate(wrong)
+        suite_compare.validate(wrong)
 
 
 class _Fake:
@@ -168,7 +168,7 @@ def test_suite_update_then_check(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setitem(suite.GROUPS, "fake", _Fake(1.0))
     assert _run(monkeypatch, tmp_path, "--only", "fake", "--update") == 0
     base = json.loads((tmp_path / "fake-gpu-1-quick.json").read_text())
-    suite.validate(base)
+    suite_compare.validate(base)
     assert [(r["name"], r["ratio"]) for r in base["rows"]] == [("fake row", 1.0)]
     # 6% worse twice (the confirming run too): flagged, exit 1 with --check, 0 without
     slow = _Fake(1.06, 1.06)
@@ -214,7 +214,7 @@ def test_suite_quick_cpu_run_writes_the_json(tmp_path: Path, capsys) -> None:
     argv = ["--device", "cpu", "--quick", "--results-dir", str(tmp_path), "--json", str(out)]
     assert suite.main(argv) == 0
     doc = json.loads(out.read_text())
-    suite.validate(doc)
+    suite_compare.validate(doc)
     assert doc["quick"] is True and doc["groups"] == ["conv", "bn", "adam", "main"]
     assert doc["errors"] == {}
     groups = [r["group"] for r in doc["rows"]]

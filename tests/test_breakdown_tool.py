@@ -1,5 +1,6 @@
-"""`benchmarks.tools.breakdown_step`: the kernel categories, the floors, the table, and the
-CPU smoke run's FLOP and byte counts against the PyTorch twin's layer shapes."""
+"""`benchmarks.tools.breakdown_step` and `benchmarks.tools.breakdown_categories`: the kernel
+categories, the floors, the table, and the CPU smoke run's FLOP and byte counts against the
+PyTorch twin's layer shapes."""
 
 from __future__ import annotations
 
@@ -11,101 +12,102 @@ import pytest
 import torch
 from torch import nn
 
+from benchmarks.tools import breakdown_categories as bc
 from benchmarks.tools import breakdown_step as bd
 from mpsnn.models.resnet import ResNet18Twin
 
 # names as the profiler reports them on H100/H200 (cuDNN 9, cuBLAS, PyTorch, mpsnn's Triton)
 NAMES = {
     "sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64_"
-    "warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cudnn": bd.CONV_FWD,
+    "warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cudnn": bc.CONV_FWD,
     "sm90_xmma_dgrad_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64_"
-    "warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cudnn": bd.CONV_DGRAD,
+    "warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cudnn": bc.CONV_DGRAD,
     "sm90_xmma_wgrad_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64_"
-    "warpgroupsize1x1x1_execute_segment_k_on_kernel__5x_cudnn": bd.CONV_WGRAD,
+    "warpgroupsize1x1x1_execute_segment_k_on_kernel__5x_cudnn": bc.CONV_WGRAD,
     "void cudnn::cnn::wgrad_alg0_engine<float, 128, 6, 7, 3, 3, 5, false, 512>(int, int, int, "
     "float const*, int, float*, float const*, kernel_grad_params, unsigned long long, int, "
-    "float, int, int, int, int)": bd.CONV_WGRAD,
+    "float, int, int, int, int)": bc.CONV_WGRAD,
     "void cudnn::detail::dgrad_engine<float, 512, 6, 5, 3, 3, 3, false>(int, int, int, "
-    "float const*, int, float const*, int, float*, kernel_grad_params)": bd.CONV_DGRAD,
+    "float const*, int, float const*, int, float*, kernel_grad_params)": bc.CONV_DGRAD,
     "void implicit_convolve_sgemm<float, float, 128, 5, 5, 3, 3, 3, 1, false, false, true>(int, "
-    "int, int, float const*, int, float*, float const*, kernel_conv_params)": bd.CONV_FWD,
+    "int, int, float const*, int, float*, float const*, kernel_conv_params)": bc.CONV_FWD,
     "void cudnn::engines_precompiled::nchwToNhwcKernel<__nv_bfloat16, __nv_bfloat16, float, "
     "false, true, (cudnnKernelDataType_t)0>(cudnn::engines_precompiled::nchw2nhwc_params_t"
-    "<float>, __nv_bfloat16 const*, __nv_bfloat16*)": bd.LAYOUT,
+    "<float>, __nv_bfloat16 const*, __nv_bfloat16*)": bc.LAYOUT,
     "void cudnn::engines_precompiled::nhwcToNchwKernel<float, __nv_bfloat16, float, true, "
     "false, (cudnnKernelDataType_t)0>(cudnn::engines_precompiled::nhwc2nchw_params_t<float>, "
-    "float const*, __nv_bfloat16*)": bd.LAYOUT,
+    "float const*, __nv_bfloat16*)": bc.LAYOUT,
     "void cudnn::cnn::computeOffsetsKernel<false, false>(cudnn::cnn::ComputeOffsetsParams)": (
-        bd.CONV_OTHER
+        bc.CONV_OTHER
     ),
     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64_warpgroupsize1x1x1_execute_"
-    "segment_k_off_kernel__5x_cublas": bd.GEMM,
+    "segment_k_off_kernel__5x_cublas": bc.GEMM,
     "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>"
-    "(cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8::Params)": bd.GEMM,
+    "(cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8::Params)": bc.GEMM,
     "void gemv2T_kernel_val<int, int, float, float, float, float, 128, 16, 4, 4, false, false>"
-    "(float, float)": bd.GEMM,
-    "_stats_partial_nhwc": bd.BN_STATS,
-    "_stats_combine": bd.BN_STATS,
-    "_forward": bd.BN_FWD,
-    "_forward_nhwc": bd.BN_FWD,
-    "_gradient_sums_partial": bd.BN_SUMS,
-    "_backward_0d1d2d3de4de": bd.BN_BWD,  # an older Triton's specialization suffix
-    "_multi_tensor_update": bd.OPTIMIZER,
-    "_add_relu": bd.EW_TRITON,
-    "_relu_times": bd.EW_TRITON,
-    "_softmax_cross_entropy": bd.LOSS,
-    "_channel_sums_partial": bd.BIAS_SUMS,
+    "(float, float)": bc.GEMM,
+    "_stats_partial_nhwc": bc.BN_STATS,
+    "_stats_combine": bc.BN_STATS,
+    "_forward": bc.BN_FWD,
+    "_forward_nhwc": bc.BN_FWD,
+    "_gradient_sums_partial": bc.BN_SUMS,
+    "_backward_0d1d2d3de4de": bc.BN_BWD,  # an older Triton's specialization suffix
+    "_multi_tensor_update": bc.OPTIMIZER,
+    "_add_relu": bc.EW_TRITON,
+    "_relu_times": bc.EW_TRITON,
+    "_softmax_cross_entropy": bc.LOSS,
+    "_channel_sums_partial": bc.BIAS_SUMS,
     "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>"
     ", std::array<char*, 3ul> >(int, at::native::CUDAFunctor_add<c10::BFloat16>, "
-    "std::array<char*, 3ul>)": bd.EW_ADD,
+    "std::array<char*, 3ul>)": bc.EW_ADD,
     "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::"
     "CUDAFunctor_add<float> >(at::TensorIteratorBase&, at::native::CUDAFunctor_add<float> "
-    "const&)::{lambda(int)#1}>(int, at::native::gpu_kernel_impl_nocast)": bd.EW_ADD,
+    "const&)::{lambda(int)#1}>(int, at::native::gpu_kernel_impl_nocast)": bc.EW_ADD,
     "void at::native::unrolled_elementwise_kernel<at::native::CUDAFunctor_add<float>, "
     "std::array<char*, 3ul>, 4, TrivialOffsetCalculator<2, unsigned int>, "
     "TrivialOffsetCalculator<1, unsigned int>, at::native::memory::LoadWithoutCast, "
-    "at::native::memory::StoreWithoutCast>(int, at::native::CUDAFunctor_add<float>)": bd.EW_ADD,
+    "at::native::memory::StoreWithoutCast>(int, at::native::CUDAFunctor_add<float>)": bc.EW_ADD,
     "void at::native::vectorized_elementwise_kernel<4, at::native::AUnaryFunctor<float, float, "
     "float, at::native::binary_internal::MulFunctor<float> >, std::array<char*, 2ul> >(int)": (
-        bd.EW_MUL
+        bc.EW_MUL
     ),
     "void at::native::vectorized_elementwise_kernel<4, at::native::(anonymous namespace)::"
     "threshold_kernel_impl<c10::BFloat16>(at::TensorIteratorBase&, c10::BFloat16, "
     "c10::BFloat16)::{lambda(c10::BFloat16, c10::BFloat16)#1}, std::array<char*, 3ul> >(int)": (
-        bd.EW_RELU
+        bc.EW_RELU
     ),
     "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::"
     "TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda(c10::BFloat16)#1}, "
     "std::array<char*, 2ul>, 4, TrivialOffsetCalculator<1, unsigned int>, "
     "TrivialOffsetCalculator<1, unsigned int>, at::native::memory::LoadWithCast<1>, "
-    "at::native::memory::StoreWithCast<1> >(int)": bd.EW_COPY,
+    "at::native::memory::StoreWithCast<1> >(int)": bc.EW_COPY,
     "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, "
     "std::array<char*, 1ul> >(int, at::native::FillFunctor<float>, std::array<char*, 1ul>)": (
-        bd.EW_FILL
+        bc.EW_FILL
     ),
     "void at::native::vectorized_elementwise_kernel<4, at::native::neg_kernel_cuda(at::"
     "TensorIteratorBase&)::{lambda()#2}::operator()() const::{lambda(float)#1}, "
-    "std::array<char*, 2ul> >(int)": bd.EW_OTHER,
+    "std::array<char*, 2ul> >(int)": bc.EW_OTHER,
     "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::"
     "func_wrapper_t<float, at::native::sum_functor<float, float, float>::operator()(at::"
     "TensorIterator&)::{lambda(float, float)#1}>, unsigned int, float, 4, 4> >(int)": (
-        bd.REDUCTION
+        bc.REDUCTION
     ),
     "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous "
     "namespace)::TensorListMetadata<2>, at::native::(anonymous namespace)::BinaryOpListAlphaFunctor"
-    "<float, 2, 2, 0>, std::plus<float>, float>(long)": bd.FOREACH,
+    "<float, 2, 2, 0>, std::plus<float>, float>(long)": bc.FOREACH,
     "void at::native::(anonymous namespace)::avg_pool2d_out_cuda_frame<c10::BFloat16, float>"
-    "(int)": bd.POOLING,
-    "Memcpy DtoD (Device -> Device)": bd.MEMCPY,
-    "Memcpy HtoD (Pageable -> Device)": bd.MEMCPY,
-    "Memset (Device)": bd.MEMSET,
-    "some_kernel_nobody_knows": bd.OTHER,
+    "(int)": bc.POOLING,
+    "Memcpy DtoD (Device -> Device)": bc.MEMCPY,
+    "Memcpy HtoD (Pageable -> Device)": bc.MEMCPY,
+    "Memset (Device)": bc.MEMSET,
+    "some_kernel_nobody_knows": bc.OTHER,
 }
 
 
 @pytest.mark.parametrize("name", list(NAMES))
 def test_kernel_names_fall_in_their_category(name: str) -> None:
-    assert bd.classify(name) == NAMES[name]
+    assert bc.classify(name) == NAMES[name]
 
 
 def test_every_mpsnn_triton_kernel_has_a_category() -> None:
@@ -116,20 +118,20 @@ def test_every_mpsnn_triton_kernel_has_a_category() -> None:
     for info in pkgutil.iter_modules(pkg.__path__):
         module = importlib.import_module(f"{pkg.__name__}.{info.name}")
         launched |= {k for k, v in vars(module).items() if isinstance(v, FastKernel)}
-    assert launched == set(bd.TRITON_KERNELS)
-    assert all(c in bd.CATEGORIES for c in bd.TRITON_KERNELS.values())
+    assert launched == set(bc.TRITON_KERNELS)
+    assert all(c in bc.CATEGORIES for c in bc.TRITON_KERNELS.values())
 
 
-def _workload() -> bd.Workload:
-    w = bd.Workload(convs=[
-        bd.Conv("3x3 4->8", n=2, cin=4, cout=8, kh=3, kw=3, groups=2, ho=5, wo=5,
+def _workload() -> bc.Workload:
+    w = bc.Workload(convs=[
+        bc.Conv("3x3 4->8", n=2, cin=4, cout=8, kh=3, kw=3, groups=2, ho=5, wo=5,
                 data_gradient=False, weight_gradient=True),
-        bd.Conv("fc 8->10", n=2, cin=8, cout=10, kh=1, kw=1, groups=1, ho=1, wo=1,
+        bc.Conv("fc 8->10", n=2, cin=8, cout=10, kh=1, kw=1, groups=1, ho=1, wo=1,
                 data_gradient=True, weight_gradient=True, fully_connected=True),
     ])  # fmt: skip
-    w.add(bd.BN_STATS, 1000, "read E")
-    w.add(bd.BN_FWD, 1000, "read + write E")
-    w.add(bd.BN_FWD, 2000, "recomputed")
+    w.add(bc.BN_STATS, 1000, "read E")
+    w.add(bc.BN_FWD, 1000, "read + write E")
+    w.add(bc.BN_FWD, 2000, "recomputed")
     w.add("elementwise", 5000, "additions")
     return w
 
@@ -138,54 +140,54 @@ def test_flops_per_pass_and_the_skipped_data_gradient() -> None:
     w = _workload()
     assert w.convs[0].flops == 2 * 2 * 5 * 5 * 8 * (4 // 2) * 9 == 14400
     assert w.convs[1].flops == 2 * 2 * 10 * 8 == 320
-    assert bd.conv_flops(w.convs) == {
-        bd.CONV_FWD: 14400, bd.CONV_DGRAD: 0, bd.CONV_WGRAD: 14400, bd.GEMM: 3 * 320
+    assert bc.conv_flops(w.convs) == {
+        bc.CONV_FWD: 14400, bc.CONV_DGRAD: 0, bc.CONV_WGRAD: 14400, bc.GEMM: 3 * 320
     }  # fmt: skip
-    assert w.traffic[bd.BN_FWD] == 3000 and w.notes[bd.BN_FWD] == ["read + write E", "recomputed"]
+    assert w.traffic[bc.BN_FWD] == 3000 and w.notes[bc.BN_FWD] == ["read + write E", "recomputed"]
 
 
 def test_floors_are_flops_over_peak_and_bytes_over_bandwidth() -> None:
     peak = 14400 / 1e-3 / 1e12  # TFLOP/s: the forward's 14400 FLOPs take 1 ms
     bandwidth = 1000 / 0.5e-3 / 1e9  # GB/s: 1000 B take 0.5 ms
-    fl = bd.floors(_workload(), peak, bandwidth)
-    assert fl[bd.CONV_FWD].ms == pytest.approx(1.0)
-    assert fl[bd.CONV_WGRAD].ms == pytest.approx(1.0)
-    assert bd.CONV_DGRAD not in fl  # no data gradient: no floor
-    assert fl[bd.GEMM].ms == pytest.approx(960 / 14400)
-    assert fl[bd.BN_STATS].ms == pytest.approx(0.5)
-    assert fl[bd.BN_FWD].ms == pytest.approx(1.5)
+    fl = bc.floors(_workload(), peak, bandwidth)
+    assert fl[bc.CONV_FWD].ms == pytest.approx(1.0)
+    assert fl[bc.CONV_WGRAD].ms == pytest.approx(1.0)
+    assert bc.CONV_DGRAD not in fl  # no data gradient: no floor
+    assert fl[bc.GEMM].ms == pytest.approx(960 / 14400)
+    assert fl[bc.BN_STATS].ms == pytest.approx(0.5)
+    assert fl[bc.BN_FWD].ms == pytest.approx(1.5)
     assert fl["elementwise"].ms == pytest.approx(2.5) and not fl["elementwise"].derived
     assert fl["batch norm"].ms == pytest.approx(2.0) and fl["batch norm"].derived
     assert fl["convolution"].ms == pytest.approx(2.0) and fl["convolution"].derived
     # the groups' sums are not counted twice
-    assert bd.total_floor(fl) == pytest.approx(2.0 + 960 / 14400 + 2.0 + 2.5)
-    assert "GFLOP @" in fl[bd.CONV_FWD].basis and "GB/s" in fl[bd.BN_FWD].basis
+    assert bc.total_floor(fl) == pytest.approx(2.0 + 960 / 14400 + 2.0 + 2.5)
+    assert "GFLOP @" in fl[bc.CONV_FWD].basis and "GB/s" in fl[bc.BN_FWD].basis
 
 
 def test_summary_rows_and_table_of_a_synthetic_profile() -> None:
-    fprop = next(n for n, c in NAMES.items() if c == bd.CONV_FWD)
+    fprop = next(n for n, c in NAMES.items() if c == bc.CONV_FWD)
     steps = 2
     kernels = [(fprop, 2000.0)] * steps + [("_stats_partial", 500.0)] * (2 * steps)
     kernels += [("_forward", 1000.0)] * steps + [("mystery", 1000.0)] * steps
     per_cat = bd.summarize(kernels, steps)
-    assert per_cat[bd.CONV_FWD]["ms"] == pytest.approx(2.0)
-    assert per_cat[bd.BN_STATS]["launches"] == pytest.approx(2.0)
-    assert per_cat[bd.OTHER]["kernels"] == {"mystery": pytest.approx(1.0)}
-    fl = bd.floors(_workload(), 14400 / 1e-3 / 1e12, 1000 / 0.5e-3 / 1e9)
+    assert per_cat[bc.CONV_FWD]["ms"] == pytest.approx(2.0)
+    assert per_cat[bc.BN_STATS]["launches"] == pytest.approx(2.0)
+    assert per_cat[bc.OTHER]["kernels"] == {"mystery": pytest.approx(1.0)}
+    fl = bc.floors(_workload(), 14400 / 1e-3 / 1e12, 1000 / 0.5e-3 / 1e9)
     rows = {r.category: r for r in bd.rows(per_cat, fl)}
-    fwd = rows[bd.CONV_FWD]
+    fwd = rows[bc.CONV_FWD]
     assert (fwd.ms, fwd.pct, fwd.launches, fwd.ratio) == pytest.approx((2.0, 40.0, 1.0, 2.0))
     bn = rows["batch norm (all)"]
     assert bn.group and (bn.ms, bn.launches, bn.floor_ms) == pytest.approx((2.0, 3.0, 2.0))
     assert rows["elementwise (all)"].ms is None and rows["elementwise (all)"].ratio is None
-    assert rows[bd.CONV_WGRAD].ms is None  # a floor, nothing measured
+    assert rows[bc.CONV_WGRAD].ms is None  # a floor, nothing measured
     total = rows["total"]
     assert (total.ms, total.pct, total.launches) == pytest.approx((5.0, 100.0, 5.0))
-    assert total.floor_ms == pytest.approx(bd.total_floor(fl))
-    assert total.ratio == pytest.approx(5.0 / bd.total_floor(fl))
+    assert total.floor_ms == pytest.approx(bc.total_floor(fl))
+    assert total.ratio == pytest.approx(5.0 / bc.total_floor(fl))
     lines = bd.table(bd.rows(per_cat, fl)).splitlines()
     assert lines[0].startswith("| category | ms/step | % | launches | floor ms |")
-    assert f"| {bd.CONV_FWD} | 2.000 | 40.0 | 1 | 1.000 |" in "\n".join(lines)
+    assert f"| {bc.CONV_FWD} | 2.000 | 40.0 | 1 | 1.000 |" in "\n".join(lines)
     assert any(line.startswith("| **total** | 5.000 | 100.0 | 5 |") for line in lines)
     assert all(r.ms is None for r in bd.rows(None, fl))  # the CPU run: floors only
 
@@ -212,17 +214,17 @@ def test_cpu_smoke_run_counts_resnet18_as_its_twin(tmp_path, capsys) -> None:
     fc = sum(2 * s.numel() * m.in_features for m, s in seen if isinstance(m, nn.Linear))
     bn = sum(s.numel() for m, s in seen if isinstance(m, nn.BatchNorm2d))
     assert got["flops"] == {
-        bd.CONV_FWD: sum(conv),
-        bd.CONV_DGRAD: sum(conv) - conv[0],  # the first layer's data gradient is skipped
-        bd.CONV_WGRAD: sum(conv),
-        bd.GEMM: 3 * fc,
+        bc.CONV_FWD: sum(conv),
+        bc.CONV_DGRAD: sum(conv) - conv[0],  # the first layer's data gradient is skipped
+        bc.CONV_WGRAD: sum(conv),
+        bc.GEMM: 3 * fc,
     }
     assert got["parameters"] == parameters == 11173962
-    assert got["bytes"][bd.BN_STATS] == 2 * bn  # bfloat16: 2 B per element
-    assert got["bytes"][bd.BN_SUMS] == 2 * 2 * bn
-    assert got["bytes"][bd.BN_BWD] == 3 * 2 * bn
-    assert got["bytes"][bd.OPTIMIZER] == parameters * (16 + 2 + 2)
-    assert got["bytes"][bd.BN_FWD] > 2 * 2 * bn  # recomputed results move more
+    assert got["bytes"][bc.BN_STATS] == 2 * bn  # bfloat16: 2 B per element
+    assert got["bytes"][bc.BN_SUMS] == 2 * 2 * bn
+    assert got["bytes"][bc.BN_BWD] == 3 * 2 * bn
+    assert got["bytes"][bc.OPTIMIZER] == parameters * (16 + 2 + 2)
+    assert got["bytes"][bc.BN_FWD] > 2 * 2 * bn  # recomputed results move more
     assert got["bytes"]["elementwise"] > 0
     assert got["rows"][-1]["category"] == "total" and got["rows"][-1]["floor_ms"] > 0
     printed = capsys.readouterr().out
