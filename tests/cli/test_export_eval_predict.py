@@ -173,8 +173,12 @@ def test_eval_equals_the_test_accuracy_the_run_recorded(
     )
     assert result["count"] == 200 and result["dataset"] == "fashion-mnist"
     assert result["correct"] == round(result["accuracy"] * 200) and result["epoch"] == 2
-    # the loss: mean softmax cross-entropy of the logits, checked through the exported twin
+    # the inference graph's logits of this process give the same count and loss
     y = run.trainer.test_y
+    assert result["correct"] == int((graph_logits.argmax(1) == y).sum())
+    want = float(F.cross_entropy(graph_logits.double(), y, reduction="sum")) / len(y)
+    assert result["loss"] == pytest.approx(want, rel=1e-12)
+    # the loss: mean softmax cross-entropy of the logits, checked through the exported twin
     twin = _twin_logits(run.model.state_dict(), run.trainer.test_x)
     assert result["loss"] == pytest.approx(float(F.cross_entropy(twin.double(), y)), rel=1e-5)
     code, out, _ = _run("eval", folder)  # the directory works too; text output

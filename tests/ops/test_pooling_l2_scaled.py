@@ -51,12 +51,12 @@ def test_four_equal_values_give_twice_the_value_and_gradient_half(which, dtype, 
     if dtype is torch.float16 and which == "big":
         v = 3e4  # squares past float16 (the half formats are computed in float32)
     x = torch.full((1, 1, 2, 2), v, dtype=torch.float64).to(dtype)
-    g = torch.ones(1, 1, 1, 1, dtype=dtype)
+    g = torch.full((1, 1, 1, 1), -2.0, dtype=dtype)  # dx = g / 2; g a power of two, not 1
     y, dx = _pool(device, x, g)
     exact = float(x[0, 0, 0, 0]) * 2
     assert torch.isfinite(y).all() and y.item() != 0
     assert y.double().item() == pytest.approx(exact, rel=torch.finfo(dtype).eps)
-    assert torch.equal(dx, torch.full_like(dx, 0.5)), f"{which} {dtype}: {dx.flatten().tolist()}"
+    assert torch.equal(dx, torch.full_like(dx, -1.0)), f"{which} {dtype}: {dx.flatten().tolist()}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
