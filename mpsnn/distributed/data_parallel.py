@@ -158,6 +158,37 @@ class DataParallel:
         a graph whose hooks are not capturable eagerly."""
         return self.world_size == 1 or self.backend == "nccl"
 
+    @property
+    def programmable(self) -> bool:
+        """A graph may lower its steps to a step program (`mpsnn.graph.program`): the
+        collectives are commands of the program like the others, and the step's host work
+        (count, progress mark, weight check) is done by `program_step` at each encode."""
+        return True
+
+    def program_settings(self) -> tuple[Any, ...]:
+        """What a lowered step's collectives were made from: a change lowers again."""
+        return (self.process_group, self.rank, self.world_size, self.sync_batch_norm,
+                self.bucket_bytes, self.check_every)  # fmt: skip
+
+    def program_step(self, command_buffer: Any) -> None:
+        """The host work of one encode that runs (or lowers) a step program: count the step,
+        mark progress, and record the weight check when one is due (after the step's
+        updates, before its outputs are handed over)."""
+        self.steps += 1
+        self._mark()
+        named, every = self._named, self.check_every
+        if named is not None and every and self.world_size > 1 and self.steps % every == 0:
+            check = self._checker(named, self.steps)
+            command_buffer.record(f"weight check of step {self.steps}", check)
+
+    def _checker(self, named: list[tuple[str, torch.Tensor]], step_number: int) -> Any:
+        def check() -> None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                return  # recorded for replays: `DataParallel.replayed` checks them
+            self._check(named, step_number)
+
+        return check
+
     def replayed(self, new_step: bool = True) -> None:
         """The host work of one replay of a recorded step (`CompiledGraph` calls it after
         the replay, on the queue's stream): count the step (``new_step`` False for the replay
@@ -325,6 +356,7 @@ class _StepCollectives:
         dp, what = self.dp, f"the gradient all-reduce of bucket {bucket.index}"
 
         def launch() -> None:
+            bucket.pending = []  # what a failed step left
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
             for st, slot, extras in bucket.states:
                 if extras:  # per-image states (instance/group normalization): one exchange
@@ -397,20 +429,15 @@ class _StepCollectives:
 
     def after_updates(self) -> None:
         dp = self.dp
+        if not self.single and dp.check_every:
+            dp._named = _weights(self.step)  # master tensors: the same at every step
+        if self.step.lowering:
+            return  # counted, and the check recorded, by `program_step`
         dp.steps += 1
-        if self.single or not dp.check_every:
+        named = dp._named
+        if self.single or not dp.check_every or named is None or dp.steps % dp.check_every:
             return
-        named = dp._named = _weights(self.step)  # master tensors: the same at every step
-        if dp.steps % dp.check_every:
-            return
-        step_number = dp.steps
-
-        def check() -> None:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                return  # recorded for replays: `DataParallel.replayed` checks them
-            dp._check(named, step_number)
-
-        self.cb.record(f"weight check of step {step_number}", check)
+        self.cb.record(f"weight check of step {dp.steps}", dp._checker(named, dp.steps))
 
 
 # -- helpers --------------------------------------------------------------------------------

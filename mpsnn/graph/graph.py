@@ -25,7 +25,7 @@ from mpsnn.core.device import CommandBuffer, CommandQueue, Device
 from mpsnn.core.image import Image, TemporaryImage, _check_usable
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.state import State, StateBatch
-from mpsnn.graph import template
+from mpsnn.graph import program
 from mpsnn.graph.nodes import ImageNode
 from mpsnn.graph.plan import GraphPlan, build_plan
 from mpsnn.graph.step import _HELD, _Step, nbytes
@@ -64,12 +64,13 @@ class Graph:
             of the batch, and the hooks combine batch-normalization statistics and sum the
             weight gradients across processes before the updates. An object with
             ``capturable = False`` makes `compile` run every step eagerly.
-        reuse_step: True (default) lets ``encode_batch`` re-arm the step it recorded when the
-            inputs have the same layout and nothing the encode reads changed (kernel
-            properties, nodes, data sources, optimizers, these settings): the same commands
-            on restored temporaries and fresh output images, equal to a full encode bit for
-            bit at a fraction of its host time (`mpsnn.graph.template`). False encodes every
-            step in full.
+        reuse_step: True (default) lowers the first step of each input layout to a step
+            program (`mpsnn.graph.program`: the step's commands over slots, lowered once) that
+            later encodes of that layout run while nothing the encode read changed (kernel
+            properties, nodes, data sources, optimizers, these settings): equal to a full
+            encode bit for bit at a fraction of its host time. False encodes every step in
+            full. A ``data_parallel`` object runs programs when it says ``programmable``
+            (its per-step host work then goes through ``program_step(command_buffer)``).
     """
 
     def __init__(
@@ -118,8 +119,8 @@ class Graph:
         self.reuse_step = True
         self._output_state_is_temporary = False
         self._result_states: list[Any] = []
-        self._templates: list[Any] = []
-        self._template_refusals = 0  # recordings in a row not kept (mpsnn.graph.template)
+        self._programs: list[Any] = []  # lowered steps, newest first (mpsnn.graph.program)
+        self._lowering_refusals = 0  # lowerings in a row not kept
         self._plan = build_plan(self, results, self._needed)
         self._last_plan_report: dict[str, Any] | None = None
         self._intermediates: list[Any] = []
@@ -309,20 +310,20 @@ class Graph:
             command_buffer._rollback(mark)
             raise
         n = len(images[0]) if images else 0
-        key = template.key_of(images, checked) if template.eligible(self) else None
-        if key is None and self._templates and not self.reuse_step:
-            self._templates = []  # turned off: let go of the recorded steps
+        key = program.input_key(images, checked) if program.programmable(self) else None
+        if key is None and self._programs and not self.reuse_step:
+            self._programs = []  # turned off: let go of the lowered steps
         if key is not None:
-            found = template.find(self, key, checked)
+            found = program.find(self, key, checked)
             if found is not None:
                 self._last_plan_report = found.report
-                return found.use(self, command_buffer, images, [s[0] for s in checked])
+                return found.encode(self, command_buffer, images, [s[0] for s in checked])
         try:
             if key is None:
                 return self._encode_step(command_buffer, images, checked, n)
-            return template.record(
+            return program.lower(
                 self, command_buffer, key, images, checked,
-                lambda cb, im, st: self._encode_step(cb, im, st, n),
+                lambda cb, im, st: self._encode_step(cb, im, st, n, lowering=True),
             )  # fmt: skip
         except BaseException:
             # a shape only known at run time (e.g. a concatenation of mismatched inputs)
@@ -376,10 +377,16 @@ class Graph:
         return images, checked
 
     def _encode_step(
-        self, command_buffer: CommandBuffer, images: list[ImageBatch], checked: list[Any], n: int
+        self,
+        command_buffer: CommandBuffer,
+        images: list[ImageBatch],
+        checked: list[Any],
+        n: int,
+        lowering: bool = False,
     ) -> ImageBatch | None:
-        """The ordinary encode of one step (inputs checked)."""
-        step = _Step(self, command_buffer, n)
+        """The ordinary encode of one step (inputs checked; ``lowering``: it is lowered to a
+        step program, whose encodes do the per-step host work of the hooks)."""
+        step = _Step(self, command_buffer, n, lowering)
         for node, value in zip(self._plan.sources, images, strict=True):
             step.set_image(node, value)
         for node, value in zip(self._plan.state_sources, checked, strict=True):

@@ -78,7 +78,7 @@ class ForwardLossNode(FilterNode):
         super().__init__(sources)
         self.descriptor = check_type(who, "loss_descriptor", loss_descriptor, LossDescriptor)
         self.reduce_across_batch = check_type(who, "reduce_across_batch", reduce_across_batch, bool)
-        self.property_call_back: Any = None  # asked at every encode (no step template then)
+        self.property_call_back: Any = None  # asked at every encode (no step program then)
 
     @classmethod
     def from_sources(

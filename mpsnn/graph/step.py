@@ -36,7 +36,10 @@ class StepCollectives(Protocol):
     * ``batch_norm_gradient_sums(node, state)``: its gradient sums were encoded (slot 1:
       Σgy·xhat, Σgy); the input gradient is encoded next and reads them;
     * ``before_updates()``: every gradient was encoded; the data sources' updates follow;
-    * ``after_updates()``: the updates were encoded (the step's last work).
+    * ``after_updates()``: the updates were encoded (the step's last work). When
+      ``step.lowering``, the step becomes a step program: its per-step host work (counting
+      the step, a periodic check) belongs to the object's ``program_step(command_buffer)``,
+      which every encode that lowers or runs the program calls.
     """
 
     def weight_gradient_ready(self, node: Any, kernel: Any, states: Any) -> None: ...
@@ -71,10 +74,11 @@ class _NodeAllocator:
 class _Step:
     """One encode of a graph: the command buffer, the value of every node, what to release."""
 
-    def __init__(self, graph: Any, cb: CommandBuffer, n: int) -> None:
+    def __init__(self, graph: Any, cb: CommandBuffer, n: int, lowering: bool = False) -> None:
         self.graph = graph
         self.cb = cb
         self.n = n
+        self.lowering = lowering  # lowered to a step program (`mpsnn.graph.program`)
         self.images: dict[int, Any] = {}
         self.states: dict[int, Any] = {}
         self.updates: list[tuple[Any, Any, Any]] = []  # (gradient node, kernel, state batch)

@@ -104,9 +104,9 @@ def _descriptor(
 
 
 class _Encode:
-    """One encode of an Adam update: the time step its work runs with. Rewritten when a
-    recorded step is re-armed (`mpsnn.graph.template`): the re-armed commands are the
-    recorded ones."""
+    """One encode of an Adam update: the time step its work runs with. A graph's step program
+    (`mpsnn.graph.program`) runs the lowered commands again: each of its steps counts at
+    encode and binds its own count here when its work runs."""
 
     __slots__ = ("t",)
 

@@ -231,7 +231,7 @@ class Adam(Optimizer):
       count once) and once per update a graph step encodes for all the layers sharing this
       optimizer. An encode on a command buffer that is never committed still counts. Setting
       it between encodes sets the base of the next encode (which uses ``time_step + 1``).
-      A graph step re-armed from its recording (`Graph.reuse_step`) and a replay of a
+      A graph step run from its step program (`Graph.reuse_step`) and a replay of a
       `CompiledGraph` count as encodes.
     * its device copy, which the bias correction reads, is written by the recorded work when
       it runs: each update runs with the count of its own encode, whatever the commit order;

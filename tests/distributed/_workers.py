@@ -22,6 +22,14 @@ def equivalence(out: Path, run: m.DistributedRun) -> None:
         graph.data_parallel = m.DataParallel(bucket_mib=mib)
         _nets.train(graph, run.rank, run.world_size)
         torch.save(_nets.values(sources), out / f"{name}-rank{run.rank}.pt")
+        uses = sum(p.uses for p in graph._programs)  # steps run from the lowered program
+        # the same steps encoded in full every time (no step program)
+        graph, sources = _nets.build(bn, opt, dropout)
+        graph.data_parallel = m.DataParallel(bucket_mib=mib)
+        graph.reuse_step = False
+        _nets.train(graph, run.rank, run.world_size)
+        torch.save(_nets.values(sources), out / f"{name}-full-rank{run.rank}.pt")
+        (out / f"{name}-uses-rank{run.rank}.txt").write_text(f"{uses} {graph._programs}")
     graph, sources = _nets.build(True, "sgd")
     graph.data_parallel = m.DataParallel(check_every=1)
     _nets.train(graph, run.rank, run.world_size, steps=1)  # checked: equal

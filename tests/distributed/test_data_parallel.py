@@ -44,6 +44,25 @@ def test_two_ranks_with_half_batches_equal_one_process_with_the_whole_batch(
             assert (ref - start).norm() / scale > 1e-3, "the steps must move the weights"
 
 
+@pytest.mark.parametrize("name", [case[0] for case in _nets.CASES])
+def test_data_parallel_steps_run_from_a_step_program_equal_full_encodes(
+    equivalence_run: Path, name: str
+) -> None:
+    """Each rank lowers its first step to a step program (collectives included) and runs the
+    later steps from it: the weights equal, bit for bit, those of the same steps encoded in
+    full every time (``reuse_step = False``, which lowers nothing)."""
+    for r in (0, 1):
+        uses, full_programs = (
+            (equivalence_run / f"{name}-uses-rank{r}.txt").read_text().split(" ", 1)
+        )
+        assert int(uses) == _nets.STEPS - 1, uses
+        assert full_programs == "[]"
+        program = torch.load(equivalence_run / f"{name}-rank{r}.pt")
+        full = torch.load(equivalence_run / f"{name}-full-rank{r}.pt")
+        for i, (a, b) in enumerate(zip(program, full, strict=True)):
+            assert torch.equal(a, b), f"{name} rank {r}: value {i} differs from full encodes"
+
+
 def test_the_weight_check_names_the_rank_that_diverged(equivalence_run: Path) -> None:
     for r in (0, 1):
         message = (equivalence_run / f"diverge-rank{r}.txt").read_text()

@@ -1,6 +1,6 @@
 """MPS contracts of a training graph that clients rely on: read counts a data source adds
 are its own, ``training_style`` on gradient nodes, Adam's ``time_step`` counted per step at
-encode (also by a re-armed step), ``encode_batch`` of plain lists of images, and result states
+encode (also by a run step), ``encode_batch`` of plain lists of images, and result states
 (``output_state_is_temporary``)."""
 
 from __future__ import annotations
@@ -252,7 +252,7 @@ def test_adam_time_step_counts_each_step_at_encode_also_a_re_armed_one(reuse: bo
     counts, weights, graph = run(reuse)
     assert counts == [1, 2, 3, 4, 5]  # one per step, two layers sharing the Adam
     if reuse:
-        assert sum(t.uses for t in graph._templates) >= 1  # re-armed steps were counted
+        assert sum(t.uses for t in graph._programs) >= 1  # run steps were counted
     _, plain, _ = run(False)
     for a, b in zip(weights, plain, strict=True):
         assert torch.equal(a, b)

@@ -117,7 +117,7 @@ def _chain(split: bool, steps: int = 2) -> tuple[list[torch.Tensor], torch.Tenso
 
 def test_initial_gradient_of_one_forward_loss_equals_the_fused_loss_node() -> None:
     """A forward loss and its initial gradient train exactly as the fused `LossNode` (two
-    steps: the second re-arms the recorded step)."""
+    steps: the second runs the recorded step)."""
     split, w_split = _chain(True)
     fused, w_fused = _chain(False)
     for a, b in zip(split, fused, strict=True):
@@ -224,12 +224,12 @@ def _callback_steps(reuse: bool) -> tuple[list[torch.Tensor], _Callback, m.Graph
 
 
 def test_property_call_back_weights_the_loss_and_its_gradient_at_every_encode() -> None:
-    """The callback is asked at every encode (also when the graph would re-arm a recorded
+    """The callback is asked at every encode (also when the graph would run a recorded
     step) with the predictions and the loss image's descriptor; the gradient uses its weight."""
     reused, callback, graph = _callback_steps(True)
     eager, _, _ = _callback_steps(False)
     assert callback.calls == [((2, 2, 3, 3), 2, 1)] * 4
-    assert graph._templates == []  # never kept: a replay would not ask the callback
+    assert graph._programs == []  # never kept: a replay would not ask the callback
     for step, (a, b) in enumerate(zip(reused, eager, strict=True)):
         assert torch.equal(a, b), f"step {step}"
     # the fourth step's weight is 1/4: the gradient of 0.25 * sum (y - t)^2

@@ -1,4 +1,4 @@
-"""The small network the step-template tests train (a convolution with a ReLU, a fully
+"""The small network the step-program tests train (a convolution with a ReLU, a fully
 connected layer, softmax cross entropy, SGD), with a data source or optimizer of the user's in
 its place when asked, and the checks they share."""
 

@@ -1,7 +1,7 @@
-"""Where the step template (`mpsnn.graph.template`) must step aside: user code an encode
+"""Where the step program (`mpsnn.graph.program`) must step aside: user code an encode
 calls (a data source, optimizer or padding policy of the user's), tensors made under
-inference mode, the labels' class count a compiled step checks, and graphs whose recordings
-cannot be kept (they stop recording). Each compares with ``reuse_step = False``."""
+inference mode, the labels' class count a compiled step checks, and graphs whose lowerings
+cannot be kept (they stop lowering). Each compares with ``reuse_step = False``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from mpsnn.cnn.loss_labels import LossLabels
 from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.geometry import PaddingMethod
 from mpsnn.core.image_batch import ImageBatch
-from tests.graph._template_nets import (
+from tests.graph._program_nets import (
     assert_same_losses,
     assert_same_sources,
     small_data,
@@ -47,7 +47,7 @@ class _SwitchablePadding:
 
 
 def test_a_custom_padding_policy_is_called_at_every_encode() -> None:
-    """A user's padding policy (user code an encode calls) keeps the graph off the template:
+    """A user's padding policy (user code an encode calls) keeps the graph off the program:
     it is called at every encode and its answer is followed, as with ``reuse_step = False``."""
     runs = {}
     for reuse in (True, False):
@@ -68,17 +68,17 @@ def test_a_custom_padding_policy_is_called_at_every_encode() -> None:
             out = graph.encode_batch(cb, [ImageBatch.from_tensor(x)])
             cb.commit()
             outs.append(out.tensor.clone())
-        runs[reuse] = (outs, policy.calls, graph._templates)
-    (on, on_calls, templates), (off, off_calls, _) = runs[True], runs[False]
+        runs[reuse] = (outs, policy.calls, graph._programs)
+    (on, on_calls, programs), (off, off_calls, _) = runs[True], runs[False]
     assert [t.shape for t in on] == [(2, 2, 8, 8)] * 2 + [(2, 2, 6, 6)] * 2
     assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
-    assert on_calls == off_calls == 4 and templates == []
+    assert on_calls == off_calls == 4 and programs == []
 
 
-def test_no_template_is_recorded_under_inference_mode() -> None:
-    """A step encoded under ``torch.inference_mode()`` is not recorded (the tensors an encode
+def test_no_program_is_lowered_under_inference_mode() -> None:
+    """A step encoded under ``torch.inference_mode()`` is not lowered (the tensors an encode
     makes there cannot be updated outside it): later steps outside it run as without a
-    template."""
+    program."""
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randn(n, 1, 28, 28, generator=gen), torch.randint(0, 10, (n,), generator=gen))
                for n in (4, 2, 2, 2)]  # fmt: skip
@@ -103,7 +103,7 @@ def test_no_template_is_recorded_under_inference_mode() -> None:
 
 def test_labels_get_the_class_count_when_reused() -> None:
     """Labels that already carry the predictions' class count (one LossLabels encoded twice)
-    still hand it on: a re-armed step sets it on new labels, which a compiled step's refill
+    still hand it on: a run step sets it on new labels, which a compiled step's refill
     checks class indices against."""
     net = build_model("lenet", DEV, make_optimizer("sgd", DEV, None), seed=0)
     graph = net.training_graph(4)
@@ -115,12 +115,12 @@ def test_labels_get_the_class_count_when_reused() -> None:
         graph.encode_batch(cb, [ImageBatch.from_tensor(x)], [labels])
         cb.commit()
         assert labels._classes == 10
-    assert sum(t.uses for t in graph._templates) >= 1
+    assert sum(t.uses for t in graph._programs) >= 1
 
 
-def test_a_graph_whose_recordings_are_not_kept_stops_recording() -> None:
-    """A graph whose recordings cannot be kept (a layer without an optimizer: its update
-    exports a weights state and adds a completed handler) stops recording after three tries:
+def test_a_graph_whose_lowerings_are_not_kept_stops_lowering() -> None:
+    """A graph whose lowerings cannot be kept (a layer without an optimizer: its update
+    exports a weights state and adds a completed handler) stops lowering after three tries:
     its encodes run in full, with the values of ``reuse_step = False``."""
     runs = {}
     for reuse in (True, False):
@@ -142,13 +142,13 @@ def test_a_graph_whose_recordings_are_not_kept_stops_recording() -> None:
         runs[reuse] = (losses, graph)
     (on, graph), (off, _) = runs[True], runs[False]
     assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
-    assert graph._templates == [] and graph._template_refusals == 3
+    assert graph._programs == [] and graph._lowering_refusals == 3
 
 
 @pytest.mark.parametrize("custom", ["data source", "optimizer", "none"])
-def test_user_data_sources_and_optimizers_get_no_template(custom: str) -> None:
-    """A data source or optimizer defined outside mpsnn records no template and its update
-    runs at every step (mpsnn's own: a template, re-armed); values equal the ordinary
+def test_user_data_sources_and_optimizers_get_no_program(custom: str) -> None:
+    """A data source or optimizer defined outside mpsnn lowers no program and its update
+    runs at every step (mpsnn's own: a program, run); values equal the ordinary
     encode."""
     data = small_data(4)
     runs = []
@@ -160,7 +160,7 @@ def test_user_data_sources_and_optimizers_get_no_template(custom: str) -> None:
     assert_same_losses(on_losses, off_losses)
     assert_same_sources(on_sources, off_sources)
     if custom == "none":
-        assert len(on_graph._templates) == 1 and on_graph._templates[0].uses == 3
+        assert len(on_graph._programs) == 1 and on_graph._programs[0].uses == 3
     else:
-        assert on_graph._templates == []
+        assert on_graph._programs == []
         assert counted.calls == 4

@@ -1,8 +1,8 @@
-"""The step template of a `Graph`'s eager ``encode_batch`` (`mpsnn.graph.template`): later
-encodes of a recorded layout re-arm the recorded step instead of encoding it again. Every test
+"""The step program of a `Graph`'s eager ``encode_batch`` (`mpsnn.graph.program`): later
+encodes of a lowered layout run the lowered step instead of encoding it again. Every test
 compares against the same graph with ``reuse_step = False`` bit for bit (losses, results,
-exported images, weights), and checks through ``graph._templates`` / ``.uses`` that the
-template was (or was not) used."""
+exported images, weights), and checks through ``graph._programs`` / ``.uses`` that the
+program was (or was not) used."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from mpsnn.cli.common import DTYPES, build_model, make_optimizer, parse_device
 from mpsnn.cnn.loss_labels import LossLabels
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
-from tests.graph._template_nets import (
+from mpsnn.graph import program as program_module
+from tests.graph._program_nets import (
     assert_same_losses,
     assert_same_sources,
     encode,
@@ -71,7 +72,7 @@ def _assert_trained(net: Any) -> None:
 
 
 def _uses(graph: m.Graph) -> int:
-    return sum(t.uses for t in graph._templates)
+    return sum(t.uses for t in graph._programs)
 
 
 def _first_convolution_kernel(graph: m.Graph) -> Any:
@@ -96,9 +97,9 @@ CASES = [c for c in _CASES if c[2] in DTYPES]  # the storage formats the CLI off
 @pytest.mark.parametrize(
     ("model", "opt", "fmt", "batch"), CASES, ids=["-".join(c[:3]) for c in CASES]
 )
-def test_template_steps_equal_ordinary_steps(model: str, opt: str, fmt: str, batch: int) -> None:
-    """Five steps with the template give the ordinary encode's losses and weights bit for bit,
-    and steps 2..5 re-armed the one template recorded at step 1."""
+def test_program_steps_equal_ordinary_steps(model: str, opt: str, fmt: str, batch: int) -> None:
+    """Five steps with the program give the ordinary encode's losses and weights bit for bit,
+    and steps 2..5 run the one program lowered at step 1."""
     runs = []
     for reuse in (True, False):
         net = _net(model, opt)
@@ -109,15 +110,15 @@ def test_template_steps_equal_ordinary_steps(model: str, opt: str, fmt: str, bat
     assert_same_losses(on_losses, off_losses)
     _assert_same_weights(on_net, off_net)
     _assert_trained(on_net)
-    assert len(on_graph._templates) == 1
+    assert len(on_graph._programs) == 1
     assert _uses(on_graph) == 4
-    assert off_graph._templates == []  # reuse_step = False records nothing
+    assert off_graph._programs == []  # reuse_step = False lowers nothing
     assert all(bool(torch.isfinite(loss).all()) for loss in on_losses)
 
 
-def test_dropout_masks_advance_under_the_template() -> None:
+def test_dropout_masks_advance_under_the_program() -> None:
     """With the same batch at every step and a zero learning rate (only the dropout masks can
-    change the loss), template steps draw new masks at every step, the ordinary ones'."""
+    change the loss), program steps draw new masks at every step, the ordinary ones'."""
     runs = []
     for reuse in (True, False):
         net = _net("apple-mnist", "adam")
@@ -136,7 +137,7 @@ def test_dropout_masks_advance_under_the_template() -> None:
 
 
 def test_outputs_are_fresh_objects_per_step() -> None:
-    """Each template step hands out new loss images and exported logits (an earlier step's are
+    """Each program step hands out new loss images and exported logits (an earlier step's are
     not overwritten by later steps), unreadable until committed, equal to the ordinary ones."""
     kept: dict[bool, tuple[list[Any], list[Any]]] = {}
     for reuse in (True, False):
@@ -185,8 +186,8 @@ def _infer(graph: m.Graph, xs: list[torch.Tensor]) -> list[ImageBatch]:
 
 
 def test_inference_results_are_fresh_and_right() -> None:
-    """An inference graph's template steps return new result images with the ordinary
-    encode's values (read after every step), and the template is re-armed."""
+    """An inference graph's program steps return new result images with the ordinary
+    encode's values (read after every step), and the program is run."""
     xs = [x for x, _ in _data(_net(), 4, 6)]
     results = {}
     for reuse in (True, False):
@@ -194,7 +195,7 @@ def test_inference_results_are_fresh_and_right() -> None:
         graph.reuse_step = reuse
         results[reuse] = _infer(graph, xs)
         if reuse:
-            assert len(graph._templates) == 1 and graph._templates[0].uses == 3
+            assert len(graph._programs) == 1 and graph._programs[0].uses == 3
     on, off = results[True], results[False]
     assert len({id(b.image) for b in on}) == 4
     for i in range(4):
@@ -203,8 +204,8 @@ def test_inference_results_are_fresh_and_right() -> None:
     assert not torch.equal(on[0].tensor, on[1].tensor)
 
 
-def test_inference_template_reads_reloaded_weights() -> None:
-    """After training steps and ``reload_from_data_sources``, the inference graph's template
+def test_inference_program_reads_reloaded_weights() -> None:
+    """After training steps and ``reload_from_data_sources``, the inference graph's program
     computes with the new weights (equal to the ordinary encode, and not the old logits)."""
     results = {}
     for reuse in (True, False):
@@ -214,7 +215,7 @@ def test_inference_template_reads_reloaded_weights() -> None:
         training = _training(net, 8, reuse)
         data = _data(net, 3, 8)
         xs = [x for x, _ in data]
-        # one step first: the optimizer's state is made then, which a template watches
+        # one step first: the optimizer's state is made then, which a program watches
         train(net, training, data[:1])
         inference.reload_from_data_sources()
         before = _infer(inference, xs[:2])
@@ -223,7 +224,7 @@ def test_inference_template_reads_reloaded_weights() -> None:
         after = _infer(inference, xs[:2])
         results[reuse] = (before, after)
         if reuse:
-            assert inference._templates[0].uses == 3
+            assert inference._programs[0].uses == 3
     (on_before, on_after), (off_before, off_after) = results[True], results[False]
     for i in range(2):
         assert torch.equal(on_before[i].tensor, off_before[i].tensor), i
@@ -260,9 +261,9 @@ CHANGES = {
 
 
 @pytest.mark.parametrize("what", list(CHANGES))
-def test_changes_invalidate_or_keep_the_template(what: str) -> None:
+def test_changes_invalidate_or_keep_the_program(what: str) -> None:
     """A changed kernel property, clipping switch or graph format is not run on the stale
-    template (a new one is recorded), a new learning rate keeps it; the values equal the
+    program (a new one is lowered), a new learning rate keeps it; the values equal the
     ordinary graph with the same change at the same step."""
     change, invalidates, effect = CHANGES[what]
     at, steps = 2, 5
@@ -272,7 +273,7 @@ def test_changes_invalidate_or_keep_the_template(what: str) -> None:
     def before(i: int, net: Any, graph: m.Graph) -> None:
         if i == at:
             if graph.reuse_step:
-                seen["old"] = graph._templates[0]
+                seen["old"] = graph._programs[0]
                 assert seen["old"].uses == at - 1
             change(net, graph)
 
@@ -289,17 +290,17 @@ def test_changes_invalidate_or_keep_the_template(what: str) -> None:
     assert not torch.equal(off_losses[at + effect], base_losses[at + effect]), "no effect"
     old = seen["old"]
     if invalidates:
-        assert old.uses == at - 1, "the stale template was re-armed"
-        new = on_graph._templates[0]
+        assert old.uses == at - 1, "the stale program was run"
+        new = on_graph._programs[0]
         assert new is not old
         assert new.uses == steps - at - 1
     else:
-        assert on_graph._templates == [old], "a new template was recorded"
+        assert on_graph._programs == [old], "a new program was lowered"
         assert old.uses == steps - 1
 
 
-def test_set_learning_rate_keeps_the_template() -> None:
-    """``optimizer.set_learning_rate`` between steps keeps the template (the rate lives in
+def test_set_learning_rate_keeps_the_program() -> None:
+    """``optimizer.set_learning_rate`` between steps keeps the program (the rate lives in
     device memory) and gives the ordinary graph's values."""
     runs = []
     for reuse in (True, False):
@@ -314,12 +315,12 @@ def test_set_learning_rate_keeps_the_template() -> None:
     (on_net, on_graph, on_losses), (off_net, _, off_losses) = runs
     assert_same_losses(on_losses, off_losses)
     _assert_same_weights(on_net, off_net)
-    assert len(on_graph._templates) == 1 and on_graph._templates[0].uses == 4
+    assert len(on_graph._programs) == 1 and on_graph._programs[0].uses == 4
 
 
 @pytest.mark.parametrize(("momentum", "reload"), [(0.0, True), (0.9, True), (0.0, False)])
 def test_biases_given_to_a_bias_less_layer_are_trained(momentum: float, reload: bool) -> None:
-    """Biases given to a bias-less layer after the template was recorded
+    """Biases given to a bias-less layer after the program was lowered
     (``set_weights_and_biases`` + ``reload_from_data_sources``) are used and trained as by the
     ordinary encode; with momentum their optimizer state starts fresh beside the weights'."""
     data = small_data(8)
@@ -335,7 +336,7 @@ def test_biases_given_to_a_bias_less_layer_are_trained(momentum: float, reload: 
 
         runs.append((graph, sources, train(None, graph, data, before)))
     (on_graph, on_sources, on_losses), (_, off_sources, off_losses) = runs
-    assert _uses(on_graph) >= 1  # a template was recorded and used before the change
+    assert _uses(on_graph) >= 1  # a program was lowered and used before the change
     assert not torch.equal(off_sources[0].bias_terms(), torch.full((4,), 0.5))  # trained
     on_bias, off_bias = on_sources[0].bias_terms(), off_sources[0].bias_terms()
     assert torch.equal(on_bias, off_bias), f"new biases: {on_bias} != {off_bias}"
@@ -349,7 +350,8 @@ def test_biases_given_to_a_bias_less_layer_are_trained(momentum: float, reload: 
 @pytest.mark.parametrize("buffers", ["two buffers", "one buffer"])
 def test_steps_encoded_before_commit(buffers: str) -> None:
     """Two steps encoded before either is committed (on two buffers committed in order, or on
-    one buffer) give the ordinary encode's losses and weights; both templates are re-armed."""
+    one buffer) give the ordinary encode's losses and weights; one step program runs them all
+    (each run binds its own inputs and counts: the commit order does not matter)."""
     runs = []
     for reuse in (True, False):
         net = _net("lenet", "adam")
@@ -370,16 +372,16 @@ def test_steps_encoded_before_commit(buffers: str) -> None:
     (on_net, on_graph, on_losses), (off_net, _, off_losses) = runs
     assert_same_losses(on_losses, off_losses)
     _assert_same_weights(on_net, off_net)
-    assert len(on_graph._templates) == 2
-    assert _uses(on_graph) == 4
+    assert len(on_graph._programs) == 1
+    assert _uses(on_graph) == 5
 
 
 # -- 6. a new input layout -----------------------------------------------------------------
 
 
-def test_new_input_layout_records_a_new_template() -> None:
-    """A channels-last input and a smaller batch each record a template of their own (another
-    key), re-armed for the next step of that layout; values equal the ordinary encode."""
+def test_new_input_layout_lowers_a_new_program() -> None:
+    """A channels-last input and a smaller batch each lower a program of their own (another
+    key), run for the next step of that layout; values equal the ordinary encode."""
     gen = torch.Generator().manual_seed(6)
     raw = [
         (torch.randn(4, 3, 8, 8, generator=gen), torch.randint(0, 10, (4,), generator=gen))
@@ -390,18 +392,18 @@ def test_new_input_layout_records_a_new_template() -> None:
     data += [(x.contiguous(memory_format=last), y) for x, y in raw[2:4]]
     data += [(x[:2], y[:2]) for x, y in raw[4:6]]
     assert data[2][0].stride() != raw[2][0].stride()
-    recorded: list[Any] = []  # the template of each layout (only the newest two are kept)
+    recorded: list[Any] = []  # the program of each layout (the newest four are kept)
 
     def before(i: int, net: Any, graph: m.Graph) -> None:
         if graph.reuse_step and i in (2, 4):
-            recorded.append(graph._templates[0])
+            recorded.append(graph._programs[0])
 
     runs = []
     for reuse in (True, False):
         graph, sources, _ = small_training("none", reuse, cin=3)
         runs.append((graph, sources, train(None, graph, data, before)))
         if reuse:
-            recorded.append(graph._templates[0])
+            recorded.append(graph._programs[0])
     (_, on_sources, on_losses), (_, off_sources, off_losses) = runs
     assert_same_losses(on_losses, off_losses)
     assert_same_sources(on_sources, off_sources)
@@ -414,9 +416,9 @@ def test_new_input_layout_records_a_new_template() -> None:
 # -- 7. labels out of range ----------------------------------------------------------------
 
 
-def test_out_of_range_labels_raise_as_without_template() -> None:
-    """Labels with an index >= the classes, after a template exists, raise the ordinary
-    encode's ValueError; the buffer is left usable and the template keeps working."""
+def test_out_of_range_labels_raise_as_without_program() -> None:
+    """Labels with an index >= the classes, after a program exists, raise the ordinary
+    encode's ValueError; the buffer is left usable and the program keeps working."""
     messages, runs = [], []
     for reuse in (True, False):
         net = _net()
@@ -434,13 +436,13 @@ def test_out_of_range_labels_raise_as_without_template() -> None:
         messages.append(str(err.value))
         assert len(cb) == 0
         if reuse:
-            assert len(graph._templates) == 1 and graph._templates[0].uses == 1
+            assert len(graph._programs) == 1 and graph._programs[0].uses == 1
         good = encode(graph, cb, x, y)
         cb.commit()
         cb.wait_until_completed()
         losses.append(good.loss_image().tensor.clone())
         if reuse:
-            assert len(graph._templates) == 1 and graph._templates[0].uses == 2
+            assert len(graph._programs) == 1 and graph._programs[0].uses == 2
         runs.append((net, losses))
     assert messages[0] == messages[1]
     assert "class indices must be < the 10 channels" in messages[0]
@@ -485,3 +487,68 @@ def test_source_written_earlier_on_the_same_buffer(image: str) -> None:
     _assert_same_weights(on_net, off_net)
     # a new image has no storage at every encode (one key); the same image has from step 2
     assert _uses(on_graph) == (3 if image == "new image per step" else 2)
+
+
+# -- 8. commit order, and slots emptied by their own releases ------------------------------
+
+
+def test_two_buffers_committed_in_reverse_order_run_with_their_own_counts() -> None:
+    """Adam steps encoded on two buffers and committed in the reverse order: each run binds
+    its own inputs and its own time step (counted at encode), so the losses and weights equal
+    full encodes committed in the same order."""
+    runs = []
+    for reuse in (True, False):
+        net = _net("lenet", "adam")
+        graph = _training(net, 8, reuse)
+        queue = DEV.new_command_queue()
+        data = _data(net, 6, 8)
+        labels = []
+        for k in range(0, 6, 2):
+            cb_a, cb_b = queue.command_buffer(), queue.command_buffer()
+            labels.append(encode(graph, cb_a, *data[k]))
+            labels.append(encode(graph, cb_b, *data[k + 1]))
+            cb_b.commit()
+            cb_a.commit()
+            cb_a.wait_until_completed()
+        runs.append((net, graph, [lab.loss_image().tensor for lab in labels]))
+    (on_net, on_graph, on_losses), (off_net, _, off_losses) = runs
+    assert_same_losses(on_losses, off_losses)
+    _assert_same_weights(on_net, off_net)
+    _assert_trained(on_net)
+    assert _uses(on_graph) == 5
+
+
+@pytest.mark.parametrize("model", ["lenet", "resnet18"])
+def test_a_completed_step_leaves_every_slot_as_the_lowering_did(model: str) -> None:
+    """Between steps the program's slots (the images and states the lowering made) hold no
+    tensor and every other attribute as the first completed step left it: each slot is emptied
+    by its own release, so nothing of a step reaches the next."""
+    net = _net(model, "sgd")
+    graph = _training(net, 4, True)
+    queue = DEV.new_command_queue()
+    data = _data(net, 3, 4)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        cb = queue.command_buffer()
+        encode(graph, cb, x, y)
+        cb.commit()
+        cb.wait_until_completed()
+
+    step(*data[0])
+    (program,) = graph._programs
+    slots = [h.resource for h in program.hooks]
+    assert slots and program.images
+    def attrs(slot: Any) -> dict[str, Any]:  # containers copied: a run may fill them in place
+        out = program_module._attrs(slot)
+        return {k: v.copy() if isinstance(v, dict | list | set) else v for k, v in out.items()}
+
+    first = [attrs(s) for s in slots]
+    for x, y in data[1:]:
+        step(x, y)
+        for slot, before in zip(slots, first, strict=True):
+            now = attrs(slot)
+            assert not program_module._holds_tensor(slot), f"{slot!r} kept a tensor"
+            assert now.keys() == before.keys(), slot
+            for k, v in now.items():
+                assert v is before[k] or v == before[k], f"{slot!r}.{k}: {before[k]!r} -> {v!r}"
+    assert program.uses == 2
