@@ -538,6 +538,7 @@ def test_a_completed_step_leaves_every_slot_as_the_lowering_did(model: str) -> N
     (program,) = graph._programs
     slots = [h.resource for h in program.hooks]
     assert slots and program.images
+
     def attrs(slot: Any) -> dict[str, Any]:  # containers copied: a run may fill them in place
         out = program_module._attrs(slot)
         return {k: v.copy() if isinstance(v, dict | list | set) else v for k, v in out.items()}
