@@ -66,7 +66,7 @@ from benchmarks.tools.breakdown_categories import (
 
 
 def record_shapes(graph: Any, step: Callable[[], Any]) -> dict[int, tuple[int, int, int, int]]:
-    """Run ``step`` (the graph's first encode: later ones may reuse a recorded template and
+    """Run ``step`` (the graph's first encode: later ones may run its step program and
     allocate nothing) and return the ``(n, c, h, w)`` of every image the graph allocated, by
     allocation node id."""
     shapes: dict[int, tuple[int, int, int, int]] = {}

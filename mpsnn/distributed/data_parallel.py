@@ -55,6 +55,11 @@ running statistics are updated from the merged ones: identical on every rank (so
 check still holds), the whole batch's. The weights are then not one process's on the whole
 batch (the normalization differs), but those of the shards' summed gradients.
 
+**Eager steps** run the graph's step program (`mpsnn.graph.program`, ``programmable``): the
+first encode of an input layout calls the hooks above and its commands, collectives included,
+become the program; later encodes append that list. The host work of a step (count, progress
+mark, weight check when due) is `DataParallel.program_step`, which every such encode calls.
+
 **Replayed steps** (`Graph.compile` on CUDA with the NCCL backend: ``capturable``). Every
 collective above is recorded in the step's CUDA graph: NCCL launches captured on the queue's
 stream (NCCL's own stream joins the capture through events), so a replay runs the whole step,
