@@ -456,11 +456,11 @@ def lower(
     with journal() as counters:
         out = encode(cb, input_batches, [[s] for s in label_slots])
     p.counters = counters
-    hooks_dp = graph.data_parallel
+    parallel = graph.data_parallel
     users = {id(s): b for s, b in zip(input_batches, images, strict=True)}
     if len(cb._commands) == start:  # no work (a pass-through graph): nothing to bind or keep
-        if hooks_dp is not None:
-            hooks_dp.program_step(cb)
+        if parallel is not None:
+            parallel.program_step(cb)
         graph._intermediates = [_user_batch(e, users) for e in graph._intermediates]
         return _user_batch(out, users)
     unchanged = p.reads.settle(graph)
@@ -498,8 +498,8 @@ def lower(
         # every hook releases a slot, and no slot holds a tensor made at encode time
         and all(s is not None and not _holds_tensor(s) for s in slots)
     )
-    if hooks_dp is not None:  # the step's host work, after the program's commands
-        hooks_dp.program_step(cb)
+    if parallel is not None:  # the step's host work, after the program's commands
+        parallel.program_step(cb)
     result = p._finish(graph, cb, [s[0] for s in labels], users)
     if ok:
         graph._programs = [p, *graph._programs[: _KEPT - 1]]
