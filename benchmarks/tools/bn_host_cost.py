@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks.bench_normalization import EPS, RELU
 from mpsnn.ops.batch_norm import (
     bn_backward,
     bn_forward,
@@ -26,9 +27,6 @@ from mpsnn.ops.batch_norm import (
     bn_variance,
 )
 from mpsnn.ops.batch_norm_params import BatchNormParams, BatchNormSums
-from mpsnn.ops.neuron import NeuronParams
-
-RELU = NeuronParams(1, 0.0, 0.0, 0.0, None)  # neuron type 1 (ReLU), slope 0
 
 
 def per_call_us(fn: Callable[[], object], calls: int, trials: int, device: str) -> float:
@@ -53,12 +51,12 @@ def rows(shape: tuple[int, ...], dtype: torch.dtype, dev: str) -> list[tuple[str
     w = torch.rand(shape[1], device=dev) + 0.5
     b = torch.randn(shape[1], device=dev)
     count, mean, m2 = bn_statistics(x)
-    p = BatchNormParams(mean, bn_variance(count, m2), w, b, 1e-5, RELU)
+    p = BatchNormParams(mean, bn_variance(count, m2), w, b, EPS, RELU)
     sums = BatchNormSums(*bn_gradient_sums(g, x, p), count)
 
     def forward() -> object:
         c, mu, q = bn_statistics(x)
-        return bn_forward(x, BatchNormParams(mu, bn_variance(c, q), w, b, 1e-5, RELU))
+        return bn_forward(x, BatchNormParams(mu, bn_variance(c, q), w, b, EPS, RELU))
 
     return [
         ("x.add_(0) (for scale)", lambda: x.add_(0)),

@@ -179,20 +179,23 @@ class DataParallel:
         """The host work of one encode that runs (or lowers) a step program: count the step,
         mark progress, and record the weight check when one is due (after the step's
         updates, before its outputs are handed over)."""
-        self.steps += 1
         self._mark()
-        named, every = self._named, self.check_every
-        if named is not None and every and self.world_size > 1 and self.steps % every == 0:
-            check = self._checker(named, self.steps)
-            command_buffer.record(f"weight check of step {self.steps}", check)
+        self._count_step(command_buffer)
 
-    def _checker(self, named: list[tuple[str, torch.Tensor]], step_number: int) -> Any:
+    def _count_step(self, command_buffer: Any) -> None:
+        """Count an encoded step and record the weight check on ``command_buffer`` when one is
+        due (the step's last work, after its updates)."""
+        self.steps += 1
+        named, every, step_number = self._named, self.check_every, self.steps
+        if named is None or not every or self.world_size == 1 or step_number % every:
+            return
+
         def check() -> None:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 return  # recorded for replays: `DataParallel.replayed` checks them
             self._check(named, step_number)
 
-        return check
+        command_buffer.record(f"weight check of step {step_number}", check)
 
     def replayed(self, new_step: bool = True) -> None:
         """The host work of one replay of a recorded step (`CompiledGraph` calls it after
@@ -436,13 +439,8 @@ class _StepCollectives:
         dp = self.dp
         if not self.single and dp.check_every:
             dp._named = _weights(self.step)  # master tensors: the same at every step
-        if self.step.lowering:
-            return  # counted, and the check recorded, by `program_step`
-        dp.steps += 1
-        named = dp._named
-        if self.single or not dp.check_every or named is None or dp.steps % dp.check_every:
-            return
-        self.cb.record(f"weight check of step {dp.steps}", dp._checker(named, dp.steps))
+        if not self.step.lowering:  # a lowered step is counted by `program_step`
+            dp._count_step(self.cb)
 
 
 # -- helpers --------------------------------------------------------------------------------

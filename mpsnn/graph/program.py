@@ -344,9 +344,6 @@ class StepProgram:
         if self.pending:
             cb._pending_releases.extend(self.pending)
         cb._hooks.extend(self.hooks)
-        hooks = graph.data_parallel
-        if hooks is not None:
-            hooks.program_step(cb)
         self.uses += 1
         return self._finish(graph, cb, labels, {})
 
@@ -354,10 +351,13 @@ class StepProgram:
         self, graph: Any, cb: CommandBuffer, labels: list[Any], users: dict[int, ImageBatch]
     ) -> Any:
         """The step's last work and the caller's outputs (lowering and later steps alike):
-        fresh output images, which the encode's settings on the labels and the exported images
-        name, filled by a last command that hands over the output slots' tensors; a hook that
-        empties the slots. Returns the result batch (``users``: the caller's batch for an input
-        slot's)."""
+        the data-parallel hooks' host work of the step (`program_step`); fresh output images,
+        which the encode's settings on the labels and the exported images name, filled by a
+        last command that hands over the output slots' tensors; a hook that empties the
+        slots. Returns the result batch (``users``: the caller's batch for an input slot's)."""
+        parallel = graph.data_parallel
+        if parallel is not None:  # after the program's commands, before the hand-over
+            parallel.program_step(cb)
         fresh = {}
         for out, desc in zip(self.outputs, self.descriptors, strict=True):
             new = Image._make(out._device, desc)
@@ -456,11 +456,10 @@ def lower(
     with journal() as counters:
         out = encode(cb, input_batches, [[s] for s in label_slots])
     p.counters = counters
-    parallel = graph.data_parallel
     users = {id(s): b for s, b in zip(input_batches, images, strict=True)}
     if len(cb._commands) == start:  # no work (a pass-through graph): nothing to bind or keep
-        if parallel is not None:
-            parallel.program_step(cb)
+        if graph.data_parallel is not None:  # the step is counted all the same
+            graph.data_parallel.program_step(cb)
         graph._intermediates = [_user_batch(e, users) for e in graph._intermediates]
         return _user_batch(out, users)
     unchanged = p.reads.settle(graph)
@@ -498,8 +497,6 @@ def lower(
         # every hook releases a slot, and no slot holds a tensor made at encode time
         and all(s is not None and not _holds_tensor(s) for s in slots)
     )
-    if parallel is not None:  # the step's host work, after the program's commands
-        parallel.program_step(cb)
     result = p._finish(graph, cb, [s[0] for s in labels], users)
     if ok:
         graph._programs = [p, *graph._programs[: _KEPT - 1]]

@@ -30,18 +30,20 @@ def equivalence(out: Path, run: m.DistributedRun) -> None:
         _nets.train(graph, run.rank, run.world_size)
         torch.save(_nets.values(sources), out / f"{name}-full-rank{run.rank}.pt")
         (out / f"{name}-uses-rank{run.rank}.txt").write_text(f"{uses} {graph._programs}")
-    graph, sources = _nets.build(True, "sgd")
-    graph.data_parallel = m.DataParallel(check_every=1)
-    _nets.train(graph, run.rank, run.world_size, steps=1)  # checked: equal
-    if run.rank == 1:  # one rank's weights drift
-        sources[0].weights().add_(1e-9)  # a view of the data source's values
-        graph.reload_from_data_sources()
-    try:
-        _nets.train(graph, run.rank, run.world_size, steps=1)
-        message = "no error"
-    except m.DistributedError as exc:
-        message = str(exc)
-    (out / f"diverge-rank{run.rank}.txt").write_text(message)
+    for suffix, reuse in (("", True), ("-full", False)):  # step programs; full encodes
+        graph, sources = _nets.build(True, "sgd")
+        graph.data_parallel = m.DataParallel(check_every=1)
+        graph.reuse_step = reuse
+        _nets.train(graph, run.rank, run.world_size, steps=1)  # checked: equal
+        if run.rank == 1:  # one rank's weights drift
+            sources[0].weights().add_(1e-9)  # a view of the data source's values
+            graph.reload_from_data_sources()
+        try:
+            _nets.train(graph, run.rank, run.world_size, steps=1)
+            message = "no error"
+        except m.DistributedError as exc:
+            message = str(exc)
+        (out / f"diverge{suffix}-rank{run.rank}.txt").write_text(message)
     # local batch normalization (each rank's own statistics), one step
     graph, sources = _nets.build(True, "sgd")
     graph.data_parallel = m.DataParallel(sync_batch_norm=False, bucket_mib=0)

@@ -63,9 +63,10 @@ def test_data_parallel_steps_run_from_a_step_program_equal_full_encodes(
             assert torch.equal(a, b), f"{name} rank {r}: value {i} differs from full encodes"
 
 
-def test_the_weight_check_names_the_rank_that_diverged(equivalence_run: Path) -> None:
+@pytest.mark.parametrize("suffix", ["", "-full"], ids=["step program", "full encodes"])
+def test_the_weight_check_names_the_rank_that_diverged(equivalence_run: Path, suffix: str) -> None:
     for r in (0, 1):
-        message = (equivalence_run / f"diverge-rank{r}.txt").read_text()
+        message = (equivalence_run / f"diverge{suffix}-rank{r}.txt").read_text()
         assert message.startswith("[DataParallel] the weights diverged after step 2: rank 1 "
                                   "differs from rank 0"), message  # fmt: skip
 

@@ -347,11 +347,12 @@ def test_biases_given_to_a_bias_less_layer_are_trained(momentum: float, reload: 
 # -- 5. steps encoded before either is committed --------------------------------------------
 
 
-@pytest.mark.parametrize("buffers", ["two buffers", "one buffer"])
+@pytest.mark.parametrize("buffers", ["two buffers", "two buffers, reversed", "one buffer"])
 def test_steps_encoded_before_commit(buffers: str) -> None:
-    """Two steps encoded before either is committed (on two buffers committed in order, or on
-    one buffer) give the ordinary encode's losses and weights; one step program runs them all
-    (each run binds its own inputs and counts: the commit order does not matter)."""
+    """Two Adam steps encoded before either is committed (on two buffers committed in order or
+    in the reverse order, or on one buffer) give the ordinary encode's losses and weights,
+    committed the same way; one step program runs them all (each run binds its own inputs and
+    its own time step, counted at encode: the commit order does not matter)."""
     runs = []
     for reuse in (True, False):
         net = _net("lenet", "adam")
@@ -361,17 +362,18 @@ def test_steps_encoded_before_commit(buffers: str) -> None:
         labels = []
         for k in range(0, 6, 2):
             cb_a = queue.command_buffer()
-            cb_b = queue.command_buffer() if buffers == "two buffers" else cb_a
+            cb_b = cb_a if buffers == "one buffer" else queue.command_buffer()
             labels.append(encode(graph, cb_a, *data[k]))
             labels.append(encode(graph, cb_b, *data[k + 1]))
-            cb_a.commit()
-            if cb_b is not cb_a:
-                cb_b.commit()
-            cb_b.wait_until_completed()
+            order = [cb_b, cb_a] if buffers.endswith("reversed") else [cb_a, cb_b]
+            for cb in dict.fromkeys(order):  # one buffer: committed once
+                cb.commit()
+            order[-1].wait_until_completed()
         runs.append((net, graph, [lab.loss_image().tensor for lab in labels]))
     (on_net, on_graph, on_losses), (off_net, _, off_losses) = runs
     assert_same_losses(on_losses, off_losses)
     _assert_same_weights(on_net, off_net)
+    _assert_trained(on_net)
     assert len(on_graph._programs) == 1
     assert _uses(on_graph) == 5
 
@@ -489,33 +491,7 @@ def test_source_written_earlier_on_the_same_buffer(image: str) -> None:
     assert _uses(on_graph) == (3 if image == "new image per step" else 2)
 
 
-# -- 8. commit order, and slots emptied by their own releases ------------------------------
-
-
-def test_two_buffers_committed_in_reverse_order_run_with_their_own_counts() -> None:
-    """Adam steps encoded on two buffers and committed in the reverse order: each run binds
-    its own inputs and its own time step (counted at encode), so the losses and weights equal
-    full encodes committed in the same order."""
-    runs = []
-    for reuse in (True, False):
-        net = _net("lenet", "adam")
-        graph = _training(net, 8, reuse)
-        queue = DEV.new_command_queue()
-        data = _data(net, 6, 8)
-        labels = []
-        for k in range(0, 6, 2):
-            cb_a, cb_b = queue.command_buffer(), queue.command_buffer()
-            labels.append(encode(graph, cb_a, *data[k]))
-            labels.append(encode(graph, cb_b, *data[k + 1]))
-            cb_b.commit()
-            cb_a.commit()
-            cb_a.wait_until_completed()
-        runs.append((net, graph, [lab.loss_image().tensor for lab in labels]))
-    (on_net, on_graph, on_losses), (off_net, _, off_losses) = runs
-    assert_same_losses(on_losses, off_losses)
-    _assert_same_weights(on_net, off_net)
-    _assert_trained(on_net)
-    assert _uses(on_graph) == 5
+# -- 9. slots emptied by their own releases --------------------------------------------------
 
 
 @pytest.mark.parametrize("model", ["lenet", "resnet18"])
