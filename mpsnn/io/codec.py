@@ -431,6 +431,20 @@ class Fields:
             raise self._bad(name, f"a list of {count} ints", v)
         return v
 
+    def get_number_rows(self, name: str, columns: tuple[str, ...]) -> list[tuple[float, ...]]:
+        """A non-empty list of rows of ``len(columns)`` numbers (``columns`` names them in the
+        message), as tuples of floats."""
+        v = self.raw(name)
+        n = len(columns)
+        if (
+            type(v) is not list
+            or not v
+            or any(type(r) is not list or len(r) != n for r in v)
+            or any(type(x) not in (int, float) for r in v for x in r)
+        ):
+            raise self._bad(name, f"a non-empty list of [{', '.join(columns)}] numbers", v)
+        return [tuple(map(float, r)) for r in v]
+
     def get_float(self, name: str) -> float:
         v = self.raw(name)
         if type(v) in (int, float):

@@ -92,18 +92,7 @@ def decode_region(f: Fields, name: str) -> Region:
 def decode_crop_regions(f: Fields) -> list[tuple[float, ...]]:
     """The crop regions of field ``regions``: a non-empty list of ``[x, y, width, height]``
     numbers (a crop-and-resize kernel's or node's)."""
-    raw = f.raw("regions")
-    if (
-        type(raw) is not list
-        or not raw
-        or any(type(r) is not list or len(r) != 4 for r in raw)
-        or any(type(v) not in (int, float) for r in raw for v in r)
-    ):
-        raise fail(
-            f"{f.who} field 'regions' must be a non-empty list of [x, y, width, height] "
-            f"numbers, got {show(raw)}"
-        )
-    return [tuple(map(float, r)) for r in raw]
+    return f.get_number_rows("regions", ("x", "y", "width", "height"))
 
 
 def enc_kernel_properties(k: CNNKernel) -> dict[str, Any]:

@@ -320,21 +320,11 @@ def _enc_yolo_descriptor(d: YOLOLossDescriptor, enc: Encoder) -> dict[str, Any]:
 
 def _dec_yolo_descriptor(f: Fields) -> YOLOLossDescriptor:
     subs = [f.get_object(name, LossDescriptor) for name in _SUBS]
-    raw = f.raw("anchor_boxes")
-    if (
-        type(raw) is not list
-        or not raw
-        or any(type(p) is not list or len(p) != 2 for p in raw)
-        or any(type(v) not in (int, float) for p in raw for v in p)
-    ):
-        raise fail(
-            f"{f.who} field 'anchor_boxes' must be a non-empty list of [width, height] numbers, "
-            f"got {show(raw)}"
-        )
+    anchors = f.get_number_rows("anchor_boxes", ("width", "height"))
     mse = LossType.MEAN_SQUARED_ERROR  # replaced by the saved sub-descriptors below
     d = YOLOLossDescriptor(
         mse, mse, mse, mse, f.get_enum("reduction_type", ReductionType),
-        [tuple(map(float, p)) for p in raw], rescore=f.get_bool("rescore"),
+        anchors, rescore=f.get_bool("rescore"),
     )  # fmt: skip
     for name, sub in zip(_SUBS, subs, strict=True):
         setattr(d, name, sub)  # the saved objects: shared with whoever else saved them

@@ -519,3 +519,18 @@ def test_yolo_descriptor_kernel_and_node_round_trip(tmp_path) -> None:
         losses.append(lab.loss_image().tensor)
     assert same(losses[0], losses[1])
     assert same(ds.weights(), graph2._plan.order[0].data_source.weights())
+
+
+def test_malformed_anchor_boxes_are_rejected(tmp_path) -> None:
+    path = tmp_path / "d.safetensors"
+    m.save(_yolo_descriptor(), path)
+    for bad in ([], [[1.0, 2.0], [3.0]], [[1.0, "2"]], "boxes"):
+        structure, tensors = _parts(path)
+        _object(structure, "YOLOLossDescriptor")["fields"]["anchor_boxes"] = bad
+        bad_path = tmp_path / "bad.safetensors"
+        _write(bad_path, structure, tensors)
+        with pytest.raises(
+            m.CheckpointError,
+            match=r"field 'anchor_boxes' must be a non-empty list of \[width, height\] numbers",
+        ):
+            m.load(bad_path)
