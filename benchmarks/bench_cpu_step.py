@@ -38,13 +38,12 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.bench_eager_pairs import alternate
+from benchmarks.bench_eager_pairs import timed_pairs
 
 BATCH = 64
 
@@ -92,17 +91,7 @@ def measure(pairs: int, steps: int, batch: int = BATCH) -> dict[str, Any]:
         loss_sum += loss.detach()
         correct += (logits.argmax(1) == y).sum()
 
-    def timed(step: Any) -> float:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        return (time.perf_counter() - t0) / steps * 1e3
-
-    for step in (mine, theirs, mine, theirs):
-        for _ in range(3):
-            step()
-    a, b = alternate(mine, theirs, timed, pairs)
-    ratios = [t / m for m, t in zip(a, b, strict=True)]
+    a, b, ratios = timed_pairs(mine, theirs, steps, pairs)
     return {"model": "cnn", "batch": batch, "dtype": "float32", "optimizer": c.optimizer,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "steps": steps,
             "mpsnn_ms": a, "torch_ms": b, "ratios": ratios,

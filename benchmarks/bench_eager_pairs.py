@@ -88,6 +88,24 @@ def measure(
         loss.backward()
         optimizer.step()
 
+    a, b, ratios = timed_pairs(mine, theirs, steps, pairs, sync)
+    return {"model": model, "batch": batch, "dtype": dtype, "optimizer": opt,
+            "device": dev.name, "torch": torch.__version__, "steps": steps, "mpsnn_ms": a,
+            "torch_ms": b, "ratios": ratios, "precision": precision_info(),
+            "median_ratio": statistics.median(ratios)}  # fmt: skip
+
+
+def timed_pairs(
+    mine: Callable[[], None],
+    theirs: Callable[[], None],
+    steps: int,
+    pairs: int,
+    sync: Callable[[], None] = lambda: None,
+) -> tuple[list[float], list[float], list[float]]:
+    """Both sides warmed up (three steps each, twice, alternating), then `alternate` with each
+    side's mean step time in ms over ``steps`` steps (``sync`` before and after each timing):
+    returns (mine's times, theirs, the per-pair ratios theirs / mine)."""
+
     def timed(step: Callable[[], None]) -> float:
         sync()
         t0 = time.perf_counter()
@@ -100,11 +118,7 @@ def measure(
         for _ in range(3):
             step()
     a, b = alternate(mine, theirs, timed, pairs)
-    ratios = [t / m for m, t in zip(a, b, strict=True)]
-    return {"model": model, "batch": batch, "dtype": dtype, "optimizer": opt,
-            "device": dev.name, "torch": torch.__version__, "steps": steps, "mpsnn_ms": a,
-            "torch_ms": b, "ratios": ratios, "precision": precision_info(),
-            "median_ratio": statistics.median(ratios)}  # fmt: skip
+    return a, b, [t / m for m, t in zip(a, b, strict=True)]
 
 
 def alternate(
