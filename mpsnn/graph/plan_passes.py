@@ -95,18 +95,12 @@ def order_pass(results: list[ImageNode]) -> Topology:
             names = " -> ".join(type(n).__name__ for n in [*path, node])
             raise ValueError(f"[Graph] the node graph must have no cycle, got {names}")
         mark[node._id] = 1
-        for img in node.source_images:
-            if img.producer is None:
-                if all(s is not img for s in sources):
-                    sources.append(img)
-            else:
-                visit(img.producer, [*path, node])
-        for st in node.source_states:
-            if st.producer is None:
-                if all(s is not st for s in state_sources):
-                    state_sources.append(st)
-            else:
-                visit(st.producer, [*path, node])
+        for inputs, roots in ((node.source_images, sources), (node.source_states, state_sources)):
+            for x in inputs:
+                if x.producer is not None:
+                    visit(x.producer, [*path, node])
+                elif all(r is not x for r in roots):
+                    roots.append(x)
         mark[node._id] = 2
         order.append(node)
 

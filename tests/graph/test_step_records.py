@@ -58,15 +58,6 @@ def _cpu_skip() -> str | None:
     return "the CPU records were made elsewhere: " + ", ".join(unlike) if unlike else None
 
 
-@pytest.mark.usefixtures("_recording_settings")
-@pytest.mark.parametrize("name", NAMES)
-def test_cpu_steps_equal_the_records(name: str) -> None:
-    reason = _cpu_skip()
-    if reason is not None:
-        pytest.skip(reason)
-    _check("cpu", name)
-
-
 def _cuda_skip() -> str | None:
     if not torch.cuda.is_available():
         return "the CUDA records need a GPU"
@@ -81,11 +72,12 @@ def _cuda_skip() -> str | None:
 
 @pytest.mark.usefixtures("_recording_settings")
 @pytest.mark.parametrize("name", NAMES)
-def test_cuda_steps_equal_the_records(name: str) -> None:
-    reason = _cuda_skip()
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_steps_equal_the_records(device: str, name: str) -> None:
+    reason = _cpu_skip() if device == "cpu" else _cuda_skip()
     if reason is not None:
         pytest.skip(reason)
-    _check("cuda", name)
+    _check(device, name)
 
 
 def test_the_records_cover_every_workload_over_twenty_steps() -> None:
