@@ -1,6 +1,8 @@
 """Where a training step's time goes: the CUDA kernels of an mpsnn graph step (replayed) and
-of the PyTorch twin (eager), grouped by kernel name, and the host time of an eager mpsnn step
-split into encode and commit, with the hottest Python functions of each.
+of the PyTorch twin (eager), grouped by kernel name, and the host time of an eager mpsnn step:
+encode and commit (unprofiled medians), each command's share (unprofiled), the PyTorch
+operations and CUDA runtime calls (torch profiler, overall and per command), and the hottest
+Python functions of encode and commit (cProfile).
 
     python -m benchmarks.tools.profile_step --model resnet18 --batch 512 --dtype bfloat16
 """
@@ -11,6 +13,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import time
 
 import torch
@@ -32,6 +35,119 @@ def _kernels(fn, steps: int, top: int, title: str) -> None:
     for e in sorted(events, key=lambda e: -e.device_time_total)[:top]:
         t = e.device_time_total / steps
         print(f"{t / 1e3:8.3f} ms {100 * t / total:5.1f}% {e.count // steps:4d}x  {e.key[:90]}")
+
+
+def _command_host_times(run, sync, steps: int, top: int) -> None:
+    """Host time of each command of an eager step, unprofiled: every command's function timed
+    on its own (the GPU runs behind, as in a real step), summed per command name. The time a
+    commit spends between commands (releases, checks) is not in these."""
+    import collections
+
+    from mpsnn.core import device as device_module
+
+    totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    cls = device_module.CommandBuffer
+    plain = cls._run
+
+    def timed(self) -> None:
+        cmds = list(self._commands)  # a step program's commands are reused: restore them
+        plain_fns = [cmd.fn for cmd in cmds]
+        for cmd in cmds:
+            fn = cmd.fn
+
+            def wrapped(fn=fn, name=cmd.name) -> None:
+                t0 = time.perf_counter()
+                try:
+                    fn()
+                finally:
+                    entry = totals[name]
+                    entry[0] += time.perf_counter() - t0
+                    entry[1] += 1
+
+            cmd.fn = wrapped
+        try:
+            plain(self)
+        finally:
+            for cmd, fn in zip(cmds, plain_fns, strict=True):
+                cmd.fn = fn
+
+    cls._run = timed
+    try:
+        for _ in range(steps):
+            run.step()
+            sync()
+    finally:
+        cls._run = plain
+    total = sum(v[0] for v in totals.values()) / steps
+    print(f"\n# commit host time per step, by command: {total * 1e3:.2f} ms in commands")
+    for name, (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+        per = t / steps
+        print(
+            f"{per * 1e3:8.3f} ms {n // steps:4d}x {per / max(1, n // steps) * 1e6:7.1f} us  {name}"
+        )
+
+
+def _host_ops(run, sync, steps: int, top: int) -> None:
+    """Self host time of the PyTorch operations and CUDA runtime calls of eager steps (where
+    a step waits for the device, ``cudaStreamSynchronize`` or a blocking copy shows here)."""
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run.step()
+        sync()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events) / steps
+    print(f"\n# host operations of an eager step (self time, torch profiler): {total / 1e3:.2f} ms")
+    for e in events[:top]:
+        t, calls = e.self_cpu_time_total / steps, e.count // steps
+        print(f"{t / 1e3:8.3f} ms {calls:5d}x {t / max(1, calls):7.1f} us  {e.key[:80]}")
+
+
+def _command_ops(run, sync, top: int) -> None:
+    """The PyTorch operations and launches each command of one eager step makes, by command
+    name (the direct children of the command in the torch profiler's tree)."""
+    import collections
+
+    from mpsnn.core import device as device_module
+
+    cls = device_module.CommandBuffer
+    plain = cls._run
+
+    def marked(self) -> None:
+        cmds = list(self._commands)
+        plain_fns = [cmd.fn for cmd in cmds]
+        for cmd in cmds:
+
+            def wrapped(fn=cmd.fn, name=cmd.name) -> None:
+                with torch.profiler.record_function("cmd:" + name):
+                    fn()
+
+            cmd.fn = wrapped
+        try:
+            plain(self)
+        finally:
+            for cmd, fn in zip(cmds, plain_fns, strict=True):
+                cmd.fn = fn
+
+    sync()
+    cls._run = marked
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run.step()
+            sync()
+    finally:
+        cls._run = plain
+    calls: dict[str, int] = collections.Counter()
+    ops: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for e in prof.events():
+        if e.name.startswith("cmd:"):
+            calls[e.name[4:]] += 1
+            for child in e.cpu_children:
+                ops[e.name[4:]][child.name] += 1
+    print("\n# operations per command call (one eager step)")
+    for name, n in calls.most_common(top):
+        parts = ", ".join(f"{k} {v / n:g}" for k, v in ops[name].most_common())
+        print(f"{name} ({n}x): {parts}")
 
 
 def main() -> None:
@@ -56,7 +172,24 @@ def main() -> None:
     for _ in range(3):
         eager()
     sync()
-    # host: encode and commit separately, cProfile of each
+    # host, unprofiled: encode and commit of each step (medians: a shared host stalls at times)
+    encodes, commits = [], []
+    for _ in range(21):
+        cb = queue.command_buffer()
+        t0 = time.perf_counter()
+        run.encode(cb)
+        t1 = time.perf_counter()
+        cb.commit()
+        commits.append(time.perf_counter() - t1)
+        encodes.append(t1 - t0)
+        sync()
+    print(f"# host per eager step, unprofiled (median of 21; min): encode "
+          f"{statistics.median(encodes) * 1e3:.2f} ms ({min(encodes) * 1e3:.2f}), commit "
+          f"{statistics.median(commits) * 1e3:.2f} ms ({min(commits) * 1e3:.2f})")  # fmt: skip
+    _command_host_times(run, sync, 5, args.top)
+    if cuda:
+        _host_ops(run, sync, 3, args.top)
+    _command_ops(run, sync, args.top)
     enc, com = cProfile.Profile(), cProfile.Profile()
     t_enc = t_com = 0.0
     for _ in range(5):

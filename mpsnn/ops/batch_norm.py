@@ -155,7 +155,25 @@ def bn_statistics(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     """
     _check_source("bn_statistics", x)
     fast = fast_paths.batch_norm_statistics(x)
-    return fast if fast is not None else bn_statistics_portable(x)
+    if fast is None:
+        return bn_statistics_portable(x)
+    count, mean, m2 = fast
+    return count, mean, m2
+
+
+def bn_statistics_and_variance(
+    x: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`bn_statistics` of ``x`` and the biased variance of the result (`bn_variance`), made by
+    one piece of work: on the Triton path the kernel that combines the statistics also writes
+    the variance (the same bits as `bn_variance` of them)."""
+    _check_source("bn_statistics", x)
+    fast = fast_paths.batch_norm_statistics(x, variance=True)
+    if fast is not None:
+        count, mean, m2, var = fast
+        return count, mean, m2, var
+    count, mean, m2 = bn_statistics_portable(x)
+    return count, mean, m2, bn_variance(count, m2)
 
 
 def bn_statistics_portable(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -251,6 +269,39 @@ def bn_variance(count: torch.Tensor, m2: torch.Tensor, unbiased: bool = False) -
     empty batch gives variance 0, not inf or NaN. Shape: ``m2``'s (C,)."""
     n = count - 1 if unbiased else count
     return m2 / n.to(m2.dtype).clamp(min=1.0)
+
+
+def bn_running_update(
+    running: tuple[torch.Tensor, torch.Tensor],
+    count: torch.Tensor,
+    mean: torch.Tensor,
+    m2: torch.Tensor,
+    momentum: float,
+) -> None:
+    """Blend a batch's statistics into running ones, in place::
+
+        running_mean = (1 - momentum) running_mean + momentum mean
+        running_var = (1 - momentum) running_var + momentum m2 / max(count - 1, 1)
+
+    (the unbiased variance, `bn_variance`). ``running``: the (C,) mean and variance; ``count``
+    (1,) or (C,). One launch on the Triton path, with the portable path's bits."""
+    if not fast_paths.batch_norm_running_update(running, count, mean, m2, momentum):
+        bn_running_update_portable(running, count, mean, m2, momentum)
+
+
+def bn_running_update_portable(
+    running: tuple[torch.Tensor, torch.Tensor],
+    count: torch.Tensor,
+    mean: torch.Tensor,
+    m2: torch.Tensor,
+    momentum: float,
+) -> None:
+    """`bn_running_update` in PyTorch operations (any device and dtype)."""
+    mu, var = running
+    unbiased = m2 / (count - 1).clamp(min=1)
+    # both vectors in one launch each on a GPU
+    torch._foreach_mul_([mu, var], 1 - momentum)
+    torch._foreach_add_([mu, var], [mean.to(mu.dtype), unbiased.to(var.dtype)], alpha=momentum)
 
 
 # -- forward --------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.kernel import image_sequences
 from mpsnn.core.state import StateBatch
-from mpsnn.ops.batch_norm import bn_forward, bn_statistics
+from mpsnn.ops.batch_norm import bn_forward, bn_statistics_and_variance
 from mpsnn.ops.batch_norm_params import BatchNormParams
 
 __all__ = [
@@ -249,7 +249,7 @@ class BatchNormalizationStatistics(CNNKernel):
             x = src._read()
             if c0 or c != x.shape[1]:
                 x = x[:, c0 : c0 + c]
-            state._merge_statistics(cb, bn_statistics(x))  # the sums, then their variance
+            state._merge_statistics(cb, bn_statistics_and_variance(x))
 
         def note() -> None:
             state._note_encoded(_STATS, wide)

@@ -90,22 +90,29 @@ class BatchNormalizationState(StableSums):
         c = self._channels
         return (1, c, c) if slot == _STATS else (c, c)
 
-    def _merge_statistics(self, cb: CommandBuffer, triple: Sequence[torch.Tensor]) -> None:
+    def _merge_statistics(self, cb: CommandBuffer, stats: Sequence[torch.Tensor]) -> None:
         """The statistics command's work on the state: merge a sub-batch's ``(count, mean,
-        m2)`` into the sums (`mpsnn.ops.batch_norm.bn_merge`; the first since the state was made
-        or reset stores it) and write the variance they now give."""
-        self._accumulate(cb, triple, bn_merge, slot=_STATS)
-        self._write_variance()
+        m2, var)`` into the sums (`mpsnn.ops.batch_norm.bn_merge`; the first since the state
+        was made or reset stores it) and write the variance they now give: the sub-batch's
+        own ``var`` when it was stored as it came (the work that made the statistics wrote
+        it), else `bn_variance` of the merged sums."""
+        count, mean, m2, var = stats
+        first = _STATS not in self._slots
+        self._accumulate(cb, (count, mean, m2), bn_merge, slot=_STATS)
+        stored = first and self._slots[_STATS][2] is m2  # not widened to float64
+        self._write_variance(var if stored else None)
 
-    def _write_variance(self) -> None:
-        """Write the biased variance of the sums, ``m2 / count`` (`bn_variance`), into its
-        storage. Part of every work that changes ``count`` or ``m2``, run with it (the
-        statistics command, a data-parallel exchange that rewrote the sums in place); readers
-        never call it. When nothing read the field before, the first result becomes the
-        storage (no copy); storage made under ``torch.inference_mode`` is replaced when written
-        outside it (PyTorch forbids that write)."""
-        count, _, m2 = self._slots[_STATS]
-        new = bn_variance(count, m2)
+    def _write_variance(self, new: torch.Tensor | None = None) -> None:
+        """Write the biased variance of the sums, ``m2 / count`` (`bn_variance`, or ``new``:
+        it, computed by the caller's work), into its storage. Part of every work that changes
+        ``count`` or ``m2``, run with it (the statistics command, a data-parallel exchange that
+        rewrote the sums in place); readers never call it. When nothing read the field before,
+        the first result becomes the storage (no copy); storage made under
+        ``torch.inference_mode`` is replaced when written outside it (PyTorch forbids that
+        write)."""
+        if new is None:
+            count, _, m2 = self._slots[_STATS]
+            new = bn_variance(count, m2)
         var = self._var
         if var is None or (var.is_inference() and not torch.is_inference_mode_enabled()):
             self._var = new

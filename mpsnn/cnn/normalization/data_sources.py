@@ -44,6 +44,7 @@ from mpsnn.core._checks import check_positive
 from mpsnn.core.device import CommandBuffer
 from mpsnn.core.kernel import TrainingStyle
 from mpsnn.core.state import _unique
+from mpsnn.ops.batch_norm import bn_running_update
 
 __all__ = [
     "BatchNormalizationDataSource",
@@ -319,14 +320,11 @@ class TensorBatchNormalizationDataSource(_TensorGammaBeta, BatchNormalizationDat
         mu, var = self._mv.mean, self._mv.variance
         stats = state._statistics_tensors("TensorBatchNormalizationDataSource")
 
-        running = [mu, var]
+        running = (mu, var)
 
         def run() -> None:
             count, mean, m2 = stats()
-            unbiased = m2 / (count - 1).clamp(min=1)
-            # (1 - m) running + m batch, both vectors in one launch per step on a GPU
-            torch._foreach_mul_(running, 1 - m)
-            torch._foreach_add_(running, [mean.to(mu.dtype), unbiased.to(var.dtype)], alpha=m)
+            bn_running_update(running, count, mean, m2, m)  # (1 - m) running + m batch
 
         return run
 

@@ -23,6 +23,7 @@ __all__ = [
     "batch_norm_eligible",
     "batch_norm_forward",
     "batch_norm_gradient_sums",
+    "batch_norm_running_update",
     "batch_norm_statistics",
     "channel_sums",
     "dropout_apply",
@@ -192,17 +193,44 @@ def batch_norm_eligible(x: torch.Tensor, neuron: Any = None, *more: torch.Tensor
 
 
 def batch_norm_statistics(
-    x: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The Triton ``(count, mean, m2)`` of ``x`` when `batch_norm_eligible`, else None."""
+    x: torch.Tensor, variance: bool = False
+) -> tuple[torch.Tensor, ...] | None:
+    """The Triton ``(count, mean, m2)`` of ``x`` (and the biased ``var`` with ``variance``)
+    when `batch_norm_eligible`, else None."""
     if not batch_norm_eligible(x):
         return None
     from mpsnn.ops.triton import batch_norm_nhwc as nhwc
     from mpsnn.ops.triton.batch_norm import bn_statistics_triton
 
     if nhwc.is_nhwc(x):  # channels-last storage (half-precision convolution outputs)
-        return nhwc.nhwc_statistics(x)
-    return bn_statistics_triton(x)
+        return nhwc.nhwc_statistics(x, variance=variance)
+    return bn_statistics_triton(x, variance=variance)
+
+
+def batch_norm_running_update(
+    running: tuple[torch.Tensor, torch.Tensor],
+    count: torch.Tensor,
+    mean: torch.Tensor,
+    m2: torch.Tensor,
+    momentum: float,
+) -> bool:
+    """Run the Triton running-statistics update when every tensor is a contiguous float32 CUDA
+    vector of one device (``count``: 1 or C elements); False where it does not apply."""
+    ts = (*running, count, mean, m2)
+    if not _runs(*ts):
+        return False
+    c = mean.numel()
+    for t in ts:
+        if t.dtype is not torch.float32 or not t.is_contiguous() or t.device != mean.device:
+            return False
+        if t.numel() != c and t is not count:
+            return False
+    if count.numel() not in (1, c):
+        return False
+    from mpsnn.ops.triton.batch_norm import bn_running_update_triton
+
+    bn_running_update_triton(running, count, mean, m2, momentum)
+    return True
 
 
 def batch_norm_forward(x: torch.Tensor, p: BatchNormParams) -> torch.Tensor | None:

@@ -49,7 +49,9 @@ __all__ = [
     "bn_backward_triton",
     "bn_forward_triton",
     "bn_gradient_sums_triton",
+    "bn_running_update_triton",
     "bn_statistics_triton",
+    "combine_statistics",
 ]
 
 _RELU = 1  # neuron type code (`mpsnn.ops.neuron`)
@@ -162,9 +164,12 @@ def _stats_partial(
 @fast_kernel
 @triton.jit
 def _stats_combine(
-    part_ptr, x_ptr, count_ptr, mean_ptr, m2_ptr, C, L, P, BLOCK_P: tl.constexpr,
+    part_ptr, x_ptr, count_ptr, mean_ptr, m2_ptr, var_ptr, C, L, P, BLOCK_P: tl.constexpr,
+    VARIANCE: tl.constexpr,
 ):  # fmt: skip
-    # one program per channel: merge its P partial triples in float64 (two-pass over them)
+    # one program per channel: merge its P partial triples in float64 (two-pass over them);
+    # VARIANCE: also the biased variance m2 / max(count, 1) of the float32 results, rounded
+    # once as `bn_variance`'s division (the work that makes the statistics writes it)
     c = tl.program_id(0)
     offs = tl.arange(0, BLOCK_P)
     mask = offs < P
@@ -178,9 +183,42 @@ def _stats_combine(
     m2 = tl.sum(q + n * dev * dev, axis=0)
     shift = tl.load(x_ptr + c.to(tl.int64) * L).to(tl.float64)
     tl.store(mean_ptr + c, (shift + mean).to(tl.float32))
-    tl.store(m2_ptr + c, tl.maximum(m2, 0.0).to(tl.float32))
+    m2 = tl.maximum(m2, 0.0).to(tl.float32)
+    tl.store(m2_ptr + c, m2)
+    if VARIANCE:
+        tl.store(var_ptr + c, tl.math.div_rn(m2, tl.maximum(total.to(tl.float32), 1.0)))
     if c == 0:
         tl.store(count_ptr, total.to(tl.float32))
+
+
+@fast_kernel
+@triton.jit
+def _running_update(
+    run_mean_ptr, run_var_ptr, count_ptr, mean_ptr, m2_ptr, C, count_stride, keep, momentum,
+    FUSED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # run = keep run + momentum batch, for the mean and the unbiased variance m2 / max(n - 1, 1)
+    # of each channel, with the roundings of the portable path's PyTorch operations: the
+    # division correctly rounded, the product by keep rounded, then (FUSED) one fused
+    # multiply-add, as PyTorch's CUDA build compiles `a + alpha b`
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < C
+    n = tl.load(count_ptr + offs * count_stride, mask=mask, other=1.0)
+    m2 = tl.load(m2_ptr + offs, mask=mask, other=0.0)
+    unbiased = tl.math.div_rn(m2, tl.maximum(n - 1.0, 1.0))
+    mean = tl.load(mean_ptr + offs, mask=mask, other=0.0)
+    _blend(run_mean_ptr, offs, mask, mean, keep, momentum, FUSED)
+    _blend(run_var_ptr, offs, mask, unbiased, keep, momentum, FUSED)
+
+
+@triton.jit
+def _blend(ptr, offs, mask, batch, keep, momentum, FUSED: tl.constexpr):
+    kept = tl.load(ptr + offs, mask=mask, other=0.0) * keep
+    if FUSED:
+        new = tl.fma(batch, momentum, kept)
+    else:
+        new = kept + batch * momentum
+    tl.store(ptr + offs, new, mask=mask)
 
 
 @fast_kernel
@@ -392,11 +430,12 @@ def _relu(neuron: Any) -> tuple[bool, float]:
 
 def bn_statistics_triton(
     x: torch.Tensor, *, planes: int | None = None, span: int | None = None,
-    block: int | None = None, rows: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    block: int | None = None, rows: int | None = None, variance: bool = False,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """`mpsnn.ops.batch_norm.bn_statistics_portable`'s ``(count, mean, m2)`` (float32; equal up
-    to summation order). ``planes``, ``span``, ``block``, ``rows``: the work split (tests force
-    it)."""
+    to summation order), and with ``variance`` the biased variance of those too (the bits of
+    `mpsnn.ops.batch_norm.bn_variance` of them). ``planes``, ``span``, ``block``, ``rows``: the
+    work split (tests force it)."""
     x = x.contiguous()
     n, c, h, w = x.shape
     plan = _reduction_plan(x, planes, span, block, rows)
@@ -406,12 +445,25 @@ def bn_statistics_triton(
         x, part, n, c, h * w, plan.planes, plan.span, ROWS=plan.rows, BLOCK=plan.block,
         num_warps=_warps(plan.rows * plan.block),
     )  # fmt: skip
-    out = torch.empty(2 * c + 1, dtype=torch.float32, device=x.device)
-    count, mean, m2 = out[:1], out[1 : c + 1], out[c + 1 :]
+    return combine_statistics(part, x, h * w, variance)
+
+
+def combine_statistics(
+    part: torch.Tensor, x: torch.Tensor, shift_stride: int, variance: bool
+) -> tuple[torch.Tensor, ...]:
+    """The statistics of ``x`` from the partial triples ``part`` (3, C, P): ``(count, mean,
+    m2)``, and ``var`` with ``variance``, as views of one buffer. ``shift_stride``: the
+    elements between channel ``c``'s first sample and channel ``c + 1``'s in ``x``'s memory
+    (the shift the partial sums used)."""
+    c, parts = part.shape[1], part.shape[2]
+    out = torch.empty((3 if variance else 2) * c + 1, dtype=torch.float32, device=x.device)
+    count, mean, m2 = out[:1], out[1 : c + 1], out[c + 1 : 2 * c + 1]
+    var = out[2 * c + 1 :] if variance else m2  # (not written without VARIANCE)
     _stats_combine[(c,)](
-        part, x, count, mean, m2, c, h * w, parts, BLOCK_P=next_power_of_2(parts),
+        part, x, count, mean, m2, var, c, shift_stride, parts, BLOCK_P=next_power_of_2(parts),
+        VARIANCE=variance,
     )  # fmt: skip
-    return count, mean, m2
+    return (count, mean, m2, var) if variance else (count, mean, m2)
 
 
 def bn_forward_triton(
@@ -471,3 +523,25 @@ def bn_backward_triton(
         enable_fp_fusion=False,
     )  # fmt: skip
     return dx
+
+
+_RUNNING_BLOCK = 1024
+_RUNNING_FUSED = True
+
+
+def bn_running_update_triton(
+    running: tuple[torch.Tensor, torch.Tensor],
+    count: torch.Tensor,
+    mean: torch.Tensor,
+    m2: torch.Tensor,
+    momentum: float,
+) -> None:
+    """`mpsnn.ops.batch_norm.bn_running_update_portable` in one launch (its bits): float32
+    (C,) tensors on one device, ``count`` (1,) or (C,)."""
+    run_mean, run_var = running
+    c = run_mean.numel()
+    _running_update[(cdiv(c, _RUNNING_BLOCK),)](
+        run_mean, run_var, count, mean, m2, c, 0 if count.numel() == 1 else 1,
+        1.0 - momentum, momentum, FUSED=_RUNNING_FUSED, BLOCK=_RUNNING_BLOCK,
+        enable_fp_fusion=False,
+    )  # fmt: skip

@@ -14,6 +14,7 @@ NCHW path).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -31,10 +32,10 @@ from mpsnn.ops.triton.batch_norm import (
     _neuron,
     _programs_wanted,
     _relu,
-    _stats_combine,
     _store,
     _through_neuron,
     _warps,
+    combine_statistics,
 )
 from mpsnn.ops.triton.launch import cdiv, fast_kernel, next_power_of_2
 
@@ -217,16 +218,33 @@ _FEWER_PROGRAMS = 4
 def _tile(
     x: torch.Tensor, budget_bytes: int, tile: tuple[int, int] | None, rows: int | None
 ) -> _Tile:
-    n, c, h, w = x.shape
+    if tile is None:  # every training step asks again: once per shape
+        return _default_tile(x.shape, x.element_size(), x.device, budget_bytes, rows)
+    return _make_tile(x.shape, x.element_size(), x.device, budget_bytes, tile, rows)
+
+
+@functools.lru_cache(maxsize=1024)
+def _default_tile(
+    shape: torch.Size, element_size: int, device: torch.device, budget_bytes: int,
+    rows: int | None,
+) -> _Tile:  # fmt: skip
+    return _make_tile(shape, element_size, device, budget_bytes, None, rows)
+
+
+def _make_tile(
+    shape: torch.Size, element_size: int, device: torch.device, budget_bytes: int,
+    tile: tuple[int, int] | None, rows: int | None,
+) -> _Tile:  # fmt: skip
+    n, c, h, w = shape
     m = n * h * w
     if tile is None:
         bc = min(64, next_power_of_2(c))  # 128-byte rows in bfloat16
-        bm = max(1, min(budget_bytes // x.element_size() // bc, next_power_of_2(m)))
+        bm = max(1, min(budget_bytes // element_size // bc, next_power_of_2(m)))
     else:
         bm, bc = tile
     if rows is None:
         blocks = cdiv(c, bc)
-        programs = cdiv(_programs_wanted(x.device), _FEWER_PROGRAMS)
+        programs = cdiv(_programs_wanted(device), _FEWER_PROGRAMS)
         want = min(_MAX_PARTS, max(1, cdiv(programs, blocks)))
         rows = cdiv(m, want)
     return _Tile(bm, bc, rows, cdiv(m, rows))
@@ -237,22 +255,19 @@ def _nhwc(t: torch.Tensor) -> torch.Tensor:
 
 
 def nhwc_statistics(
-    x: torch.Tensor, *, tile: tuple[int, int] | None = None, rows: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(count, mean, m2)`` of channels-last ``x`` (see the NCHW `bn_statistics_triton`)."""
+    x: torch.Tensor, *, tile: tuple[int, int] | None = None, rows: int | None = None,
+    variance: bool = False,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """``(count, mean, m2)`` of channels-last ``x``, and ``var`` with ``variance`` (see the
+    NCHW `bn_statistics_triton`)."""
     n, c, h, w = x.shape
     t = _tile(x, _STATS_TILE_BYTES, tile, rows)
     part = torch.empty(3, c, t.chunks, dtype=torch.float32, device=x.device)
     _stats_partial_nhwc[(cdiv(c, t.bc), t.chunks)](
         x, part, n * h * w, c, t.rows, BM=t.bm, BC=t.bc, num_warps=_warps(t.bm * t.bc)
     )
-    out = torch.empty(2 * c + 1, dtype=torch.float32, device=x.device)
-    count, mean, m2 = out[:1], out[1 : c + 1], out[c + 1 :]
-    # the shift of channel c is x[0, c, 0, 0], at element c of channels-last memory: "L" = 1
-    _stats_combine[(c,)](
-        part, x, count, mean, m2, c, 1, t.chunks, BLOCK_P=next_power_of_2(t.chunks)
-    )
-    return count, mean, m2
+    # the shift of channel c is x[0, c, 0, 0], at element c of channels-last memory
+    return combine_statistics(part, x, 1, variance)
 
 
 def nhwc_forward(

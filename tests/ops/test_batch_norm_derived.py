@@ -1,0 +1,113 @@
+"""Batch-normalization values written by the work that makes their inputs: the statistics'
+biased variance, written by the kernel that combines the statistics, and the running
+statistics' update in one launch; both against the portable PyTorch operations, bit for bit
+(compiled on CUDA; the running update's fused multiply-add only there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpsnn.ops import triton as fast_paths
+from mpsnn.ops.batch_norm import (
+    bn_running_update,
+    bn_running_update_portable,
+    bn_statistics_and_variance,
+    bn_statistics_portable,
+    bn_variance,
+)
+from mpsnn.ops.triton import batch_norm as triton_bn
+from mpsnn.ops.triton import batch_norm_nhwc as nhwc
+from tests.helpers import TRITON_DEVICES
+
+CUDA = torch.cuda.is_available()
+
+
+def _source(shape, dtype, device, channels_last, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    n, c, h, w = shape
+    x = torch.randn(n, c, h, w, generator=gen) * (torch.rand(1, c, 1, 1, generator=gen) + 0.2)
+    x = (x + torch.randn(1, c, 1, 1, generator=gen) * 4).to(device=device, dtype=dtype)
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("shape", [(3, 5, 4, 6), (2, 70, 3, 3), (1, 1, 1, 1)], ids=str)
+def test_statistics_kernel_writes_the_variance_of_its_results(shape, channels_last, device):
+    x = _source(shape, torch.float32, device, channels_last)
+    if channels_last and shape[1] > 1:
+        got = nhwc.nhwc_statistics(x, variance=True)
+    else:
+        got = triton_bn.bn_statistics_triton(x, variance=True)
+    count, mean, m2, var = got
+    # the variance of the very (count, m2) the kernel wrote, rounded once: bn_variance's bits
+    assert torch.equal(var, bn_variance(count, m2))
+    assert var.shape == mean.shape == (shape[1],)
+    # without the flag: the triple alone, the same values
+    plain = triton_bn.bn_statistics_triton(x.contiguous())
+    assert len(plain) == 3 and torch.equal(plain[0], count)
+    torch.testing.assert_close(plain[1], mean, rtol=1e-6, atol=1e-6)
+
+
+def test_statistics_and_variance_portable_path_for_float64() -> None:
+    x = _source((2, 3, 4, 5), torch.float64, "cpu", False)
+    count, mean, m2, var = bn_statistics_and_variance(x)
+    want = bn_statistics_portable(x)
+    assert all(torch.equal(a, b) for a, b in zip((count, mean, m2), want, strict=True))
+    assert var.dtype == torch.float64 and torch.equal(var, bn_variance(count, m2))
+
+
+def _running_inputs(c, device, per_channel_count, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    mu = torch.randn(c, generator=gen)
+    var = torch.rand(c, generator=gen) + 0.5
+    mean = torch.randn(c, generator=gen) * 3
+    m2 = torch.rand(c, generator=gen) * 40
+    count = torch.randint(1, 9, (c,), generator=gen).float() if per_channel_count else (
+        torch.tensor([7.0]))  # fmt: skip
+    return [t.to(device) for t in (mu, var, count, mean, m2)]
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("per_channel_count", [False, True], ids=["count1", "countC"])
+@pytest.mark.parametrize("c", [1, 64, 1500])
+def test_running_update_kernel_equals_the_portable_operations(c, per_channel_count, device):
+    mu, var, count, mean, m2 = _running_inputs(c, device, per_channel_count)
+    if per_channel_count:
+        count[0] = 1.0  # a single sample: the unbiased divisor clamps to 1
+    want = (mu.clone(), var.clone())
+    bn_running_update_portable(want, count, mean, m2, 0.1)
+    got = (mu.clone(), var.clone())
+    triton_bn.bn_running_update_triton(got, count, mean, m2, 0.1)
+    if device == "cuda":  # compiled: the same roundings, fused multiply-add included
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    else:  # the interpreter rounds the multiply-add twice: within an ulp
+        torch.testing.assert_close(got[0], want[0], rtol=2e-7, atol=1e-7)
+        torch.testing.assert_close(got[1], want[1], rtol=2e-7, atol=1e-7)
+    # the math itself, in float64: (1 - m) run + m batch, unbiased variance
+    n = count.double().clamp(min=2) - 1 if per_channel_count else count.double() - 1
+    exact_var = 0.9 * var.double() + 0.1 * m2.double() / n
+    torch.testing.assert_close(got[1].double(), exact_var, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[0].double(), 0.9 * mu.double() + 0.1 * mean.double(),
+                               rtol=1e-6, atol=1e-6)  # fmt: skip
+
+
+@pytest.mark.skipif(not CUDA, reason="the fast paths run on CUDA only")
+def test_running_update_dispatch() -> None:
+    mu, var, count, mean, m2 = _running_inputs(8, "cuda", False)
+    assert fast_paths.batch_norm_running_update((mu, var), count, mean, m2, 0.5)
+    # float64 (a verification run) and non-contiguous vectors take the portable path
+    d = [t.double() for t in (mu, var, count, mean, m2)]
+    assert not fast_paths.batch_norm_running_update((d[0], d[1]), d[2], d[3], d[4], 0.5)
+    strided = torch.zeros(16, device="cuda")[::2]
+    assert not fast_paths.batch_norm_running_update((strided, var), count, mean, m2, 0.5)
+
+
+def test_running_update_cpu_is_the_portable_path() -> None:
+    mu, var, count, mean, m2 = _running_inputs(6, "cpu", True)
+    assert not fast_paths.batch_norm_running_update((mu, var), count, mean, m2, 0.3)
+    got, want = (mu.clone(), var.clone()), (mu.clone(), var.clone())
+    bn_running_update(got, count, mean, m2, 0.3)
+    bn_running_update_portable(want, count, mean, m2, 0.3)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
