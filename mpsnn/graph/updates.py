@@ -29,6 +29,7 @@ __all__ = ["encode_updates"]
 
 def encode_updates(graph: Any, step: Any) -> None:
     from mpsnn.cnn.convolution.kernels import reload_weights_and_biases
+    from mpsnn.cnn.normalization.batch_norm_forward import reload_normalization_states
     from mpsnn.graph.normalization_nodes import BatchNormalizationNode, InstanceNormalizationNode
 
     cb = step.cb
@@ -37,6 +38,7 @@ def encode_updates(graph: Any, step: Any) -> None:
     held = _held_states(graph, step)
     groups: dict[int, tuple[Any, list[Any]]] = {}  # optimizer -> [(ds, lists), ...]
     reloads: list[tuple[Any, Any]] = []
+    running_reloads: list[tuple[Any, Any]] = []  # (batch normalization, its running statistics)
     cpu: list[tuple[Any, Any, Any]] = []
     late: set[int] = set()  # temporary states read by a CPU-style fallback after completion
     for gnode, fkernel, states in step.updates:
@@ -52,8 +54,8 @@ def encode_updates(graph: Any, step: Any) -> None:
             bn = fkernel[1]
             _gamma_beta(step, ds, bn, state, groups)
             mv = ds.update_mean_and_variance(cb, state)
-            if mv is not None:
-                bn.reload_mean_and_variance(cb, mv)
+            if mv is not None:  # reloaded with the others below (nothing reads it before)
+                running_reloads.append((bn, mv))
             continue
         if hasattr(fkernel, "reload_weights_and_biases"):  # the convolution family
             if _grouped(ds):
@@ -71,8 +73,10 @@ def encode_updates(graph: Any, step: Any) -> None:
         _gamma_beta(step, ds, fkernel, state, groups)  # instance and group normalization
     _update_groups(cb, groups)
     reload_weights_and_biases(cb, [(kernel, ds.state) for kernel, ds in reloads])
-    for kernel, ds in step.gamma_beta_reloads:
-        kernel.reload_gamma_and_beta(cb, ds._gb)
+    # every normalization layer's reloads (gamma/beta after the update, running statistics):
+    # one command, one multi-tensor copy
+    gamma_beta = [(kernel, ds._gb) for kernel, ds in step.gamma_beta_reloads]
+    reload_normalization_states(cb, running_reloads + gamma_beta)
     after = [(st, own) for st, own in held if id(st) in late]
     _keep_past_enqueue(cb, [st for st, _ in after])  # the handler releases them
     if cpu:

@@ -41,6 +41,7 @@ __all__ = [
     "BatchNormalizationRecord",
     "BatchNormalizationStatistics",
     "read_normalization_vectors",
+    "reload_normalization_states",
 ]
 
 
@@ -77,20 +78,62 @@ class MasterPair:
     ) -> None:
         """Copy ``state`` (a ``kind`` of the kernel's ``number_of_feature_channels`` channels)
         in place as recorded work of ``kernel`` on ``cb`` (the state's read count drops)."""
-        channels = kernel.number_of_feature_channels
-        kernel._check_command_buffer(cb)
-        kernel._check_state(cb, state, name, kind)
-        if state.number_of_feature_channels != channels:
-            raise ValueError(
-                f"[{type(kernel).__name__}] {name} must hold {channels} channels, "
-                f"got {state.number_of_feature_channels}"
-            )
-        a, b = state._get()
+        a, b = _check_load(kernel, cb, state, kind, name)
 
         def run() -> None:
             self.load(a, b)
 
         kernel._apply(cb, Encoding(run, (), (state,)))
+
+
+def _check_load(
+    kernel: Any, cb: CommandBuffer, state: Any, kind: type, name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raise unless ``state`` (a ``kind``) can be loaded into ``kernel`` on ``cb``; its two
+    vectors (taken now: the state may be released before the command runs)."""
+    channels = kernel.number_of_feature_channels
+    kernel._check_command_buffer(cb)
+    kernel._check_state(cb, state, name, kind)
+    if state.number_of_feature_channels != channels:
+        raise ValueError(
+            f"[{type(kernel).__name__}] {name} must hold {channels} channels, "
+            f"got {state.number_of_feature_channels}"
+        )
+    return state._get()
+
+
+def reload_normalization_states(
+    command_buffer: CommandBuffer, pairs: Sequence[tuple[Any, Any]]
+) -> None:
+    """``kernel.reload_gamma_and_beta(command_buffer, state)`` (a
+    `NormalizationGammaAndBetaState`) or ``kernel.reload_mean_and_variance(command_buffer,
+    state)`` (a `NormalizationMeanAndVarianceState`, batch normalization) for every ``(kernel,
+    state)`` pair, as one command: one multi-tensor copy (one launch on CUDA, where the
+    per-kernel form costs a launch and its host dispatch per reload at every training step).
+    Every pair is checked before anything changes, with the per-kernel messages; each pair
+    drops its state's read count by one, as its own reload would."""
+    masters: list[MasterPair] = []
+    src: list[torch.Tensor] = []
+    for kernel, state in pairs:
+        if isinstance(state, NormalizationMeanAndVarianceState) and hasattr(kernel, "_running"):
+            pair, kind, name = kernel._running, NormalizationMeanAndVarianceState, (
+                "mean_and_variance_state")  # fmt: skip
+        else:
+            pair, kind, name = kernel._affine, NormalizationGammaAndBetaState, (
+                "gamma_and_beta_state")  # fmt: skip
+        src += _check_load(kernel, command_buffer, state, kind, name)
+        masters.append(pair)
+    if not pairs:
+        return
+
+    def run() -> None:
+        dst = [t for pair in masters for t in (pair.first, pair.second)]
+        with torch.no_grad():  # masters are plain storage, whatever the sources require
+            torch._foreach_copy_(dst, src)
+
+    command_buffer.record("reload_normalization_states", run)
+    for kernel, state in pairs:
+        state._consume_read(command_buffer, type(kernel).__name__)
 
 
 class AffineChannels:
