@@ -41,6 +41,7 @@ TRITON_KERNELS: dict[str, str] = {
     "_stats_combine": BN_STATS,
     "_stats_partial_nhwc": BN_STATS,
     "_running_update": BN_STATS,
+    "_merge_rows": BN_STATS,
     "_forward": BN_FWD,
     "_forward_nhwc": BN_FWD,
     "_gradient_sums_partial": BN_SUMS,

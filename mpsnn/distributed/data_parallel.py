@@ -87,7 +87,7 @@ from mpsnn.cnn.normalization.batch_norm_state import BatchNormalizationState
 from mpsnn.core.state import AccumulatorState, StateBatch
 from mpsnn.distributed.runtime import current_monitor
 from mpsnn.errors import DistributedError
-from mpsnn.ops.batch_norm import bn_merge_all
+from mpsnn.ops.batch_norm import bn_merge_all, bn_merge_rows
 
 __all__ = ["DataParallel"]
 
@@ -307,15 +307,17 @@ class _StepCollectives:
 
         def combine() -> None:
             sums = state._slots[0]  # [count, mean, m2] of this rank's images
-            count, mean, m2 = sums
-            k, c = count.numel(), mean.numel()
-            packed = torch.cat([count.reshape(-1).to(mean.dtype), mean.reshape(-1),
-                                m2.reshape(-1)])  # fmt: skip
+            packed = _adjacent(sums)  # the statistics kernel's one buffer: no copy
+            if packed is None:
+                count, mean, m2 = sums
+                packed = torch.cat([count.reshape(-1).to(mean.dtype), mean.reshape(-1),
+                                    m2.reshape(-1)])  # fmt: skip
             rows = dp._all_gather(what, packed)
-            n, mean_all, m2_all = bn_merge_all(rows[:, :k], rows[:, k : k + c], rows[:, k + c :])
-            for dst, src in zip(sums, (n[:k], mean_all, m2_all), strict=True):
-                dst.copy_(src.reshape(dst.shape))
-            state._write_variance()  # the sums changed: their variance, in the same work
+            # the sums changed: their variance, in the same work (into its storage)
+            var = state._var
+            if var is not None and var.is_inference() and not torch.is_inference_mode_enabled():
+                var = None  # replaced by _write_variance instead (PyTorch forbids the write)
+            state._write_variance(bn_merge_rows(rows, sums, var))
 
         if not self.dp.sync_batch_norm:  # merged after the backward (`_merge_statistics`)
             self.statistics.append(state)
@@ -329,10 +331,12 @@ class _StepCollectives:
 
         def reduce() -> None:
             sums = state._slots[1]  # [Σgy·xhat, Σgy]
-            flat = torch.cat([t.reshape(-1) for t in sums])
-            work = dp._all_reduce(what, flat)
+            whole = _adjacent(sums, ordered=False)  # the gradient sums' one buffer
+            flat = whole if whole is not None else torch.cat([t.reshape(-1) for t in sums])
+            work = dp._all_reduce(what, flat)  # in place when it is the sums' own memory
             dp._collective(what, work.wait)
-            _copy_back(sums, flat)
+            if whole is None:
+                _copy_back(sums, flat)
 
         self.cb.record(what, reduce)
 
@@ -477,6 +481,30 @@ def _gradient_bytes(state: Any, kernel: Any) -> int:
         return 4 * (math.prod(shape) + shape[0])
     k = kernel[-1] if isinstance(kernel, tuple) else kernel
     return 8 * int(getattr(k, "number_of_feature_channels", 0) or 0)
+
+
+def _adjacent(tensors: list[torch.Tensor], ordered: bool = True) -> torch.Tensor | None:
+    """One flat view of the memory of ``tensors`` when they are contiguous pieces of one
+    storage, of one dtype, that follow each other with no gap (``ordered``: in list order; else
+    in any order); else None. The statistics and gradient-sum kernels of batch normalization
+    write a layer's vectors into one buffer: a collective can run on it in place."""
+    first = tensors[0]
+    base = first.untyped_storage().data_ptr()
+    for t in tensors:
+        if (
+            t.dtype != first.dtype
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != base
+        ):
+            return None
+    pieces = tensors if ordered else sorted(tensors, key=lambda t: t.storage_offset())
+    offset = pieces[0].storage_offset()
+    end = offset
+    for t in pieces:
+        if t.storage_offset() != end:
+            return None
+        end += t.numel()
+    return pieces[0].as_strided((end - offset,), (1,), offset)
 
 
 def _copy_back(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:

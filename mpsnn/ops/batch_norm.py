@@ -263,6 +263,36 @@ def bn_merge_all(
     return n, mean_all, m2_all
 
 
+def bn_merge_rows(
+    rows: torch.Tensor, into: Sequence[torch.Tensor], var: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Merge the statistics of ``W`` disjoint parts of one batch, packed one per row of
+    ``rows`` (W, k + 2C) as ``[count (k = 1 or C), mean (C), m2 (C)]`` (what a data-parallel
+    all-gather of each process's sums returns), into ``into = (count, mean, m2)`` in place
+    (`bn_merge_all`'s closed form); returns the biased variance of the result (`bn_variance`'s
+    bits of the written ``count`` and ``m2``), written into ``var`` when given.
+
+    On CUDA one Triton launch, merging in float64; elsewhere `bn_merge_all` in the sums' dtype,
+    then copies and the division."""
+    if len(into) != 3:
+        raise ValueError(f"[bn_merge_rows] into must be (count, mean, m2), got {len(into)}")
+    count, mean, m2 = into
+    if rows.dim() != 2 or rows.shape[1] != count.numel() + 2 * mean.numel():
+        raise ValueError(
+            f"[bn_merge_rows] rows must be (W, k + 2C) for into = (count (k,), mean (C,), m2 "
+            f"(C,)), got {tuple(rows.shape)} for {[tuple(t.shape) for t in into]}"
+        )
+    fast = fast_paths.batch_norm_merge_rows(rows, (count, mean, m2), var)
+    if fast is not None:
+        return fast
+    k, c = count.numel(), mean.numel()
+    n, mean_all, m2_all = bn_merge_all(rows[:, :k], rows[:, k : k + c], rows[:, k + c :])
+    for dst, src in zip(into, (n[:k], mean_all, m2_all), strict=True):
+        dst.copy_(src.reshape(dst.shape))
+    result = bn_variance(count, m2)
+    return result if var is None else var.copy_(result)
+
+
 def bn_variance(count: torch.Tensor, m2: torch.Tensor, unbiased: bool = False) -> torch.Tensor:
     """``m2 / count`` (biased, what normalization uses) or ``m2 / (count - 1)`` (unbiased, for
     running statistics). A divisor below 1 counts as 1: a single sample (``m2 = 0``) or an

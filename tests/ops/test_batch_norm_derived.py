@@ -1,7 +1,8 @@
 """Batch-normalization values written by the work that makes their inputs: the statistics'
-biased variance, written by the kernel that combines the statistics, and the running
-statistics' update in one launch; both against the portable PyTorch operations, bit for bit
-(compiled on CUDA; the running update's fused multiply-add only there)."""
+biased variance, written by the kernel that combines the statistics, the running statistics'
+update in one launch, and the merge of statistics gathered from several processes in one
+launch; against the portable PyTorch operations (bit for bit where they round alike: compiled
+on CUDA for the running update's fused multiply-add) and float64 references."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops.batch_norm import (
+    bn_merge_all,
+    bn_merge_rows,
     bn_running_update,
     bn_running_update_portable,
     bn_statistics_and_variance,
@@ -18,6 +21,7 @@ from mpsnn.ops.batch_norm import (
 )
 from mpsnn.ops.triton import batch_norm as triton_bn
 from mpsnn.ops.triton import batch_norm_nhwc as nhwc
+from mpsnn.ops.triton import batch_norm_vectors as triton_stats
 from tests.helpers import TRITON_DEVICES
 
 CUDA = torch.cuda.is_available()
@@ -79,7 +83,7 @@ def test_running_update_kernel_equals_the_portable_operations(c, per_channel_cou
     want = (mu.clone(), var.clone())
     bn_running_update_portable(want, count, mean, m2, 0.1)
     got = (mu.clone(), var.clone())
-    triton_bn.bn_running_update_triton(got, count, mean, m2, 0.1)
+    triton_stats.bn_running_update_triton(got, count, mean, m2, 0.1)
     if device == "cuda":  # compiled: the same roundings, fused multiply-add included
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     else:  # the interpreter rounds the multiply-add twice: within an ulp
@@ -111,3 +115,59 @@ def test_running_update_cpu_is_the_portable_path() -> None:
     bn_running_update(got, count, mean, m2, 0.3)
     bn_running_update_portable(want, count, mean, m2, 0.3)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _gathered(w, c, per_channel_count, device, seed=9):
+    """W processes' packed ``[count, mean, m2]`` rows (the last one empty, its mean and m2
+    NaN: they must not count), with data far from 0."""
+    gen = torch.Generator().manual_seed(seed)
+    k = c if per_channel_count else 1
+    count = torch.randint(1, 50, (w, k), generator=gen).float()
+    mean = torch.randn(w, c, generator=gen) + 100.0
+    m2 = torch.rand(w, c, generator=gen) * count.expand(w, c) * 2
+    count[-1] = 0.0
+    mean[-1] = m2[-1] = float("nan")
+    return torch.cat([count, mean, m2], dim=1).to(device), k
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("per_channel_count", [False, True], ids=["count1", "countC"])
+@pytest.mark.parametrize("w,c", [(2, 3), (4, 1100)])
+def test_merge_of_gathered_rows_kernel(w, c, per_channel_count, device) -> None:
+    rows, k = _gathered(w, c, per_channel_count, device)
+    into = (torch.empty(k, device=device), torch.empty(c, device=device),
+            torch.empty(c, device=device))  # fmt: skip
+    var = triton_stats.bn_merge_rows_triton(rows, into)
+    d = rows.double()
+    n, mean, m2 = bn_merge_all(d[:, :k], d[:, k : k + c], d[:, k + c :])  # float64 reference
+    assert torch.equal(into[0], n[:k].float())
+    torch.testing.assert_close(into[1].double(), mean, rtol=1e-6, atol=0)
+    torch.testing.assert_close(into[2].double(), m2, rtol=1e-5, atol=1e-6)
+    assert torch.equal(var, bn_variance(into[0], into[2]))  # the division's bits
+    # into a given variance storage
+    given = torch.full((c,), -1.0, device=device)
+    assert triton_stats.bn_merge_rows_triton(rows, into, given) is given
+    assert torch.equal(given, var)
+
+
+def test_merge_rows_portable_path_equals_the_closed_form_and_checks_shapes() -> None:
+    rows, _ = _gathered(3, 4, False, "cpu")
+    into = (torch.empty(1), torch.empty(4), torch.empty(4))
+    var = torch.empty(4)
+    assert bn_merge_rows(rows, into, var) is var
+    n, mean, m2 = bn_merge_all(rows[:, :1], rows[:, 1:5], rows[:, 5:])
+    assert torch.equal(into[0], n[:1]) and torch.equal(into[1], mean)
+    assert torch.equal(into[2], m2) and torch.equal(var, bn_variance(n[:1], m2))
+    with pytest.raises(ValueError, match=r"\[bn_merge_rows\] rows must be \(W, k \+ 2C\)"):
+        bn_merge_rows(rows[:, :-1], into)
+    with pytest.raises(ValueError, match=r"\[bn_merge_rows\] into must be \(count, mean, m2\)"):
+        bn_merge_rows(rows, into[:2])
+
+
+@pytest.mark.skipif(not CUDA, reason="the fast paths run on CUDA only")
+def test_merge_rows_dispatch() -> None:
+    rows, _ = _gathered(2, 8, True, "cuda")
+    into = tuple(torch.empty(n, device="cuda") for n in (8, 8, 8))
+    assert fast_paths.batch_norm_merge_rows(rows, into) is not None
+    assert fast_paths.batch_norm_merge_rows(rows.double(), into) is None  # float64: portable
+    assert fast_paths.batch_norm_merge_rows(rows.cpu(), tuple(t.cpu() for t in into)) is None

@@ -116,7 +116,7 @@ class BatchNormalizationState(StableSums):
         var = self._var
         if var is None or (var.is_inference() and not torch.is_inference_mode_enabled()):
             self._var = new
-        else:
+        elif new is not var:  # (the work may have written the storage itself)
             var.copy_(new)
 
     def _mean_variance(self) -> tuple[torch.Tensor, torch.Tensor]:

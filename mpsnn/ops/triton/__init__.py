@@ -23,6 +23,7 @@ __all__ = [
     "batch_norm_eligible",
     "batch_norm_forward",
     "batch_norm_gradient_sums",
+    "batch_norm_merge_rows",
     "batch_norm_running_update",
     "batch_norm_statistics",
     "channel_sums",
@@ -227,7 +228,7 @@ def batch_norm_running_update(
             return False
     if count.numel() not in (1, c):
         return False
-    from mpsnn.ops.triton.batch_norm import bn_running_update_triton
+    from mpsnn.ops.triton.batch_norm_vectors import bn_running_update_triton
 
     bn_running_update_triton(running, count, mean, m2, momentum)
     return True
@@ -272,6 +273,28 @@ def batch_norm_backward(
     if nhwc.is_nhwc(x):  # channels-last storage (half-precision convolution outputs)
         return nhwc.nhwc_backward(g, x, p, sums)
     return bn_backward_triton(g, x, p, sums)
+
+
+def batch_norm_merge_rows(
+    rows: torch.Tensor,
+    into: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    var: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The Triton merge of gathered statistics ``rows`` into ``into`` (see
+    `mpsnn.ops.batch_norm.bn_merge_rows`), returning the biased variance (written into ``var``
+    when given), when every tensor is contiguous float32 on one CUDA device; else None
+    (nothing written)."""
+    outs = (*into, var) if var is not None else into
+    if not _runs(rows, *outs) or rows.dim() != 2:
+        return None
+    for t in (rows, *outs):
+        if t.dtype is not torch.float32 or not t.is_contiguous() or t.device != rows.device:
+            return None
+    if var is not None and var.shape != into[1].shape:
+        return None
+    from mpsnn.ops.triton.batch_norm_vectors import bn_merge_rows_triton
+
+    return bn_merge_rows_triton(rows, into, var)
 
 
 def channel_sums(g: torch.Tensor) -> torch.Tensor | None:

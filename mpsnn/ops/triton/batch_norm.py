@@ -49,7 +49,6 @@ __all__ = [
     "bn_backward_triton",
     "bn_forward_triton",
     "bn_gradient_sums_triton",
-    "bn_running_update_triton",
     "bn_statistics_triton",
     "combine_statistics",
 ]
@@ -189,36 +188,6 @@ def _stats_combine(
         tl.store(var_ptr + c, tl.math.div_rn(m2, tl.maximum(total.to(tl.float32), 1.0)))
     if c == 0:
         tl.store(count_ptr, total.to(tl.float32))
-
-
-@fast_kernel
-@triton.jit
-def _running_update(
-    run_mean_ptr, run_var_ptr, count_ptr, mean_ptr, m2_ptr, C, count_stride, keep, momentum,
-    FUSED: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    # run = keep run + momentum batch, for the mean and the unbiased variance m2 / max(n - 1, 1)
-    # of each channel, with the roundings of the portable path's PyTorch operations: the
-    # division correctly rounded, the product by keep rounded, then (FUSED) one fused
-    # multiply-add, as PyTorch's CUDA build compiles `a + alpha b`
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < C
-    n = tl.load(count_ptr + offs * count_stride, mask=mask, other=1.0)
-    m2 = tl.load(m2_ptr + offs, mask=mask, other=0.0)
-    unbiased = tl.math.div_rn(m2, tl.maximum(n - 1.0, 1.0))
-    mean = tl.load(mean_ptr + offs, mask=mask, other=0.0)
-    _blend(run_mean_ptr, offs, mask, mean, keep, momentum, FUSED)
-    _blend(run_var_ptr, offs, mask, unbiased, keep, momentum, FUSED)
-
-
-@triton.jit
-def _blend(ptr, offs, mask, batch, keep, momentum, FUSED: tl.constexpr):
-    kept = tl.load(ptr + offs, mask=mask, other=0.0) * keep
-    if FUSED:
-        new = tl.fma(batch, momentum, kept)
-    else:
-        new = kept + batch * momentum
-    tl.store(ptr + offs, new, mask=mask)
 
 
 @fast_kernel
@@ -523,25 +492,3 @@ def bn_backward_triton(
         enable_fp_fusion=False,
     )  # fmt: skip
     return dx
-
-
-_RUNNING_BLOCK = 1024
-_RUNNING_FUSED = True
-
-
-def bn_running_update_triton(
-    running: tuple[torch.Tensor, torch.Tensor],
-    count: torch.Tensor,
-    mean: torch.Tensor,
-    m2: torch.Tensor,
-    momentum: float,
-) -> None:
-    """`mpsnn.ops.batch_norm.bn_running_update_portable` in one launch (its bits): float32
-    (C,) tensors on one device, ``count`` (1,) or (C,)."""
-    run_mean, run_var = running
-    c = run_mean.numel()
-    _running_update[(cdiv(c, _RUNNING_BLOCK),)](
-        run_mean, run_var, count, mean, m2, c, 0 if count.numel() == 1 else 1,
-        1.0 - momentum, momentum, FUSED=_RUNNING_FUSED, BLOCK=_RUNNING_BLOCK,
-        enable_fp_fusion=False,
-    )  # fmt: skip
