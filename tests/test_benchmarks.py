@@ -263,3 +263,27 @@ def test_suite_eager_row_takes_the_median_of_the_pairs(monkeypatch) -> None:
     assert r["ratio"] == pytest.approx(2.0)  # median of 2.0, 1.5, 3.0 (not 3.0 / 2.0)
     assert r["tolerance"] == suite.EAGER_CUDA_TOLERANCE  # host-bound on CUDA
     assert "tolerance" not in suite.eager_row("lenet", "lenet", "cpu", 16, 3, 5)
+
+
+def test_profile_step_reports_each_commands_host_time_and_operations(capsys) -> None:
+    """The step profiler's CPU run: the unprofiled host times, every command of a LeNet-5 step
+    with its host time and its PyTorch operations, and the step program's restored commands
+    (a second profile of the same graph sees them unwrapped)."""
+    import sys
+
+    from benchmarks.tools import profile_step
+
+    argv = ["profile_step", "--model", "lenet", "--batch", "2", "--device", "cpu", "--lines", "3"]
+    saved, sys.argv = sys.argv, argv
+    try:
+        profile_step.main()
+    finally:
+        sys.argv = saved
+    out = capsys.readouterr().out
+    assert "# host per eager step, unprofiled (median of 21; min)" in out
+    times = out.split("by command:")[1].split("#")[0]
+    for name in ("ConvolutionGradient", "Convolution", "Loss", "Graph.bind"):
+        assert f" {name}\n" in times
+    ops = out.split("operations per command call")[1]
+    assert "ConvolutionGradient (2x): aten::convolution_backward 1" in ops
+    assert "wrapped" not in out  # the timing wrappers were taken out again

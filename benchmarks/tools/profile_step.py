@@ -15,6 +15,7 @@ import io
 import pstats
 import statistics
 import time
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -150,6 +151,42 @@ def _command_ops(run, sync, top: int) -> None:
         print(f"{name} ({n}x): {parts}")
 
 
+def _back_to_back(steps: dict[str, Any], sync, n: int = 30) -> None:
+    """Whether an eager step waits for the device: the synchronizing calls of one step (PyTorch's
+    sync debug mode), then each step's host time synchronized and back to back, and the wall
+    time per step back to back (host-bound when it equals the host time)."""
+    import warnings
+
+    for name, fn in steps.items():
+        sync()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        waits = [w for w in caught if "synchroniz" in str(w.message).lower()]
+        synced, b2b = [], []
+        for _ in range(15):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            synced.append(time.perf_counter() - t0)
+        sync()
+        start = time.perf_counter()
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            b2b.append(time.perf_counter() - t0)
+        sync()
+        wall = (time.perf_counter() - start) / n
+        print(f"# {name}: {len(waits)} synchronizing calls in a step; host per step "
+              f"{statistics.median(synced) * 1e3:.2f} ms synchronized, "
+              f"{statistics.median(b2b) * 1e3:.2f} ms back to back; wall per step "
+              f"{wall * 1e3:.2f} ms")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="resnet18")
@@ -188,6 +225,10 @@ def main() -> None:
           f"{statistics.median(commits) * 1e3:.2f} ms ({min(commits) * 1e3:.2f})")  # fmt: skip
     _command_host_times(run, sync, 5, args.top)
     if cuda:
+        twin = torch_twin_step(args.model, dev, x, y, args.dtype, args.optimizer)
+        for _ in range(3):
+            twin()
+        _back_to_back({"mpsnn eager": run.step, "pytorch eager": twin}, sync)
         _host_ops(run, sync, 3, args.top)
     _command_ops(run, sync, args.top)
     enc, com = cProfile.Profile(), cProfile.Profile()
