@@ -9,7 +9,8 @@ records its collective as a command (``cb.record``), so it runs in command order
 
 * **batch-normalization statistics** (after the statistics kernel, before the normalization):
   every rank's per-channel triple ``(count, mean, m2)`` is all-gathered and merged with the
-  closed form of Chan's pairwise update (`mpsnn.ops.batch_norm.bn_merge_all`)::
+  closed form of Chan's pairwise update (`mpsnn.ops.batch_norm.bn_merge_rows`: one Triton
+  kernel in float64 on CUDA, `mpsnn.ops.batch_norm.bn_merge_all` elsewhere)::
 
       n = Σ n_r,   mean = Σ n_r mean_r / n,   m2 = Σ m2_r + Σ n_r (mean_r - mean)²
 

@@ -29,7 +29,10 @@ __all__ = ["encode_updates"]
 
 def encode_updates(graph: Any, step: Any) -> None:
     from mpsnn.cnn.convolution.kernels import reload_weights_and_biases
-    from mpsnn.cnn.normalization.batch_norm_forward import reload_normalization_states
+    from mpsnn.cnn.normalization.batch_norm_forward import (
+        check_normalization_reloads,
+        reload_normalization_states,
+    )
     from mpsnn.graph.normalization_nodes import BatchNormalizationNode, InstanceNormalizationNode
 
     cb = step.cb
@@ -54,8 +57,13 @@ def encode_updates(graph: Any, step: Any) -> None:
             bn = fkernel[1]
             _gamma_beta(step, ds, bn, state, groups)
             mv = ds.update_mean_and_variance(cb, state)
-            if mv is not None:  # reloaded with the others below (nothing reads it before)
+            if mv is not None and _own_reload(bn, "reload_mean_and_variance"):
+                # reloaded with the others below (nothing reads it before); checked now, so
+                # that a bad state raises before the optimizers' updates are encoded
+                check_normalization_reloads(cb, [(bn, mv)])
                 running_reloads.append((bn, mv))
+            elif mv is not None:
+                bn.reload_mean_and_variance(cb, mv)
             continue
         if hasattr(fkernel, "reload_weights_and_biases"):  # the convolution family
             if _grouped(ds):
@@ -75,13 +83,29 @@ def encode_updates(graph: Any, step: Any) -> None:
     reload_weights_and_biases(cb, [(kernel, ds.state) for kernel, ds in reloads])
     # every normalization layer's reloads (gamma/beta after the update, running statistics):
     # one command, one multi-tensor copy
-    gamma_beta = [(kernel, ds._gb) for kernel, ds in step.gamma_beta_reloads]
+    gamma_beta = []
+    for kernel, ds in step.gamma_beta_reloads:
+        if _own_reload(kernel, "reload_gamma_and_beta"):
+            gamma_beta.append((kernel, ds._gb))
+        else:
+            kernel.reload_gamma_and_beta(cb, ds._gb)
     reload_normalization_states(cb, running_reloads + gamma_beta)
     after = [(st, own) for st, own in held if id(st) in late]
     _keep_past_enqueue(cb, [st for st, _ in after])  # the handler releases them
     if cpu:
         cb.add_completed_handler(_cpu_updates(cpu, after))
     _release(cb, [(st, own) for st, own in held if id(st) not in late])
+
+
+def _own_reload(kernel: Any, method: str) -> bool:
+    """Whether ``kernel``'s ``method`` is mpsnn's own (one grouped reload does its work); a
+    subclass that overrides it gets it called."""
+    from mpsnn.cnn.normalization.batch_norm_forward import AffineChannels, BatchNormalization
+
+    for base in (BatchNormalization, AffineChannels):
+        if hasattr(base, method):
+            return getattr(type(kernel), method, None) is getattr(base, method)
+    return False
 
 
 def _held_states(graph: Any, step: Any) -> list[tuple[State, int]]:

@@ -73,7 +73,11 @@ __all__ = [
     "bn_gradient_sums_portable",
     "bn_merge",
     "bn_merge_all",
+    "bn_merge_rows",
+    "bn_running_update",
+    "bn_running_update_portable",
     "bn_statistics",
+    "bn_statistics_and_variance",
     "bn_statistics_portable",
     "bn_variance",
 ]
@@ -275,9 +279,15 @@ def bn_merge_rows(
     On CUDA one Triton launch, merging in float64; elsewhere `bn_merge_all` in the sums' dtype,
     then copies and the division."""
     if len(into) != 3:
-        raise ValueError(f"[bn_merge_rows] into must be (count, mean, m2), got {len(into)}")
+        raise ValueError(f"[bn_merge_rows] into must be (count, mean, m2), got {len(into)} tensors")
     count, mean, m2 = into
-    if rows.dim() != 2 or rows.shape[1] != count.numel() + 2 * mean.numel():
+    c = mean.numel()
+    if mean.dim() != 1 or m2.shape != mean.shape or count.numel() not in (1, c):
+        raise ValueError(
+            f"[bn_merge_rows] into must be (count (1 or C), mean (C,), m2 (C,)), got shapes "
+            f"{[tuple(t.shape) for t in into]}"
+        )
+    if rows.dim() != 2 or rows.shape[1] != count.numel() + 2 * c:
         raise ValueError(
             f"[bn_merge_rows] rows must be (W, k + 2C) for into = (count (k,), mean (C,), m2 "
             f"(C,)), got {tuple(rows.shape)} for {[tuple(t.shape) for t in into]}"

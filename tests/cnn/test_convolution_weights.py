@@ -272,3 +272,18 @@ def test_fully_connected_matrix_view_follows_the_weights() -> None:
     run(cb)
     want = x.tensor.reshape(4, -1) @ ws.weight.reshape(5, -1).t()  # no bias: mm
     assert torch.equal(y.tensor.reshape(4, 5), want)
+
+
+def test_batched_reload_refuses_a_state_read_more_often_than_its_read_count() -> None:
+    """As the second of two separate reloads would find it released: nothing is recorded."""
+    from mpsnn.cnn.convolution.kernels import reload_weights_and_biases
+
+    dev = m.Device("cpu")
+    desc = m.ConvolutionDescriptor(1, 1, 1, 1)
+    convs = [m.Convolution(dev, m.TensorConvolutionDataSource(desc, torch.ones(1, 1, 1, 1)))
+             for _ in range(2)]  # fmt: skip
+    cb = dev.new_command_queue().command_buffer()
+    st = m.ConvolutionWeightsAndBiasesState.temporary(cb, desc)
+    with pytest.raises(m.StaleResourceError, match=r"\[Convolution\] .* at least its 2 reads"):
+        reload_weights_and_biases(cb, [(convs[0], st), (convs[1], st)])
+    assert len(cb) == 0 and st.read_count == 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mpsnn.distributed.data_parallel import _adjacent
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops.batch_norm import (
     bn_merge_all,
@@ -48,6 +49,8 @@ def test_statistics_kernel_writes_the_variance_of_its_results(shape, channels_la
     # the variance of the very (count, m2) the kernel wrote, rounded once: bn_variance's bits
     assert torch.equal(var, bn_variance(count, m2))
     assert var.shape == mean.shape == (shape[1],)
+    # one buffer, in this order: what a data-parallel exchange reads in place
+    assert _adjacent([count, mean, m2, var]) is not None
     # without the flag: the triple alone, the same values
     plain = triton_bn.bn_statistics_triton(x.contiguous())
     assert len(plain) == 3 and torch.equal(plain[0], count)
@@ -162,6 +165,13 @@ def test_merge_rows_portable_path_equals_the_closed_form_and_checks_shapes() -> 
         bn_merge_rows(rows[:, :-1], into)
     with pytest.raises(ValueError, match=r"\[bn_merge_rows\] into must be \(count, mean, m2\)"):
         bn_merge_rows(rows, into[:2])
+    # a count of neither 1 nor C elements, an m2 of another length: refused before any write
+    bad = r"\[bn_merge_rows\] into must be \(count \(1 or C\), mean \(C,\), m2 \(C,\)\)"
+    wide_rows = torch.zeros(3, 2 + 2 * 3)
+    with pytest.raises(ValueError, match=bad):
+        bn_merge_rows(wide_rows, (torch.empty(2), torch.empty(3), torch.empty(3)))
+    with pytest.raises(ValueError, match=bad):
+        bn_merge_rows(rows, (torch.empty(1), torch.empty(4), torch.empty(3)))
 
 
 @pytest.mark.skipif(not CUDA, reason="the fast paths run on CUDA only")

@@ -41,6 +41,7 @@ from mpsnn.core.geometry import (
     padding_offset,
     remainder_first,
 )
+from mpsnn.core.grouped import check_grouped_reads, pair_copier
 from mpsnn.core.image import Image
 from mpsnn.core.state import ForwardRecord, State
 from mpsnn.ops.convolution import (
@@ -342,23 +343,29 @@ def reload_weights_and_biases(
     state)`` pair, as one command: one multi-tensor copy (one launch on CUDA, where the
     per-kernel form costs two launches and their host dispatch per layer at every training
     step). Every pair is checked before anything changes, with the per-kernel messages; each
-    pair drops its state's read count by one, as its own reload would."""
+    pair drops its state's read count by one, as its own reload would (a temporary state
+    listed more often than its read count allows raises). The copies behave as if made in list
+    order (`mpsnn.core.grouped.pair_copier`)."""
+    pairs = list(pairs)
     for kernel, state in pairs:
         kernel._check_reload(command_buffer, state)
+    check_grouped_reads([(type(kernel).__name__, state) for kernel, state in pairs])
     if not pairs:
         return
     parts = [kernel._reload_sources(state) for kernel, state in pairs]
+    dst, src = [], []
+    for ws, sw, sb in parts:
+        dst.append(ws.weight)
+        src.append(sw)
+        if sb is not None:
+            dst.append(ws.bias)
+            src.append(sb)
+    copy = pair_copier(dst, src)
+    masters = [ws for ws, _, _ in parts]
 
     def run() -> None:
-        dst, src = [], []
-        for ws, sw, sb in parts:
-            dst.append(ws.weight)
-            src.append(sw)
-            if sb is not None:
-                dst.append(ws.bias)
-                src.append(sb)
-        torch._foreach_copy_(dst, src)
-        ConvWeights.refresh_all([ws for ws, _, _ in parts])  # the low-precision copies
+        copy()
+        ConvWeights.refresh_all(masters)  # the low-precision copies
 
     command_buffer.record("reload_weights_and_biases", run)
     for kernel, state in pairs:

@@ -28,6 +28,7 @@ from mpsnn.core.cnn_kernel import CNNKernel, Records
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import Window
+from mpsnn.core.grouped import check_grouped_reads, pair_copier
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.kernel import image_sequences
@@ -40,6 +41,7 @@ __all__ = [
     "BatchNormalization",
     "BatchNormalizationRecord",
     "BatchNormalizationStatistics",
+    "check_normalization_reloads",
     "read_normalization_vectors",
     "reload_normalization_states",
 ]
@@ -110,30 +112,61 @@ def reload_normalization_states(
     state)`` (a `NormalizationMeanAndVarianceState`, batch normalization) for every ``(kernel,
     state)`` pair, as one command: one multi-tensor copy (one launch on CUDA, where the
     per-kernel form costs a launch and its host dispatch per reload at every training step).
-    Every pair is checked before anything changes, with the per-kernel messages; each pair
-    drops its state's read count by one, as its own reload would."""
-    masters: list[MasterPair] = []
-    src: list[torch.Tensor] = []
-    for kernel, state in pairs:
-        if isinstance(state, NormalizationMeanAndVarianceState) and hasattr(kernel, "_running"):
-            pair, kind, name = kernel._running, NormalizationMeanAndVarianceState, (
-                "mean_and_variance_state")  # fmt: skip
-        else:
-            pair, kind, name = kernel._affine, NormalizationGammaAndBetaState, (
-                "gamma_and_beta_state")  # fmt: skip
-        src += _check_load(kernel, command_buffer, state, kind, name)
-        masters.append(pair)
+    Every pair is checked before anything is recorded, with the per-kernel messages; each pair
+    drops its state's read count by one, as its own reload would (a temporary state listed
+    more often than its read count allows raises), and the copies behave as if made in list
+    order (`mpsnn.core.grouped.pair_copier`)."""
+    pairs = list(pairs)
+    masters, src = check_normalization_reloads(command_buffer, pairs)
     if not pairs:
         return
+    dst = [t for pair in masters for t in (pair.first, pair.second)]
+    copy = pair_copier(dst, src)
 
     def run() -> None:
-        dst = [t for pair in masters for t in (pair.first, pair.second)]
         with torch.no_grad():  # masters are plain storage, whatever the sources require
-            torch._foreach_copy_(dst, src)
+            copy()
 
     command_buffer.record("reload_normalization_states", run)
     for kernel, state in pairs:
         state._consume_read(command_buffer, type(kernel).__name__)
+
+
+def check_normalization_reloads(
+    command_buffer: CommandBuffer, pairs: Sequence[tuple[Any, Any]]
+) -> tuple[list[MasterPair], list[torch.Tensor]]:
+    """Check the ``(kernel, state)`` pairs of `reload_normalization_states` (changes nothing);
+    returns the masters each pair writes and the source vectors, two per pair."""
+    masters: list[MasterPair] = []
+    src: list[torch.Tensor] = []
+    for kernel, state in pairs:
+        who = type(kernel).__name__
+        if isinstance(state, NormalizationMeanAndVarianceState):
+            if not isinstance(kernel, BatchNormalization):
+                raise TypeError(
+                    f"[reload_normalization_states] a mean_and_variance_state must be "
+                    f"reloaded into a BatchNormalization, got a {who}"
+                )
+            pair, kind, name = (
+                kernel._running,
+                NormalizationMeanAndVarianceState,
+                "mean_and_variance_state",
+            )
+        elif isinstance(kernel, AffineChannels):
+            pair, kind, name = (
+                kernel._affine,
+                NormalizationGammaAndBetaState,
+                "gamma_and_beta_state",
+            )
+        else:
+            raise TypeError(
+                "[reload_normalization_states] each kernel must be a normalization kernel "
+                f"(with gamma and beta), got a {who}"
+            )
+        src += _check_load(kernel, command_buffer, state, kind, name)
+        masters.append(pair)
+    check_grouped_reads([(type(kernel).__name__, state) for kernel, state in pairs])
+    return masters, src
 
 
 class AffineChannels:
