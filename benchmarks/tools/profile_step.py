@@ -10,6 +10,7 @@ Python functions of encode and commit (cProfile).
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import io
 import pstats
@@ -22,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.tools.twin import mpsnn_graph_step, torch_twin_step
 from mpsnn.cli.common import model_class, parse_device
+from mpsnn.core import device as device_module
 
 
 def _kernels(fn, steps: int, top: int, title: str) -> None:
@@ -42,10 +44,6 @@ def _command_host_times(run, sync, steps: int, top: int) -> None:
     """Host time of each command of an eager step, unprofiled: every command's function timed
     on its own (the GPU runs behind, as in a real step), summed per command name. The time a
     commit spends between commands (releases, checks) is not in these."""
-    import collections
-
-    from mpsnn.core import device as device_module
-
     totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     cls = device_module.CommandBuffer
     plain = cls._run
@@ -107,10 +105,6 @@ def _host_ops(run, sync, steps: int, top: int) -> None:
 def _command_ops(run, sync, top: int) -> None:
     """The PyTorch operations and launches each command of one eager step makes, by command
     name (the direct children of the command in the torch profiler's tree)."""
-    import collections
-
-    from mpsnn.core import device as device_module
-
     cls = device_module.CommandBuffer
     plain = cls._run
 
