@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import cProfile
 import io
 import pstats
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,50 +42,58 @@ def _kernels(fn, steps: int, top: int, title: str) -> None:
         print(f"{t / 1e3:8.3f} ms {100 * t / total:5.1f}% {e.count // steps:4d}x  {e.key[:90]}")
 
 
-def _command_host_times(run, sync, steps: int, top: int) -> None:
-    """Host time of each command of an eager step, unprofiled: every command's function timed
-    on its own (the GPU runs behind, as in a real step), summed per command name. The time a
-    commit spends between commands (releases, checks) is not in these."""
-    totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+@contextlib.contextmanager
+def _wrapped_commands(wrap: Callable[[Callable[[], Any], str], Callable[[], Any]]):
+    """Within the block, every committed command runs as ``wrap(fn, name)()``; the commands
+    get their own functions back after each commit (a step program reuses them)."""
     cls = device_module.CommandBuffer
     plain = cls._run
 
-    def timed(self) -> None:
-        cmds = list(self._commands)  # a step program's commands are reused: restore them
+    def run(self: Any) -> None:
+        cmds = list(self._commands)
         plain_fns = [cmd.fn for cmd in cmds]
         for cmd in cmds:
-            fn = cmd.fn
-
-            def wrapped(fn=fn, name=cmd.name) -> None:
-                t0 = time.perf_counter()
-                try:
-                    fn()
-                finally:
-                    entry = totals[name]
-                    entry[0] += time.perf_counter() - t0
-                    entry[1] += 1
-
-            cmd.fn = wrapped
+            cmd.fn = wrap(cmd.fn, cmd.name)
         try:
             plain(self)
         finally:
             for cmd, fn in zip(cmds, plain_fns, strict=True):
                 cmd.fn = fn
 
-    cls._run = timed
+    cls._run = run
     try:
+        yield
+    finally:
+        cls._run = plain
+
+
+def _command_host_times(run, sync, steps: int, top: int) -> None:
+    """Host time of each command of an eager step, unprofiled: every command's function timed
+    on its own (the GPU runs behind, as in a real step), summed per command name. The time a
+    commit spends between commands (releases, checks) is not in these."""
+    totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+
+    def timed(fn: Callable[[], Any], name: str) -> Callable[[], None]:
+        def call() -> None:
+            t0 = time.perf_counter()
+            try:
+                fn()
+            finally:
+                entry = totals[name]
+                entry[0] += time.perf_counter() - t0
+                entry[1] += 1
+
+        return call
+
+    with _wrapped_commands(timed):
         for _ in range(steps):
             run.step()
             sync()
-    finally:
-        cls._run = plain
     total = sum(v[0] for v in totals.values()) / steps
     print(f"\n# commit host time per step, by command: {total * 1e3:.2f} ms in commands")
     for name, (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
-        per = t / steps
-        print(
-            f"{per * 1e3:8.3f} ms {n // steps:4d}x {per / max(1, n // steps) * 1e6:7.1f} us  {name}"
-        )
+        per, calls = t / steps, n // steps
+        print(f"{per * 1e3:8.3f} ms {calls:4d}x {per / max(1, calls) * 1e6:7.1f} us  {name}")
 
 
 def _host_ops(run, sync, steps: int, top: int) -> None:
@@ -105,33 +115,18 @@ def _host_ops(run, sync, steps: int, top: int) -> None:
 def _command_ops(run, sync, top: int) -> None:
     """The PyTorch operations and launches each command of one eager step makes, by command
     name (the direct children of the command in the torch profiler's tree)."""
-    cls = device_module.CommandBuffer
-    plain = cls._run
 
-    def marked(self) -> None:
-        cmds = list(self._commands)
-        plain_fns = [cmd.fn for cmd in cmds]
-        for cmd in cmds:
+    def marked(fn: Callable[[], Any], name: str) -> Callable[[], None]:
+        def call() -> None:
+            with torch.profiler.record_function("cmd:" + name):
+                fn()
 
-            def wrapped(fn=cmd.fn, name=cmd.name) -> None:
-                with torch.profiler.record_function("cmd:" + name):
-                    fn()
-
-            cmd.fn = wrapped
-        try:
-            plain(self)
-        finally:
-            for cmd, fn in zip(cmds, plain_fns, strict=True):
-                cmd.fn = fn
+        return call
 
     sync()
-    cls._run = marked
-    try:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            run.step()
-            sync()
-    finally:
-        cls._run = plain
+    with _wrapped_commands(marked), profile(activities=[ProfilerActivity.CPU]) as prof:
+        run.step()
+        sync()
     calls: dict[str, int] = collections.Counter()
     ops: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for e in prof.events():
