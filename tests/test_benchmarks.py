@@ -287,3 +287,17 @@ def test_profile_step_reports_each_commands_host_time_and_operations(capsys) -> 
     ops = out.split("operations per command call")[1]
     assert "ConvolutionGradient (2x): aten::convolution_backward 1" in ops
     assert "wrapped" not in out  # the timing wrappers were taken out again
+
+
+def test_dp_host_time_reports_every_variant_on_the_cpu(capfd) -> None:
+    """The data-parallel host-time tool's smoke run: two Gloo processes, ResNet-18 at batch 2,
+    a line per rank and variant, and the one-process step."""
+    from benchmarks.tools import dp_host_time
+
+    dp_host_time.main(["--device", "cpu", "--gpus", "2", "--batch-per-gpu", "2", "--steps", "2",
+                       "--warmup", "1"])  # fmt: skip
+    lines = [ln for ln in capfd.readouterr().out.splitlines() if ln.startswith("# rank")]
+    want = {f"# rank {r}, 2 processes, {bn} BN: CPU" for r in (0, 1)
+            for bn in ("synchronized", "local")} | {"# rank 0, one process: CPU"}  # fmt: skip
+    assert {ln.split(";")[0] for ln in lines} == want
+    assert all("ms back to back; wall per step" in ln for ln in lines)

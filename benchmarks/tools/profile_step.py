@@ -140,24 +140,28 @@ def _command_ops(run, sync, top: int) -> None:
         print(f"{name} ({n}x): {parts}")
 
 
-def _back_to_back(steps: dict[str, Any], sync, n: int = 30) -> None:
+def _back_to_back(
+    steps: dict[str, Any], sync, n: int = 30, synced_steps: int = 15, cuda: bool = True
+) -> None:
     """Whether an eager step waits for the device: the synchronizing calls of one step (PyTorch's
-    sync debug mode), then each step's host time synchronized and back to back, and the wall
-    time per step back to back (host-bound when it equals the host time)."""
+    sync debug mode, CUDA), then each step's host time synchronized and back to back, and the
+    wall time per step back to back (host-bound when it equals the host time)."""
     import warnings
 
     for name, fn in steps.items():
         sync()
-        torch.cuda.set_sync_debug_mode("warn")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 fn()
         finally:
-            torch.cuda.set_sync_debug_mode(0)
+            if cuda:
+                torch.cuda.set_sync_debug_mode(0)
         waits = [w for w in caught if "synchroniz" in str(w.message).lower()]
         synced, b2b = [], []
-        for _ in range(15):
+        for _ in range(synced_steps):
             sync()
             t0 = time.perf_counter()
             fn()
@@ -170,10 +174,11 @@ def _back_to_back(steps: dict[str, Any], sync, n: int = 30) -> None:
             b2b.append(time.perf_counter() - t0)
         sync()
         wall = (time.perf_counter() - start) / n
-        print(f"# {name}: {len(waits)} synchronizing calls in a step; host per step "
+        calls = f"{len(waits)} synchronizing calls in a step" if cuda else "CPU"
+        print(f"# {name}: {calls}; host per step "
               f"{statistics.median(synced) * 1e3:.2f} ms synchronized, "
               f"{statistics.median(b2b) * 1e3:.2f} ms back to back; wall per step "
-              f"{wall * 1e3:.2f} ms")  # fmt: skip
+              f"{wall * 1e3:.2f} ms", flush=True)  # fmt: skip
 
 
 def main() -> None:
