@@ -45,6 +45,19 @@ def _exactly_derived(state: m.BatchNormalizationState) -> bool:
     return torch.equal(state._var, bn_variance(count, m2))
 
 
+def _state_with_statistics(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor) -> tuple:
+    """``(statistics kernel, bn, src, state, queue)``: a state whose statistics of ``x``
+    ran."""
+    stats, bn = _kernels(3, gamma, beta)
+    src = m.ImageBatch.from_tensor(x)
+    state = bn.result_state(src[0])
+    q = DEV.new_command_queue()
+    cb = q.command_buffer()
+    stats.encode_batch(cb, src, state)
+    run(cb)
+    return stats, bn, src, state, q
+
+
 # -- the statistics write it ------------------------------------------------------------------
 
 
@@ -71,13 +84,7 @@ def test_each_statistics_run_writes_the_variance_of_the_sums_merged_so_far() -> 
 
 def test_a_reset_then_new_statistics_rewrite_the_same_storage() -> None:
     x, gamma, beta = _data(4, seed=1)
-    stats, bn = _kernels(3, gamma, beta)
-    src = m.ImageBatch.from_tensor(x)
-    state = bn.result_state(src[0])
-    q = DEV.new_command_queue()
-    cb = q.command_buffer()
-    stats.encode_batch(cb, src, state)
-    run(cb)
+    stats, _, _, state, q = _state_with_statistics(x, gamma, beta)
     storage = state.variance
     state.reset()
     cb = q.command_buffer()
@@ -94,13 +101,7 @@ def test_readers_only_read_the_variance() -> None:
     contract of rewriting the variance) leaves the variance, and what the kernels compute, as
     the statistics left them."""
     x, gamma, beta = _data(4, seed=2)
-    stats, bn = _kernels(3, gamma, beta)
-    src = m.ImageBatch.from_tensor(x)
-    state = bn.result_state(src[0])
-    q = DEV.new_command_queue()
-    cb = q.command_buffer()
-    stats.encode_batch(cb, src, state)
-    run(cb)
+    _, bn, src, state, q = _state_with_statistics(x, gamma, beta)
     var = state.variance
     written, version = var.clone(), var._version
     state._slots[0][2].mul_(4.0)  # not through a statistics command

@@ -88,19 +88,26 @@ def _convolution(neuron, dtype, gen):
     return dev, ds, m.Convolution(dev, plain)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_fused_relu_gradient_reads_the_kept_slope(dtype) -> None:
-    gen = torch.Generator().manual_seed(3)
-    neuron = m.NeuronDescriptor(T.RELU)
-    dev, ds, plain = _convolution(neuron, dtype, gen)
-    conv, ngrad = m.Convolution(dev, ds), m.NeuronGradient(dev, neuron)
-    x = torch.randn(2, 2, 7, 6, generator=gen, dtype=torch.float64).to(dtype)
+def _encoded_forward(neuron, x, gen):
+    """A fused-neuron convolution of ``x`` encoded with its state, the same convolution
+    without the neuron (the pre-activation), on one new buffer; and the neuron's gradient."""
+    dev, ds, plain = _convolution(neuron, x.dtype, gen)
+    conv = m.Convolution(dev, ds)
     src = m.Image.from_tensor(x)
     q = dev.new_command_queue()
     cb = q.command_buffer()
     state = conv.result_state(src)
     y = conv.encode(cb, src, destination_state=state)
     z = plain.encode(cb, src)  # the pre-activation, from the same weights
+    return q, cb, state, y, z, m.NeuronGradient(dev, neuron)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_fused_relu_gradient_reads_the_kept_slope(dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    neuron = m.NeuronDescriptor(T.RELU)
+    x = torch.randn(2, 2, 7, 6, generator=gen, dtype=torch.float64).to(dtype)
+    q, cb, state, y, z, ngrad = _encoded_forward(neuron, x, gen)
     run(cb)
     assert state._preactivation is None and state._relu_mask is not None
     assert state._relu_mask in state.resources()
@@ -119,13 +126,8 @@ def test_the_fused_relu_gradient_reads_the_kept_slope(dtype) -> None:
 def test_other_neurons_keep_the_pre_activation() -> None:
     gen = torch.Generator().manual_seed(5)
     neuron = m.NeuronDescriptor(T.RELU, a=0.25)
-    dev, ds, plain = _convolution(neuron, torch.float32, gen)
-    conv, ngrad = m.Convolution(dev, ds), m.NeuronGradient(dev, neuron)
-    src = m.Image.from_tensor(torch.randn(1, 2, 5, 5, generator=gen))
-    cb = dev.new_command_queue().command_buffer()
-    state = conv.result_state(src)
-    y = conv.encode(cb, src, destination_state=state)
-    z = plain.encode(cb, src)
+    _, cb, state, y, z, ngrad = _encoded_forward(neuron, torch.randn(1, 2, 5, 5, generator=gen),
+                                                 gen)  # fmt: skip
     g = torch.randn(1, 4, 5, 5, generator=gen)
     dz = ngrad.encode(cb, m.Image.from_tensor(g), y, state)
     run(cb)
@@ -138,13 +140,8 @@ def test_a_client_may_read_the_kept_slope_twice() -> None:
     it was, and both gradients are right."""
     gen = torch.Generator().manual_seed(6)
     neuron = m.NeuronDescriptor(T.RELU)
-    dev, ds, plain = _convolution(neuron, torch.float32, gen)
-    conv, ngrad = m.Convolution(dev, ds), m.NeuronGradient(dev, neuron)
-    src = m.Image.from_tensor(torch.randn(1, 2, 5, 5, generator=gen))
-    cb = dev.new_command_queue().command_buffer()
-    state = conv.result_state(src)
-    y = conv.encode(cb, src, destination_state=state)
-    z = plain.encode(cb, src)
+    _, cb, state, y, z, ngrad = _encoded_forward(neuron, torch.randn(1, 2, 5, 5, generator=gen),
+                                                 gen)  # fmt: skip
     g1, g2 = torch.randn(1, 4, 5, 5, generator=gen), torch.randn(1, 4, 5, 5, generator=gen)
     d1 = ngrad.encode(cb, m.Image.from_tensor(g1), y, state)
     d2 = ngrad.encode(cb, m.Image.from_tensor(g2), y, state)
