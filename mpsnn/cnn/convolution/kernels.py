@@ -353,14 +353,10 @@ def reload_weights_and_biases(
     if not pairs:
         return
     parts = [kernel._reload_sources(state) for kernel, state in pairs]
-    dst, src = [], []
-    for ws, sw, sb in parts:
-        dst.append(ws.weight)
-        src.append(sw)
-        if sb is not None:
-            dst.append(ws.bias)
-            src.append(sb)
-    copy = pair_copier(dst, src)
+    pieces = [
+        p for ws, sw, sb in parts for p in ((ws.weight, sw), (ws.bias, sb)) if p[1] is not None
+    ]
+    copy = pair_copier([d for d, _ in pieces], [s for _, s in pieces])
     masters = [ws for ws, _, _ in parts]
 
     def run() -> None:
