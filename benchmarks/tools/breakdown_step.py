@@ -92,17 +92,18 @@ def workload(
 ) -> Workload:
     """The convolutions and byte estimates of ``graph``'s step (see the module docstring),
     from its plan and the shapes `record_shapes` found (``source_shape``: the input's)."""
-    from mpsnn.graph import (
+    from mpsnn.graph.plan import _Fused, _PassGradient
+    from mpsnn.nodes import (
         BatchNormalizationGradientNode,
         BatchNormalizationNode,
         ConvolutionNode,
         FullyConnectedNode,
         NeuronGradientNode,
     )
-    from mpsnn.graph.forward_nodes import _ArithmeticNode, _PoolingNode
-    from mpsnn.graph.gradient_nodes import _ConvolutionGradientNode
-    from mpsnn.graph.neuron_nodes import NeuronNode
-    from mpsnn.graph.plan import _Fused, _PassGradient
+    from mpsnn.nodes.arithmetic import _ArithmeticNode
+    from mpsnn.nodes.convolution import _ConvolutionGradientNode
+    from mpsnn.nodes.neuron import NeuronNode
+    from mpsnn.nodes.pooling import _PoolingNode
 
     plan = graph.plan
     sources = plan.topology.source_ids

@@ -1,5 +1,5 @@
 """Image scaling (MPS ``MPSImageScale``, ``MPSImageBilinearScale``, ``MPSImageLanczosScale``):
-the kernels behind `mpsnn.graph.resize_nodes.BilinearScaleNode` and ``LanczosScaleNode``.
+the kernels behind `mpsnn.nodes.resize.BilinearScaleNode` and ``LanczosScaleNode``.
 
 MPS's transform maps source positions to destination positions, ``dst = src * scale +
 translate`` per axis, in pixel edges (pixel centres handled internally), with the destination

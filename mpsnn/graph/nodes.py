@@ -18,12 +18,13 @@ Every filter node knows three things the graph needs:
   ``step`` (one `encode_batch` of a graph).
 
 and, for the automatic training graph, ``gradient_filters(sources)``: the gradient node(s) that
-differentiate it, found in the node-level forward → gradient table (`register_gradient_nodes`,
-filled by `mpsnn.graph.gradient_nodes`; this module imports no node family, so the families
-import it and never each other in a circle).
+differentiate it, found in the node-level forward → gradient table (`register_gradient_nodes`).
+A gradient node of a one-input forward node declares its place in that table where it is
+written: ``class PoolingMaxGradientNode(UnaryGradientNode, gradient_of=PoolingMaxNode)``.
 
-`UnaryNode` is the base of the one-source forward filters of the families
-(`mpsnn.graph.forward_nodes`, `mpsnn.graph.neuron_nodes`, `mpsnn.graph.normalization_nodes`).
+This module holds the bases the families build on: `UnaryNode` (one source),
+`_TrainableNode` (one source and a data source the step updates), `UnaryGradientNode`. The
+families themselves are in `mpsnn.nodes`, one module each; this module imports none of them.
 """
 
 from __future__ import annotations
@@ -47,7 +48,11 @@ __all__ = [
     "LabelsNode",
     "NodeHandler",
     "StateNode",
+    "UnaryGradientNode",
+    "UnaryNode",
     "register_gradient_nodes",
+    "register_gradient_sum",
+    "unary_gradient_nodes",
 ]
 
 _ids = itertools.count()
@@ -56,6 +61,9 @@ _ids = itertools.count()
 _GRADIENT_FACTORIES: dict[type, Callable[[Any, list[Any]], list[Any]]] = {}
 #: the automatic training graph (`mpsnn.graph.training` installs it when it is imported).
 _TRAINING_GRAPH: list[Callable[..., list[Any]]] = []
+#: the node class that sums two gradients of one image (the arithmetic family's `AdditionNode`,
+#: registered by `mpsnn.nodes.arithmetic`), made by the automatic training graph.
+_GRADIENT_SUM: list[type] = []
 
 
 def register_gradient_nodes(
@@ -64,6 +72,12 @@ def register_gradient_nodes(
     """Make ``factory(forward_node, incoming_gradients)`` the gradient nodes of
     ``forward_class`` (and of its subclasses without their own entry)."""
     _GRADIENT_FACTORIES[forward_class] = factory
+
+
+def register_gradient_sum(node_class: type) -> None:
+    """Make ``node_class(left, right)`` the node the automatic training graph sums the
+    gradients of an image read by several filters with."""
+    _GRADIENT_SUM[:] = [node_class]
 
 
 #: ``node_handler(gradient_node, inference_node, inference_source, gradient_source)``.
@@ -169,6 +183,16 @@ class FilterNode:
     #: its training-mode result may be freed after the forward and computed again before
     #: the backward (`Graph.recompute_normalization_results`)
     recomputes_result: ClassVar[bool] = False
+
+    # -- traits the automatic training graph and the updates read --------------------------
+    #: its result is the gradient of its source, where a training graph starts: what it is
+    #: ("loss", "initial gradient"), None for the other filters
+    supplies_gradient: ClassVar[str | None] = None
+    #: its trainable layer's gradient state is one per image, summed by the data source
+    #: (instance and group normalization)
+    updates_from_image_states: ClassVar[bool] = False
+    #: its update also writes running statistics that the kernel reloads (batch normalization)
+    updates_running_statistics: ClassVar[bool] = False
 
     def __init__(self, sources: Sequence[ImageNode]) -> None:
         who = type(self).__name__
@@ -321,6 +345,23 @@ class UnaryNode(FilterNode):
         raise NotImplementedError
 
 
+class _TrainableNode(UnaryNode):
+    """A node whose kernel has a data source that a training step updates."""
+
+    def __init__(self, source: ImageNode, data_source: Any) -> None:
+        super().__init__(source)
+        self._data_source = data_source
+
+    @property
+    def data_source(self) -> Any:
+        return self._data_source
+
+    @property
+    def training_style(self) -> Any:
+        """The data source's ``training_style`` (where the graph runs the update)."""
+        return getattr(self._data_source, "training_style", None)
+
+
 class GradientFilterNode(FilterNode):
     """Base of every gradient node (MPS ``MPSNNGradientFilterNode``).
 
@@ -394,3 +435,77 @@ class GradientFilterNode(FilterNode):
             f"[{type(self).__name__}] a training graph starts at a forward node (a loss), "
             "got a gradient node"
         )
+
+
+class UnaryGradientNode(GradientFilterNode):
+    """The gradient of a one-source forward node: ``(incoming gradient, forward image)``."""
+
+    _reads_result = False  # the gradient kernel reads the forward result (softmax families)
+
+    def __init_subclass__(cls, *, gradient_of: type[FilterNode] | None = None, **kw: Any) -> None:
+        """``class PoolingMaxGradientNode(UnaryGradientNode, gradient_of=PoolingMaxNode)``
+        declares the gradient node of a one-input forward node: the automatic training graph
+        makes one of it per incoming gradient (`register_gradient_nodes`)."""
+        super().__init_subclass__(**kw)
+        if gradient_of is not None:
+            register_gradient_nodes(gradient_of, unary_gradient_nodes(cls))
+
+    def __init__(self, source_gradient: ImageNode, forward: FilterNode) -> None:
+        secondary = forward.result_image if self._reads_result else forward.source_images[0]
+        super().__init__([source_gradient, secondary], forward, forward.result_state)
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the layer's weights are trained (the forward node's ``trainable``)."""
+        return self._forward.trainable and isinstance(self._forward, _TrainableNode)
+
+    def _read_node(self, kernel: Any) -> ImageNode:
+        """The forward image the gradient kernel reads (its second source by default)."""
+        return self._sources[1]
+
+    def _make_kernel(self, device: Device) -> Any:
+        return self._forward._gradient_kernel(device)
+
+    def _run(self, step: _Step, kernel: Any) -> None:
+        if not hasattr(kernel, "encode_batch"):  # the gradient of a neuron fused into a
+            step.alias(self.result_image, self._sources[0])  # batch normalization: passed on
+            return
+        g = step.image(self._sources[0])
+        x = step.image(self._read_node(kernel))
+        states = step.state(self._state)
+        pre = step.graph._plan.pre_gradient.get(self._id)
+        if pre is None:
+            dx = _encode(step, kernel, g, x, states)
+        else:  # a ReLU's gradient fused into this one (`mpsnn.graph.plan`)
+            relu, result = pre
+            kernel._incoming_gradient = relu._incoming_transform(states, step.image(result)._image)
+            try:
+                dx = _encode(step, kernel, g, x, states)
+            finally:
+                kernel._incoming_gradient = None
+        if dx is not None:
+            step.set_image(self.result_image, dx)
+        if self.trainable:
+            step.weight_gradient_ready(self, step.graph._plan.kernels[self._forward._id], states)
+
+
+def _encode(step: _Step, kernel: Any, g: Any, x: Any, states: Any) -> Any:
+    trusted = getattr(kernel, "_graph_encode_batch", None)
+    if trusted is not None:  # mpsnn's kernels: the graph made (and checked) the arguments
+        return trusted(step.cb, g, x, states)
+    return kernel.encode_batch(step.cb, g, x, states)
+
+
+def unary_gradient_nodes(node_class: type) -> Callable[[Any, list[Any]], list[Any]]:
+    """The gradient-node factory of a one-input forward node (what `register_gradient_nodes`
+    takes): one incoming gradient, one ``node_class(incoming, forward)``."""
+
+    def factory(forward: FilterNode, incoming: list[ImageNode]) -> list[Any]:
+        if len(incoming) != 1:
+            raise ValueError(
+                f"[{type(forward).__name__}] a one-input filter takes one incoming gradient, "
+                f"got {len(incoming)}"
+            )
+        return [node_class(incoming[0], forward)]
+
+    return factory

@@ -27,15 +27,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpsnn.graph.forward_nodes import AdditionNode
 from mpsnn.graph.nodes import (
+    _GRADIENT_SUM,
     _TRAINING_GRAPH,
     FilterNode,
     GradientFilterNode,
     ImageNode,
     NodeHandler,
 )
-from mpsnn.graph.normalization_nodes import LossNode
 
 __all__ = ["training_graph"]
 
@@ -82,12 +81,12 @@ def training_graph(
     if not callable(handler):
         raise TypeError(f"[training_graph] node_handler must be callable, got {handler!r}")
     grads: dict[int, list[ImageNode]] = {}  # image id -> gradients flowing into it
-    if isinstance(node, LossNode) or getattr(node, "_supplies_gradient", False):
+    what = node.supplies_gradient
+    if what is not None:
         # a loss node's result is its source's gradient; an initial gradient's result (ones)
         # is its source's gradient with respect to itself
         start = node.source_images[0]
         if start.producer is None:
-            what = "loss" if isinstance(node, LossNode) else "initial gradient"
             raise ValueError(f"[training_graph] the {what} node's source must be made by a filter")
         grads[start._id] = [node.result_image]
         forward = _forward_order(start.producer)
@@ -110,7 +109,7 @@ def training_graph(
         incoming = grads.get(fnode.result_image._id)
         if not incoming or fnode.result_image.stop_gradient:
             continue
-        g = _sum(incoming, handler, made, consumed, AdditionNode)
+        g = _sum(incoming, handler, made, consumed)
         consumed.add(g._id)
         gnodes = fnode.gradient_filters([g])
         for i, gnode in enumerate(gnodes):
@@ -122,7 +121,7 @@ def training_graph(
     # inputs of the graph read by several filters get their summed gradient too
     for images in grads.values():
         if len(images) > 1 and all(i._id not in consumed for i in images):
-            _sum(images, handler, made, consumed, AdditionNode)
+            _sum(images, handler, made, consumed)
     return [n for n in made if n.result_image._id not in consumed]
 
 
@@ -143,12 +142,16 @@ def _sum(
     handler: Any,
     made: list[GradientFilterNode],
     consumed: set[int],
-    addition: type,
 ) -> ImageNode:
     """One image holding the sum of ``images`` (AdditionNodes inserted, left to right)."""
     total = images[0]
+    if len(images) > 1 and not _GRADIENT_SUM:
+        raise RuntimeError(
+            "[training_graph] no node class sums gradients: import mpsnn.nodes (the arithmetic "
+            "family registers AdditionNode), got none registered"
+        )
     for other in images[1:]:
-        add = addition(total, other)
+        add = _GRADIENT_SUM[0](total, other)
         handler(add, None, None, None)
         made.append(add)
         consumed.update((total._id, other._id))

@@ -33,7 +33,6 @@ def encode_updates(graph: Any, step: Any) -> None:
         check_normalization_reloads,
         reload_normalization_states,
     )
-    from mpsnn.graph.normalization_nodes import BatchNormalizationNode, InstanceNormalizationNode
 
     cb = step.cb
     # the graph's own reads of the temporary states the updates get: a data source may add
@@ -48,12 +47,12 @@ def encode_updates(graph: Any, step: Any) -> None:
         fnode = gnode.inference_node
         ds = fnode.data_source
         state = StateBatch(states).unique()[0]
-        if isinstance(fnode, InstanceNormalizationNode):  # and group: one state per image,
+        if fnode.updates_from_image_states:  # instance and group: one state per image,
             state = StateBatch(states)  # the data source sums the batch of them
         if fnode._id in graph._plan.modes.cpu_updates:
             cpu.append((fnode, fkernel, state))
             continue
-        if isinstance(fnode, BatchNormalizationNode):
+        if fnode.updates_running_statistics:
             bn = fkernel[1]
             _gamma_beta(step, ds, bn, state, groups)
             mv = ds.update_mean_and_variance(cb, state)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import mpsnn.nodes as nodes
+import mpsnn.nodes.neuron as neuron_nodes
 from mpsnn.cnn.convolution.data_source import ConvolutionDataSource
 from mpsnn.cnn.convolution.descriptor import ConvolutionAccumulatorPrecisionOption
 from mpsnn.cnn.loss import LossDescriptor
@@ -31,13 +33,10 @@ from mpsnn.cnn.normalization.data_sources import (
 from mpsnn.cnn.yolo import YOLOLossDescriptor
 from mpsnn.core.descriptor import FeatureChannelFormat
 from mpsnn.core.geometry import EdgeMode, ImageCoordinate, Size
-from mpsnn.graph import forward_nodes as fwd
-from mpsnn.graph import neuron_nodes
-from mpsnn.graph import normalization_nodes as norm
 from mpsnn.graph.nodes import FilterNode, ImageNode, StateNode
-from mpsnn.graph.yolo_nodes import YOLOLossNode
 from mpsnn.io.codec import Encoder, Fields, fail, per_class, register_codec, show
 from mpsnn.io.kernels import decode_padding, encode_padding
+from mpsnn.nodes.yolo import YOLOLossNode
 
 __all__ = [
     "ARITHMETIC",
@@ -215,18 +214,18 @@ def read_source(f: Fields) -> ImageNode:
 # ---------------------------------------------------------------------------------------------
 # trainable layers: convolutions and normalizations
 
-_CONVOLUTIONS = (fwd.ConvolutionNode, fwd.FullyConnectedNode, fwd.ConvolutionTransposeNode)
+_CONVOLUTIONS = (nodes.ConvolutionNode, nodes.FullyConnectedNode, nodes.ConvolutionTransposeNode)
 _DATA_SOURCES: dict[type, type] = {
     **dict.fromkeys(_CONVOLUTIONS, ConvolutionDataSource),
-    norm.BatchNormalizationNode: BatchNormalizationDataSource,
-    norm.InstanceNormalizationNode: InstanceNormalizationDataSource,
-    norm.GroupNormalizationNode: GroupNormalizationDataSource,
+    nodes.BatchNormalizationNode: BatchNormalizationDataSource,
+    nodes.InstanceNormalizationNode: InstanceNormalizationDataSource,
+    nodes.GroupNormalizationNode: GroupNormalizationDataSource,
 }
 
 
 def _enc_layer(node: Any, enc: Encoder) -> dict[str, Any]:
     out: dict[str, Any] = {"source": enc.object(node.source_images[0])}
-    if isinstance(node, fwd.ConvolutionTransposeNode):
+    if isinstance(node, nodes.ConvolutionTransposeNode):
         pair = node._pair
         if pair is not None and (pair.producer is None or pair.producer.result_state is not pair):
             raise TypeError(
@@ -238,7 +237,7 @@ def _enc_layer(node: Any, enc: Encoder) -> dict[str, Any]:
     if isinstance(node, _CONVOLUTIONS):
         precision = node.accumulator_precision
         out["accumulator_precision"] = None if precision is None else precision.name
-    if isinstance(node, norm.BatchNormalizationNode):
+    if isinstance(node, nodes.BatchNormalizationNode):
         out["fused_neuron"] = enc.object(node._neuron)
     return out
 
@@ -246,18 +245,18 @@ def _enc_layer(node: Any, enc: Encoder) -> dict[str, Any]:
 def _dec_layer(f: Fields, kind: type) -> Any:
     source = read_source(f)
     pair = None
-    if kind is fwd.ConvolutionTransposeNode:
-        conv = f.get_object("convolution_gradient_state", fwd.ConvolutionNode, optional=True)
+    if kind is nodes.ConvolutionTransposeNode:
+        conv = f.get_object("convolution_gradient_state", nodes.ConvolutionNode, optional=True)
         pair = None if conv is None else conv.result_state
     ds = f.get_object("data_source", _DATA_SOURCES[kind])
-    node = kind(source, pair, ds) if kind is fwd.ConvolutionTransposeNode else kind(source, ds)
+    node = kind(source, pair, ds) if kind is nodes.ConvolutionTransposeNode else kind(source, ds)
     if kind in _CONVOLUTIONS:
         raw = f.raw("accumulator_precision")
         if raw is not None:
             node.accumulator_precision = f.get_enum(
                 "accumulator_precision", ConvolutionAccumulatorPrecisionOption
             )
-    if kind is norm.BatchNormalizationNode:
+    if kind is nodes.BatchNormalizationNode:
         node._neuron = f.get_object("fused_neuron", NeuronDescriptor, optional=True)
     return finish(f, node)
 
@@ -266,14 +265,15 @@ def _dec_layer(f: Fields, kind: type) -> Any:
 # pooling, neurons, softmax, dropout, upsampling
 
 _POOLINGS = (
-    fwd.PoolingMaxNode, fwd.PoolingAverageNode, fwd.PoolingL2NormNode, fwd.DilatedPoolingMaxNode,
+    nodes.PoolingMaxNode, nodes.PoolingAverageNode, nodes.PoolingL2NormNode,
+    nodes.DilatedPoolingMaxNode,
 )  # fmt: skip
 _POOL_SIZES = ("kernel_width", "kernel_height", "stride_in_pixels_x", "stride_in_pixels_y")
 _DILATIONS = ("dilation_rate_x", "dilation_rate_y")
 
 
 def _enc_pooling(node: Any, enc: Encoder) -> dict[str, Any]:
-    names = _POOL_SIZES + (_DILATIONS if isinstance(node, fwd.DilatedPoolingMaxNode) else ())
+    names = _POOL_SIZES + (_DILATIONS if isinstance(node, nodes.DilatedPoolingMaxNode) else ())
     out: dict[str, Any] = {"source": enc.object(node.source_images[0])}
     out.update({name: attr(node, name, (int,), enc) for name in names})
     out["edge_mode"] = EdgeMode(node.edge_mode).name
@@ -284,7 +284,7 @@ def _dec_pooling(f: Fields, kind: type) -> Any:
     source = read_source(f)
     sizes = {name: f.get_int(name, 1) for name in _POOL_SIZES}
     node = kind(source, **sizes)
-    if kind is fwd.DilatedPoolingMaxNode:
+    if kind is nodes.DilatedPoolingMaxNode:
         node.dilation_rate_x, node.dilation_rate_y = (f.get_int(n, 1) for n in _DILATIONS)
     node.edge_mode = f.get_enum("edge_mode", EdgeMode)
     return finish(f, node)
@@ -309,7 +309,7 @@ def _dec_source_only(f: Fields, kind: type) -> Any:
     return finish(f, kind(read_source(f)))
 
 
-def _enc_dropout(node: fwd.DropoutNode, enc: Encoder) -> dict[str, Any]:
+def _enc_dropout(node: nodes.DropoutNode, enc: Encoder) -> dict[str, Any]:
     stride = node.mask_stride_in_pixels
     return {
         "source": enc.object(node.source_images[0]),
@@ -319,11 +319,11 @@ def _enc_dropout(node: fwd.DropoutNode, enc: Encoder) -> dict[str, Any]:
     }
 
 
-def _dec_dropout(f: Fields) -> fwd.DropoutNode:
+def _dec_dropout(f: Fields) -> nodes.DropoutNode:
     source = read_source(f)
     keep, seed = f.get_float("keep_probability"), f.get_int("seed", 0)
     stride = Size(*f.get_ints("mask_stride_in_pixels", 3))
-    return finish(f, fwd.DropoutNode(source, keep, seed, stride))
+    return finish(f, nodes.DropoutNode(source, keep, seed, stride))
 
 
 def _enc_upsampling(node: Any, enc: Encoder) -> dict[str, Any]:
@@ -332,7 +332,7 @@ def _enc_upsampling(node: Any, enc: Encoder) -> dict[str, Any]:
         "integer_scale_factor_x": attr(node, "integer_scale_factor_x", (int,), enc),
         "integer_scale_factor_y": attr(node, "integer_scale_factor_y", (int,), enc),
     }
-    if isinstance(node, fwd.UpsamplingBilinearNode):
+    if isinstance(node, nodes.UpsamplingBilinearNode):
         out["align_corners"] = attr(node, "align_corners", (bool,), enc)
     return out
 
@@ -340,7 +340,7 @@ def _enc_upsampling(node: Any, enc: Encoder) -> dict[str, Any]:
 def _dec_upsampling(f: Fields, kind: type) -> Any:
     source = read_source(f)
     sx, sy = f.get_int("integer_scale_factor_x", 1), f.get_int("integer_scale_factor_y", 1)
-    if kind is fwd.UpsamplingBilinearNode:
+    if kind is nodes.UpsamplingBilinearNode:
         return finish(f, kind(source, sx, sy, f.get_bool("align_corners")))
     return finish(f, kind(source, sx, sy))
 
@@ -349,7 +349,7 @@ def _dec_upsampling(f: Fields, kind: type) -> Any:
 # shape: slice, reshape, pad, concatenation
 
 
-def _enc_slice(node: fwd.SliceNode, enc: Encoder) -> dict[str, Any]:
+def _enc_slice(node: nodes.SliceNode, enc: Encoder) -> dict[str, Any]:
     return {
         "source": enc.object(node.source_images[0]),
         "source_feature_channel_offset": attr(node, "source_feature_channel_offset", (int,), enc),
@@ -359,28 +359,28 @@ def _enc_slice(node: fwd.SliceNode, enc: Encoder) -> dict[str, Any]:
     }
 
 
-def _dec_slice(f: Fields) -> fwd.SliceNode:
+def _dec_slice(f: Fields) -> nodes.SliceNode:
     source = read_source(f)
     offset = f.get_int("source_feature_channel_offset", 0)
     count = f.get_int("source_feature_channel_max_count", 1, optional=True)
-    return finish(f, fwd.SliceNode(source, offset, count))
+    return finish(f, nodes.SliceNode(source, offset, count))
 
 
 _RESHAPE = ("result_width", "result_height", "result_feature_channels")
 
 
-def _enc_reshape(node: fwd.ReshapeNode, enc: Encoder) -> dict[str, Any]:
+def _enc_reshape(node: nodes.ReshapeNode, enc: Encoder) -> dict[str, Any]:
     out: dict[str, Any] = {"source": enc.object(node.source_images[0])}
     out.update(zip(_RESHAPE, node._shape, strict=True))
     return out
 
 
-def _dec_reshape(f: Fields) -> fwd.ReshapeNode:
+def _dec_reshape(f: Fields) -> nodes.ReshapeNode:
     source = read_source(f)
-    return finish(f, fwd.ReshapeNode(source, *(f.get_int(name, 1) for name in _RESHAPE)))
+    return finish(f, nodes.ReshapeNode(source, *(f.get_int(name, 1) for name in _RESHAPE)))
 
 
-def _enc_pad(node: fwd.PadNode, enc: Encoder) -> dict[str, Any]:
+def _enc_pad(node: nodes.PadNode, enc: Encoder) -> dict[str, Any]:
     before, after, fill = node._args
     return {
         "source": enc.object(node.source_images[0]),
@@ -391,32 +391,37 @@ def _enc_pad(node: fwd.PadNode, enc: Encoder) -> dict[str, Any]:
     }
 
 
-def _dec_pad(f: Fields) -> fwd.PadNode:
+def _dec_pad(f: Fields) -> nodes.PadNode:
     source = read_source(f)
     sizes = [
         None if f.raw(name) is None else ImageCoordinate(*f.get_ints(name, 3))
         for name in ("padding_size_before", "padding_size_after")
     ]
     edge = f.get_enum("edge_mode", EdgeMode)
-    return finish(f, fwd.PadNode(source, sizes[0], sizes[1], edge, f.get_value("fill_value")))
+    return finish(f, nodes.PadNode(source, sizes[0], sizes[1], edge, f.get_value("fill_value")))
 
 
-def _enc_concatenation(node: fwd.ConcatenationNode, enc: Encoder) -> dict[str, Any]:
+def _enc_concatenation(node: nodes.ConcatenationNode, enc: Encoder) -> dict[str, Any]:
     return {"sources": [enc.object(s) for s in node.source_images]}
 
 
-def _dec_concatenation(f: Fields) -> fwd.ConcatenationNode:
+def _dec_concatenation(f: Fields) -> nodes.ConcatenationNode:
     raw = f.raw("sources")
     if type(raw) is not list or not raw:
         raise fail(f"{f.who} field 'sources' must be a non-empty list, got {show(raw)}")
     sources = [image_ref(f, r, f"'sources.{i}'") for i, r in enumerate(raw)]
-    return finish(f, fwd.ConcatenationNode(sources))
+    return finish(f, nodes.ConcatenationNode(sources))
 
 
 # ---------------------------------------------------------------------------------------------
 # arithmetic (registered by mpsnn.io.graph_training: an addition may be a training graph's)
 
-ARITHMETIC = (fwd.AdditionNode, fwd.SubtractionNode, fwd.MultiplicationNode, fwd.DivisionNode)
+ARITHMETIC = (
+    nodes.AdditionNode,
+    nodes.SubtractionNode,
+    nodes.MultiplicationNode,
+    nodes.DivisionNode,
+)
 
 
 def enc_arithmetic(node: Any, enc: Encoder) -> dict[str, Any]:
@@ -453,9 +458,9 @@ def set_properties(f: Fields, node: Any) -> None:
 # local normalizations, loss
 
 _LOCALS = (
-    norm.SpatialNormalizationNode,
-    norm.LocalContrastNormalizationNode,
-    norm.CrossChannelNormalizationNode,
+    nodes.SpatialNormalizationNode,
+    nodes.LocalContrastNormalizationNode,
+    nodes.CrossChannelNormalizationNode,
 )
 
 
@@ -470,7 +475,7 @@ def _enc_local(node: Any, enc: Encoder) -> dict[str, Any]:
 
 def _dec_local(f: Fields, kind: type) -> Any:
     source = read_source(f)
-    count = 1 if kind is norm.CrossChannelNormalizationNode else 2
+    count = 1 if kind is nodes.CrossChannelNormalizationNode else 2
     size = f.get_ints("size", count)
     params = f.get_value("parameters")
     if type(params) is not dict or set(params) != set(kind._parameters):
@@ -481,10 +486,10 @@ def _dec_local(f: Fields, kind: type) -> Any:
     return finish(f, kind(source, *size, **params))
 
 
-_LOSS_DESCRIPTORS = {norm.LossNode: LossDescriptor, YOLOLossNode: YOLOLossDescriptor}
+_LOSS_DESCRIPTORS = {nodes.LossNode: LossDescriptor, YOLOLossNode: YOLOLossDescriptor}
 
 
-def _enc_loss(node: norm.LossNode, enc: Encoder) -> dict[str, Any]:
+def _enc_loss(node: nodes.LossNode, enc: Encoder) -> dict[str, Any]:
     who = f"{type(node).__name__}.input_labels"
     return {
         "source": enc.object(node.source_images[0]),
@@ -493,7 +498,7 @@ def _enc_loss(node: norm.LossNode, enc: Encoder) -> dict[str, Any]:
     }
 
 
-def _dec_loss(f: Fields, kind: type) -> norm.LossNode:
+def _dec_loss(f: Fields, kind: type) -> nodes.LossNode:
     source = read_source(f)
     node = kind(source, f.get_object("loss_descriptor", _LOSS_DESCRIPTORS[kind]))
     _dec_state(f, "input_labels", node.input_labels)
@@ -510,20 +515,25 @@ def _register() -> None:
         (tuple(_DATA_SOURCES), _enc_layer, _dec_layer),
         (_POOLINGS, _enc_pooling, _dec_pooling),
         ((neuron_nodes.NeuronNode,), _enc_neuron, _dec_neuron),
-        ((fwd.SoftMaxNode, fwd.LogSoftMaxNode), _enc_source_only, _dec_source_only),
-        ((fwd.UpsamplingNearestNode, fwd.UpsamplingBilinearNode), _enc_upsampling, _dec_upsampling),
+        ((nodes.SoftMaxNode, nodes.LogSoftMaxNode), _enc_source_only, _dec_source_only),
+        (
+            (nodes.UpsamplingNearestNode, nodes.UpsamplingBilinearNode),
+            _enc_upsampling,
+            _dec_upsampling,
+        ),
         (ARITHMETIC[1:], enc_arithmetic, dec_arithmetic),
         (_LOCALS, _enc_local, _dec_local),
         (tuple(_LOSS_DESCRIPTORS), _enc_loss, _dec_loss),
     ]
     single: list[tuple[type, Any, Any]] = [
-        (fwd.DropoutNode, _enc_dropout, _dec_dropout),
-        (fwd.SliceNode, _enc_slice, _dec_slice),
-        (fwd.ReshapeNode, _enc_reshape, _dec_reshape),
-        (fwd.PadNode, _enc_pad, _dec_pad),
-        (fwd.ConcatenationNode, _enc_concatenation, _dec_concatenation),
+        (nodes.DropoutNode, _enc_dropout, _dec_dropout),
+        (nodes.SliceNode, _enc_slice, _dec_slice),
+        (nodes.ReshapeNode, _enc_reshape, _dec_reshape),
+        (nodes.PadNode, _enc_pad, _dec_pad),
+        (nodes.ConcatenationNode, _enc_concatenation, _dec_concatenation),
     ]
     neurons = [getattr(neuron_nodes, name) for name in neuron_nodes.__all__]
+    neurons = [cls for cls in neurons if issubclass(cls, neuron_nodes.NeuronNode)]
     for classes, encode, decode in families:
         for cls in neurons if classes == (neuron_nodes.NeuronNode,) else classes:
             register_codec(cls, forward_encoder(encode), per_class(decode, cls))

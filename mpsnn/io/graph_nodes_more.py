@@ -19,16 +19,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import mpsnn.nodes.loss as ln
+import mpsnn.nodes.reduction as red
+import mpsnn.nodes.resize as rs
 from mpsnn.cnn.compare import ComparisonType
 from mpsnn.cnn.loss import LossDescriptor
 from mpsnn.core.geometry import Region, Size
-from mpsnn.graph import loss_nodes as ln
-from mpsnn.graph import reduction_nodes as red
-from mpsnn.graph import resize_nodes as rs
 from mpsnn.graph.nodes import ImageNode
 from mpsnn.io.codec import Encoder, Fields, fail, per_class, register_codec, show
 from mpsnn.io.graph_nodes import attr, finish, forward_encoder, image_ref, read_source
-from mpsnn.io.graph_training import register_gradient_node
 from mpsnn.io.kernels import decode_crop_regions, decode_region, encode_region
 
 __all__: list[str] = []  # the codecs are registered at import
@@ -213,14 +212,6 @@ def _register() -> None:
     register_codec(
         ln.InitialGradientNode, forward_encoder(_enc_initial_gradient), _dec_initial_gradient
     )
-    for cls in (
-        red.GramMatrixCalculationGradientNode,
-        red.ReductionSpatialMeanGradientNode,
-        rs.ResizeBilinearGradientNode,
-        rs.CropAndResizeBilinearGradientNode,
-        ln.LossGradientNode,
-    ):
-        register_gradient_node(cls)
 
 
 _register()

@@ -27,12 +27,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import mpsnn.nodes as nodes
 from mpsnn.core.kernel import TrainingStyle
-from mpsnn.graph import gradient_nodes as grad
-from mpsnn.graph.forward_nodes import AdditionNode
-from mpsnn.graph.loss_nodes import InitialGradientNode, LossGradientNode
-from mpsnn.graph.nodes import FilterNode, GradientFilterNode, ImageNode
-from mpsnn.graph.normalization_nodes import LossNode
+from mpsnn.graph.nodes import FilterNode, GradientFilterNode, ImageNode, UnaryGradientNode
 from mpsnn.io.codec import Encoder, Fields, codec_of_class, fail, per_class, register_codec, show
 from mpsnn.io.graph_nodes import (
     dec_arithmetic,
@@ -42,6 +39,9 @@ from mpsnn.io.graph_nodes import (
     forward_encoder,
     set_properties,
 )
+from mpsnn.nodes.arithmetic import AdditionNode, ArithmeticGradientNode
+from mpsnn.nodes.loss import InitialGradientNode, LossGradientNode, LossNode
+from mpsnn.nodes.shape import ConcatenationGradientNode
 
 __all__ = ["TrainingCall", "register_gradient_node"]
 
@@ -118,9 +118,9 @@ def _key(node: Any, images: dict[int, ImageNode]) -> tuple[Any, ...]:
     images it reads (``images`` maps a made image to the saved one)."""
     inference = node.inference_node if isinstance(node, GradientFilterNode) else None
     which: Any = None
-    if isinstance(node, grad.ArithmeticGradientNode):
+    if isinstance(node, ArithmeticGradientNode):
         which = node.is_secondary_source_filter
-    elif isinstance(node, grad.ConcatenationGradientNode):
+    elif isinstance(node, ConcatenationGradientNode):
         which = node.index
     elif isinstance(node, LossGradientNode):
         which = node.is_labels_gradient_filter
@@ -334,8 +334,8 @@ def register_gradient_node(cls: type) -> None:
 def _register() -> None:
     register_codec(TrainingCall, _enc_call, _dec_call, name="TrainingGraph")
     register_codec(AdditionNode, _enc_addition, _dec_addition)
-    for name in grad.__all__:
-        cls = getattr(grad, name)
+    # every family's gradient nodes (and the unary base, which files may name)
+    for cls in [UnaryGradientNode, *(getattr(nodes, name) for name in nodes.__all__)]:
         if isinstance(cls, type) and issubclass(cls, GradientFilterNode):
             register_gradient_node(cls)
 

@@ -28,15 +28,15 @@ from mpsnn.cnn.convolution import ConvolutionDescriptor
 from mpsnn.core.descriptor import FeatureChannelFormat
 from mpsnn.core.device import Device
 from mpsnn.core.geometry import DefaultPadding, PaddingMethod, Size
-from mpsnn.graph import (
+from mpsnn.graph import ImageNode
+from mpsnn.models.base import Model, conv_source, image_shape, seeded
+from mpsnn.nodes import (
     ConvolutionNode,
     DropoutNode,
     FullyConnectedNode,
-    ImageNode,
     NeuronReLUNode,
     PoolingMaxNode,
 )
-from mpsnn.models.base import Model, conv_source, image_shape, seeded
 
 __all__ = ["AppleMNIST"]
 

@@ -29,7 +29,8 @@ from mpsnn.cnn.loss import LossDescriptor, LossType, ReductionType
 from mpsnn.cnn.normalization import TensorBatchNormalizationDataSource
 from mpsnn.core.descriptor import FeatureChannelFormat
 from mpsnn.core.device import Device
-from mpsnn.graph import Graph, ImageNode, LossNode
+from mpsnn.graph import Graph, ImageNode
+from mpsnn.nodes import LossNode
 
 __all__ = ["Model", "batch_norm_source", "conv_source", "image_shape"]
 

@@ -19,14 +19,9 @@ from torch import nn
 from mpsnn.cnn.convolution import ConvolutionDescriptor
 from mpsnn.core.device import Device
 from mpsnn.core.geometry import DefaultPadding, PaddingMethod
-from mpsnn.graph import (
-    ConvolutionNode,
-    FullyConnectedNode,
-    ImageNode,
-    NeuronReLUNode,
-    PoolingMaxNode,
-)
+from mpsnn.graph import ImageNode
 from mpsnn.models.base import Model, conv_source, image_shape, seeded
+from mpsnn.nodes import ConvolutionNode, FullyConnectedNode, NeuronReLUNode, PoolingMaxNode
 
 __all__ = ["LeNet5"]
 

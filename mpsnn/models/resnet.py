@@ -42,16 +42,16 @@ from torch import nn
 from mpsnn.cnn.convolution import ConvolutionDescriptor
 from mpsnn.core.device import Device
 from mpsnn.core.geometry import DefaultPadding, PaddingMethod
-from mpsnn.graph import (
+from mpsnn.graph import ImageNode
+from mpsnn.models.base import Model, batch_norm_source, conv_source, seeded
+from mpsnn.nodes import (
     AdditionNode,
     BatchNormalizationNode,
     ConvolutionNode,
     FullyConnectedNode,
-    ImageNode,
     NeuronReLUNode,
     PoolingAverageNode,
 )
-from mpsnn.models.base import Model, batch_norm_source, conv_source, seeded
 
 __all__ = ["ResNet18"]
 

@@ -39,16 +39,15 @@ from mpsnn.cnn.yolo import YOLOLossDescriptor
 from mpsnn.core.descriptor import FeatureChannelFormat
 from mpsnn.core.device import Device
 from mpsnn.core.geometry import DefaultPadding, PaddingMethod, Size
-from mpsnn.graph import (
+from mpsnn.graph import Graph, ImageNode
+from mpsnn.models.base import Model, batch_norm_source, conv_source, seeded
+from mpsnn.nodes import (
     BatchNormalizationNode,
     ConvolutionNode,
-    Graph,
-    ImageNode,
     NeuronReLUNode,
     PoolingMaxNode,
     YOLOLossNode,
 )
-from mpsnn.models.base import Model, batch_norm_source, conv_source, seeded
 from mpsnn.ops.yolo import boxes_to_labels, predicted_boxes
 from mpsnn.optim import SGD, OptimizerDescriptor, RegularizationType
 

@@ -354,6 +354,7 @@ def test_every_forward_node_type_round_trips_with_its_attributes(tmp_path) -> No
 def test_every_node_type_is_registered() -> None:
     names = registered_types()
     classes = [getattr(m.graph, n) for n in m.graph.__all__]
+    classes += [getattr(m.nodes, n) for n in m.nodes.__all__]
     nodes = [
         c for c in classes
         if isinstance(c, type) and issubclass(c, m.FilterNode)

@@ -287,7 +287,7 @@ def test_malformed_new_kernel_fields_are_rejected(tmp_path) -> None:
 
 
 REDUCTION_NODES = [
-    m.graph.UnaryReductionNode, m.ReductionRowMinNode, m.ReductionRowMaxNode,
+    m.nodes.UnaryReductionNode, m.ReductionRowMinNode, m.ReductionRowMaxNode,
     m.ReductionRowMeanNode, m.ReductionRowSumNode, m.ReductionColumnMinNode,
     m.ReductionColumnMaxNode, m.ReductionColumnMeanNode, m.ReductionColumnSumNode,
     m.ReductionFeatureChannelsMinNode, m.ReductionFeatureChannelsMaxNode,

@@ -9,7 +9,7 @@ from mpsnn.cnn.yolo import YOLOLoss, YOLOLossDescriptor
 from mpsnn.core._checks import check_type
 from mpsnn.core.device import Device
 from mpsnn.graph.nodes import FilterNode, ImageNode, LabelsNode
-from mpsnn.graph.normalization_nodes import LossNode
+from mpsnn.nodes.loss import LossNode
 
 __all__ = ["YOLOLossNode"]
 

@@ -6,26 +6,34 @@ neuron type and parameters, and builds the descriptor from them with MPS's defau
 When a graph fuses a neuron node into the filter before it, the node runs no kernel of its
 own: its result (and state) are that filter's.
 
-The family has this one place (`mpsnn.graph` exports its ``__all__``; the `mpsnn.io` codecs
+The family has this one place (`mpsnn.nodes` exports its ``__all__``; the `mpsnn.io` codecs
 register every class listed there).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from mpsnn.cnn.neuron import Neuron, NeuronGradient
+from mpsnn.cnn.neuron import Neuron, NeuronGradient, ReLUGradientOfResult
 from mpsnn.cnn.neuron_descriptor import NeuronDescriptor, NeuronType
 from mpsnn.core._checks import check_type
 from mpsnn.core.device import Device
-from mpsnn.graph.nodes import ImageNode, UnaryNode
+from mpsnn.graph.nodes import (
+    FilterNode,
+    ImageNode,
+    UnaryGradientNode,
+    UnaryNode,
+)
 from mpsnn.graph.step import _Step
+from mpsnn.nodes.convolution import ConvolutionNode
 
 __all__ = [
     "NeuronAbsoluteNode",
     "NeuronELUNode",
     "NeuronExponentialNode",
     "NeuronGeLUNode",
+    "NeuronGradientNode",
     "NeuronHardSigmoidNode",
     "NeuronLinearNode",
     "NeuronLogarithmNode",
@@ -214,3 +222,65 @@ class NeuronGeLUNode(_NamedNeuronNode):
     """``x Phi(x)``. (MPS ``MPSCNNNeuronGeLUNode``)"""
 
     _kind = NeuronType.GELU
+
+
+# -- gradient node ---------------------------------------------------------------------------
+
+
+class _NeuronGradientNode(UnaryGradientNode):
+    """A neuron's gradient. A plain ReLU (``a = +0.0``, no padding policy) whose input is made
+    by a node of the graph, with the input and the result both in the graph's format, reads
+    the forward *result* (`ReLUGradientOfResult`): the ReLU's input is then freed after the
+    forward instead of being kept for the backward (in a residual network: every addition's
+    result). With a narrower result (a node ``format`` of its own) a tiny positive input could
+    round to a zero result and lose its gradient: the source is read then. A ReLU fused into
+    the filter before it differentiates through that filter's state either way. Its sources
+    are MPS's (incoming gradient, forward source) in both cases."""
+
+    def __init__(self, source_gradient: ImageNode, forward: FilterNode) -> None:
+        d = forward.descriptor
+        self._plain_relu = (
+            d.neuron_type is NeuronType.RELU
+            and d.a == 0.0
+            and math.copysign(1.0, d.a) > 0
+            and forward.padding_policy is None
+        )
+        super().__init__(source_gradient, forward)
+
+    def _uses_result(self) -> bool:
+        """Whether the gradient reads the ReLU's result (decided when a graph is planned).
+
+        After a convolution, which may run fused with the ReLU and then computes the
+        pre-activation in its *source's* dtype, that source must be in the graph's format too
+        (a wider graph input would round a tiny positive pre-activation to a zero result)."""
+        src, result = self._forward.source_images[0], self._forward.result_image
+        if not (
+            self._plain_relu
+            and src.producer is not None
+            and src.format is None
+            and result.format is None
+        ):
+            return False
+        if isinstance(src.producer, ConvolutionNode):
+            before = src.producer.source_images[0]
+            return before.producer is not None and before.format is None
+        return True
+
+    def _content_sources(self) -> list[ImageNode]:
+        if self._uses_result():
+            return [self._sources[0], self._forward.result_image]
+        return self._sources
+
+    def _make_kernel(self, device: Device) -> Any:
+        if self._uses_result():
+            return ReLUGradientOfResult(device, self._forward.descriptor)
+        return super()._make_kernel(device)
+
+    def _read_node(self, kernel: Any) -> ImageNode:
+        if isinstance(kernel, ReLUGradientOfResult):
+            return self._forward.result_image
+        return self._sources[1]
+
+
+class NeuronGradientNode(_NeuronGradientNode, gradient_of=NeuronNode):
+    """The gradient node of `NeuronNode` (MPS ``MPSCNNNeuronGradientNode``)."""

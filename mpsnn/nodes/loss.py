@@ -1,5 +1,6 @@
-"""The split-loss nodes (MPS ``MPSNNForwardLossNode``, ``MPSNNLossGradientNode``,
-``MPSNNInitialGradientNode``).
+"""The loss nodes: `LossNode` (MPS ``MPSCNNLossNode``, the fused loss whose result is its
+source's gradient) and the split-loss nodes (MPS ``MPSNNForwardLossNode``,
+``MPSNNLossGradientNode``, ``MPSNNInitialGradientNode``).
 
 With them a training graph starts from an **initial gradient** instead of a fused loss node:
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mpsnn.cnn.loss import LossDescriptor
+from mpsnn.cnn.loss import Loss, LossDescriptor
 from mpsnn.cnn.loss_split import ForwardLoss, InitialGradient, LossGradient
 from mpsnn.core._checks import check_type
 from mpsnn.core.device import Device
@@ -34,13 +35,53 @@ from mpsnn.graph.nodes import (
     FilterNode,
     GradientFilterNode,
     ImageNode,
+    LabelsNode,
     UnaryNode,
     register_gradient_nodes,
 )
 from mpsnn.graph.step import _Step
 from mpsnn.ops.loss_split import LABEL_GRADIENT_TYPES
 
-__all__ = ["ForwardLossNode", "InitialGradientNode", "LossGradientNode"]
+__all__ = ["ForwardLossNode", "InitialGradientNode", "LossGradientNode", "LossNode"]
+
+
+class LossNode(FilterNode):
+    """A loss (MPS ``MPSCNNLossNode``): its result image **is** the gradient of the loss with
+    respect to its source (the start of the training graph), and the loss goes into the
+    labels (``input_labels``, a `LabelsNode`: a source state of the graph).
+
+    Args:
+        source: the predictions.
+        loss_descriptor: a `LossDescriptor`.
+    """
+
+    _has_state = False
+    supplies_gradient = "loss"
+
+    def __init__(self, source: ImageNode, loss_descriptor: LossDescriptor) -> None:
+        super().__init__([source])
+        self.descriptor = check_type("LossNode", "loss_descriptor", loss_descriptor, LossDescriptor)
+        self.input_labels = LabelsNode()
+
+    @property
+    def source_states(self) -> list[LabelsNode]:
+        return [self.input_labels]
+
+    def _make_kernel(self, device: Device) -> Any:
+        k = Loss(device, self.descriptor)
+        self._configure(k)
+        return k
+
+    def _run(self, step: _Step, kernel: Any) -> None:
+        y = step.image(self._sources[0])
+        labels = step.state(self.input_labels)
+        step.set_image(self.result_image, kernel.encode_batch(step.cb, y, labels))
+
+    def gradient_filters(self, sources: Sequence[ImageNode]) -> list[Any]:
+        raise ValueError(
+            "[LossNode] a loss node has no gradient filter: its result image is the gradient "
+            "(use loss_node.training_graph())"
+        )
 
 
 class ForwardLossNode(FilterNode):
@@ -222,7 +263,7 @@ class InitialGradientNode(UnaryNode):
     """
 
     _has_state = False
-    _supplies_gradient = True  # the training walk starts at its source with its result
+    supplies_gradient = "initial gradient"  # the walk starts at its source with its result
 
     def _make_kernel(self, device: Device) -> Any:
         k = InitialGradient(device)

@@ -1,28 +1,34 @@
-"""Normalization and loss nodes (MPS ``MPSCNNBatchNormalizationNode``,
+"""The normalization nodes (MPS ``MPSCNNBatchNormalizationNode``,
 ``MPSCNNInstanceNormalizationNode``, ``MPSCNNGroupNormalizationNode``, the local
-normalization nodes, ``MPSCNNLossNode``)."""
+normalization nodes) and their gradient nodes."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import mpsnn.cnn.local_normalization as local
 import mpsnn.cnn.normalization as norm
-from mpsnn.cnn.loss import Loss, LossDescriptor
-from mpsnn.core._checks import check_type
 from mpsnn.core.device import Device
-from mpsnn.graph.forward_nodes import _TrainableNode
-from mpsnn.graph.nodes import FilterNode, ImageNode, LabelsNode, UnaryNode
+from mpsnn.graph.nodes import (
+    ImageNode,
+    UnaryGradientNode,
+    UnaryNode,
+    _TrainableNode,
+)
 from mpsnn.graph.step import _Step
 
 __all__ = [
+    "BatchNormalizationGradientNode",
     "BatchNormalizationNode",
+    "CrossChannelNormalizationGradientNode",
     "CrossChannelNormalizationNode",
+    "GroupNormalizationGradientNode",
     "GroupNormalizationNode",
+    "InstanceNormalizationGradientNode",
     "InstanceNormalizationNode",
+    "LocalContrastNormalizationGradientNode",
     "LocalContrastNormalizationNode",
-    "LossNode",
+    "SpatialNormalizationGradientNode",
     "SpatialNormalizationNode",
 ]
 
@@ -37,6 +43,7 @@ class BatchNormalizationNode(_TrainableNode):
     records_fused_neuron = True
     gradient_applies_fused_neuron = True
     recomputes_result = True
+    updates_running_statistics = True
 
     def __init__(self, source: ImageNode, data_source: Any) -> None:
         super().__init__(source, data_source)
@@ -85,6 +92,8 @@ class BatchNormalizationNode(_TrainableNode):
 
 class InstanceNormalizationNode(_TrainableNode):
     """Instance normalization (MPS ``MPSCNNInstanceNormalizationNode``)."""
+
+    updates_from_image_states = True
 
     _kernel_class: type = norm.InstanceNormalization
     _gradient_class: type = norm.InstanceNormalizationGradient
@@ -169,39 +178,52 @@ class CrossChannelNormalizationNode(_LocalNode):
         super().__init__(source, kernel_size, **parameters)
 
 
-class LossNode(FilterNode):
-    """A loss (MPS ``MPSCNNLossNode``): its result image **is** the gradient of the loss with
-    respect to its source (the start of the training graph), and the loss goes into the
-    labels (``input_labels``, a `LabelsNode`: a source state of the graph).
+# -- gradient nodes --------------------------------------------------------------------------
 
-    Args:
-        source: the predictions.
-        loss_descriptor: a `LossDescriptor`.
-    """
 
-    _has_state = False
+class BatchNormalizationGradientNode(UnaryGradientNode, gradient_of=BatchNormalizationNode):
+    """The gradient of batch normalization (MPS ``MPSCNNBatchNormalizationGradientNode``): the
+    statistics gradient over the batch, then the input gradient."""
 
-    def __init__(self, source: ImageNode, loss_descriptor: LossDescriptor) -> None:
-        super().__init__([source])
-        self.descriptor = check_type("LossNode", "loss_descriptor", loss_descriptor, LossDescriptor)
-        self.input_labels = LabelsNode()
+    def _reads(self) -> list[tuple[ImageNode, int]]:
+        return [(self._sources[0], 2), (self._sources[1], 2)]
 
-    @property
-    def source_states(self) -> list[LabelsNode]:
-        return [self.input_labels]
+    def _run(self, step: _Step, kernels: Any) -> None:
+        sgrad, grad = kernels
+        g, x = step.image(self._sources[0]), step.image(self._sources[1])
+        state = step.state(self._state)[0]
+        sgrad.encode_batch(step.cb, g, x, state)
+        if step.collectives is not None:  # data parallel: the sums of every process's images
+            step.collectives.batch_norm_gradient_sums(self, state)
+        step.set_image(self.result_image, grad.encode_batch(step.cb, g, x, state))
+        if self.trainable:
+            step.weight_gradient_ready(self, step.graph._plan.kernels[self._forward._id], [state])
 
-    def _make_kernel(self, device: Device) -> Any:
-        k = Loss(device, self.descriptor)
-        self._configure(k)
-        return k
 
-    def _run(self, step: _Step, kernel: Any) -> None:
-        y = step.image(self._sources[0])
-        labels = step.state(self.input_labels)
-        step.set_image(self.result_image, kernel.encode_batch(step.cb, y, labels))
+class InstanceNormalizationGradientNode(UnaryGradientNode, gradient_of=InstanceNormalizationNode):
+    """The gradient node of `InstanceNormalizationNode`
+    (MPS ``MPSCNNInstanceNormalizationGradientNode``)."""
 
-    def gradient_filters(self, sources: Sequence[ImageNode]) -> list[Any]:
-        raise ValueError(
-            "[LossNode] a loss node has no gradient filter: its result image is the gradient "
-            "(use loss_node.training_graph())"
-        )
+
+class GroupNormalizationGradientNode(UnaryGradientNode, gradient_of=GroupNormalizationNode):
+    """The gradient node of `GroupNormalizationNode`
+    (MPS ``MPSCNNGroupNormalizationGradientNode``)."""
+
+
+class SpatialNormalizationGradientNode(UnaryGradientNode, gradient_of=SpatialNormalizationNode):
+    """The gradient node of `SpatialNormalizationNode`
+    (MPS ``MPSCNNSpatialNormalizationGradientNode``)."""
+
+
+class LocalContrastNormalizationGradientNode(
+    UnaryGradientNode, gradient_of=LocalContrastNormalizationNode
+):
+    """The gradient node of `LocalContrastNormalizationNode`
+    (MPS ``MPSCNNLocalContrastNormalizationGradientNode``)."""
+
+
+class CrossChannelNormalizationGradientNode(
+    UnaryGradientNode, gradient_of=CrossChannelNormalizationNode
+):
+    """The gradient node of `CrossChannelNormalizationNode`
+    (MPS ``MPSCNNCrossChannelNormalizationGradientNode``)."""

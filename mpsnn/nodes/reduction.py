@@ -24,10 +24,15 @@ from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.device import Device
 from mpsnn.core.geometry import RECT_NO_CLIP, Region
 from mpsnn.core.image import Image
-from mpsnn.graph.forward_nodes import _ArithmeticNode
-from mpsnn.graph.gradient_nodes import UnaryGradientNode, _unary
-from mpsnn.graph.nodes import FilterNode, ImageNode, UnaryNode, register_gradient_nodes
+from mpsnn.graph.nodes import (
+    FilterNode,
+    ImageNode,
+    UnaryGradientNode,
+    UnaryNode,
+    register_gradient_nodes,
+)
 from mpsnn.graph.step import _Step
+from mpsnn.nodes.arithmetic import _ArithmeticNode
 
 __all__ = [
     "ComparisonNode",
@@ -99,7 +104,7 @@ class GramMatrixCalculationNode(UnaryNode):
         super()._run(step, kernel)
 
 
-class GramMatrixCalculationGradientNode(UnaryGradientNode):
+class GramMatrixCalculationGradientNode(UnaryGradientNode, gradient_of=GramMatrixCalculationNode):
     """The gradient of a `GramMatrixCalculationNode` (MPS
     ``MPSNNGramMatrixCalculationGradientNode``): reads the forward source; its ``alpha`` is the
     forward's (also when a ``property_call_back`` chose it)."""
@@ -111,9 +116,6 @@ class GramMatrixCalculationGradientNode(UnaryGradientNode):
     def _run(self, step: _Step, kernel: Any) -> None:
         kernel.alpha = step.graph._plan.kernels[self._forward._id].alpha
         super()._run(step, kernel)
-
-
-register_gradient_nodes(GramMatrixCalculationNode, _unary(GramMatrixCalculationGradientNode))
 
 
 def _no_gradient(forward: FilterNode, incoming: list[ImageNode]) -> list[Any]:
@@ -238,11 +240,8 @@ class ReductionSpatialMeanNode(UnaryReductionNode):
         return ReduceSpatialMeanGradient(device)
 
 
-class ReductionSpatialMeanGradientNode(UnaryGradientNode):
+class ReductionSpatialMeanGradientNode(UnaryGradientNode, gradient_of=ReductionSpatialMeanNode):
     """The gradient of a `ReductionSpatialMeanNode` (MPS
     ``MPSNNReductionSpatialMeanGradientNode``; kernel `ReduceSpatialMeanGradient`): the incoming
     1x1 gradient divided by the number of pixels averaged, on each of them; reads the forward
     source."""
-
-
-register_gradient_nodes(ReductionSpatialMeanNode, _unary(ReductionSpatialMeanGradientNode))

@@ -15,8 +15,12 @@ import mpsnn.cnn.resize as rs
 import mpsnn.cnn.scale as sc
 from mpsnn.core.device import Device
 from mpsnn.core.geometry import Size
-from mpsnn.graph.gradient_nodes import UnaryGradientNode, _unary
-from mpsnn.graph.nodes import GradientFilterNode, ImageNode, UnaryNode, register_gradient_nodes
+from mpsnn.graph.nodes import (
+    GradientFilterNode,
+    ImageNode,
+    UnaryGradientNode,
+    UnaryNode,
+)
 from mpsnn.graph.step import _Step
 
 __all__ = [
@@ -77,17 +81,13 @@ class CropAndResizeBilinearNode(rs._CropSettings, UnaryNode):
         return rs.CropAndResizeBilinearGradient(device, *self._resize, n, self._regions)
 
 
-class ResizeBilinearGradientNode(UnaryGradientNode):
+class ResizeBilinearGradientNode(UnaryGradientNode, gradient_of=ResizeBilinearNode):
     """The gradient node of `ResizeBilinearNode` (with respect to its source)."""
 
 
-class CropAndResizeBilinearGradientNode(UnaryGradientNode):
+class CropAndResizeBilinearGradientNode(UnaryGradientNode, gradient_of=CropAndResizeBilinearNode):
     """The gradient node of `CropAndResizeBilinearNode` (with respect to its source; the
     regions are constants)."""
-
-
-register_gradient_nodes(ResizeBilinearNode, _unary(ResizeBilinearGradientNode))
-register_gradient_nodes(CropAndResizeBilinearNode, _unary(CropAndResizeBilinearGradientNode))
 
 
 class ScaleNode(UnaryNode):

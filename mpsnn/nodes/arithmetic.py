@@ -1,0 +1,192 @@
+"""The arithmetic nodes (MPS ``MPSNNAdditionNode``, ``MPSNNSubtractionNode``,
+``MPSNNMultiplicationNode``, ``MPSNNDivisionNode``) and their gradient node
+(``MPSNNArithmeticGradientNode``, one per input)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import mpsnn.cnn.arithmetic as arith
+from mpsnn.cnn.arithmetic import Add, Subtract
+from mpsnn.core.descriptor import ImageDescriptor
+from mpsnn.core.device import Device
+from mpsnn.core.image import Image
+from mpsnn.core.image_batch import ImageBatch
+from mpsnn.graph.nodes import (
+    FilterNode,
+    GradientFilterNode,
+    ImageNode,
+    register_gradient_nodes,
+    register_gradient_sum,
+)
+from mpsnn.graph.step import _Step
+
+__all__ = [
+    "AdditionNode",
+    "ArithmeticGradientNode",
+    "DivisionNode",
+    "MultiplicationNode",
+    "SubtractionNode",
+]
+
+
+class _ArithmeticNode(FilterNode):
+    """Binary arithmetic (MPS ``MPSNNBinaryArithmeticNode``): ``left`` is the primary source.
+    The kernel's scales, bias, clamp and strides are set through the node's attributes of the
+    same names (``primary_scale``, ``secondary_scale``, ``bias``, ``minimum_value``,
+    ``maximum_value``, ``primary_stride_in_feature_channels``, ...)."""
+
+    _kernel_class: type = arith.Add
+    _gradient_class: type = arith.Add
+    fuses_neuron = True
+    _properties = (
+        "primary_scale", "secondary_scale", "bias", "minimum_value", "maximum_value",
+        "primary_stride_in_feature_channels", "secondary_stride_in_feature_channels",
+        "primary_stride_in_pixels_x", "primary_stride_in_pixels_y",
+        "secondary_stride_in_pixels_x", "secondary_stride_in_pixels_y",
+    )  # fmt: skip
+
+    def __init__(self, left: ImageNode, right: ImageNode) -> None:
+        super().__init__([left, right])
+        self.properties: dict[str, Any] = {}
+
+    @classmethod
+    def from_sources(cls, sources: Sequence[ImageNode]) -> _ArithmeticNode:
+        if len(sources) != 2:
+            raise ValueError(f"[{cls.__name__}] needs 2 sources, got {len(sources)}")
+        return cls(sources[0], sources[1])
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._properties:
+            self.properties[name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    def _make_kernel(self, device: Device) -> Any:
+        k = self._kernel_class(device)
+        for name, value in self.properties.items():
+            setattr(k, name, value)
+        self._configure(k)
+        return k
+
+    def _gradient_kernel(self, device: Device, secondary: bool) -> Any:
+        from mpsnn.core.registry import gradient_kernels_of
+
+        (grad,) = gradient_kernels_of(self._kernel_class)
+        return grad(device, secondary)
+
+    def _run(self, step: _Step, kernel: Any) -> None:
+        a, b = step.image(self._sources[0]), step.image(self._sources[1])
+        states = kernel.result_state_batch(a, b) if step.training(self) else None
+        y = kernel.encode_batch(step.cb, a, b, destination_states=states)
+        step.set_image(self.result_image, y)
+        if states is not None:
+            step.set_state(self.result_state, states)
+
+
+class AdditionNode(_ArithmeticNode):
+    """``left + right`` (MPS ``MPSNNAdditionNode``)."""
+
+    _kernel_class = arith.Add
+
+
+class SubtractionNode(_ArithmeticNode):
+    """``left - right`` (MPS ``MPSNNSubtractionNode``)."""
+
+    _kernel_class = arith.Subtract
+
+
+class MultiplicationNode(_ArithmeticNode):
+    """``left * right`` (MPS ``MPSNNMultiplicationNode``)."""
+
+    _kernel_class = arith.Multiply
+
+
+class DivisionNode(_ArithmeticNode):
+    """``left / right`` (MPS ``MPSNNDivisionNode``; its gradient is an mpsnn extension)."""
+
+    _kernel_class = arith.Divide
+
+
+class ArithmeticGradientNode(GradientFilterNode):
+    """One input's gradient of an arithmetic node (MPS ``MPSNNArithmeticGradientNode``):
+    ``is_secondary_source_filter`` selects the input. Add and subtract read the input they
+    differentiate, multiply and divide the other one.
+
+    Add and subtract need only the *shape* of their input (``dx = scale * g``, reduced over
+    broadcast axes): their kernel gets a storage-less stand-in of the same shape, and the input
+    image is not kept alive for them. In a residual network that frees every block's last
+    normalization output right after the addition instead of at the block's backward."""
+
+    def __init__(self, source_gradient: ImageNode, forward: Any, secondary: bool) -> None:
+        self._reads_other = not issubclass(forward._kernel_class, Add | Subtract)
+        which = (not secondary) if self._reads_other else secondary
+        super().__init__(
+            [source_gradient, forward.source_images[int(which)]], forward, forward.result_state
+        )
+        self.is_secondary_source_filter = secondary
+
+    def _content_sources(self) -> list[ImageNode]:
+        return self._sources if self._reads_other else self._sources[:1]
+
+    def _make_kernel(self, device: Device) -> Any:
+        return self._forward._gradient_kernel(device, self.is_secondary_source_filter)
+
+    def _run(self, step: _Step, kernel: Any) -> None:
+        g, x = step.image(self._sources[0]), step.image(self._sources[1])
+        states = step.state(self._state)
+        if not self._reads_other:
+            if self._passes_on(step, kernel, g, states):
+                step.share(self.result_image, self._sources[0])
+                return
+            x = _shape_only(x)
+        step.set_image(self.result_image, kernel.encode_batch(step.cb, g, x, states))
+
+    def _passes_on(self, step: _Step, kernel: Any, g: ImageBatch, states: Any) -> bool:
+        """Whether this node holds its incoming gradient's image instead of a copy: the
+        kernel's gradient is that image (`ArithmeticGradient._passes_gradient_on`), the
+        graph would store it in the same format, and the result is the graph's own
+        intermediate (not a result, an export, or an image of a user's allocator), and the
+        incoming gradient is not a source of the graph."""
+        graph, result = step.graph, self.result_image
+        passes = getattr(kernel, "_passes_gradient_on", None)
+        return (
+            passes is not None
+            # a user's source: its planned read count counts this node's one read
+            and self._sources[0]._id not in graph._plan.topology.source_ids
+            and result._id not in graph._plan.modes.kept
+            and result.image_allocator is None
+            and graph._plan.liveness.alloc_nodes.get(result._id) is result
+            and (result.format or graph.format) is g.image._fmt
+            and passes(g.image, states)
+        )
+
+
+class _ShapeOnly(Image):
+    """A stand-in with an image's shape and format and no storage: what the add/subtract
+    gradients get instead of an input image the graph may have released already. They read
+    only its shape; a command that read its contents would be a planning bug, and raises."""
+
+    def _data(self) -> torch.Tensor:
+        raise RuntimeError(
+            f"[Graph] internal error: the contents of a shape-only stand-in ({self._describe()}) "
+            "were read; please report this"
+        )
+
+
+def _shape_only(batch: ImageBatch | Image) -> ImageBatch | Image:
+    """`_ShapeOnly` of ``batch`` (an `ImageBatch` for a batch)."""
+    image = batch.image if isinstance(batch, ImageBatch) else batch
+    n, c, h, w = image._shape
+    stand_in = _ShapeOnly._make(image._device, ImageDescriptor._make(image._fmt, w, h, c, n))
+    return ImageBatch(stand_in) if isinstance(batch, ImageBatch) else stand_in
+
+
+register_gradient_nodes(
+    _ArithmeticNode,
+    lambda f, g: [ArithmeticGradientNode(g[0], f, secondary) for secondary in (False, True)],
+)
+register_gradient_sum(AdditionNode)
