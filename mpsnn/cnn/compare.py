@@ -40,6 +40,7 @@ from mpsnn.core.binary import BinaryKernel
 from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
+from mpsnn.core.saved import Field
 from mpsnn.core.state import State
 
 __all__ = ["Compare", "ComparisonType"]
@@ -89,6 +90,18 @@ class Compare(Arithmetic):
         comparison_type: a `ComparisonType` (default EQUAL).
         threshold: the tolerance of equality (default 0, >= 0).
     """
+
+    saved_fields = (
+        Field("primary_scale", float, init=False),
+        Field("secondary_scale", float, init=False),
+        Field("bias", float, init=False),
+        Field("minimum_value", float, init=False),
+        Field("maximum_value", float, init=False),
+        Field("primary_stride_in_feature_channels", int, init=False, minimum=0),
+        Field("secondary_stride_in_feature_channels", int, init=False, minimum=0),
+        Field("comparison_type", ComparisonType, init=False),
+        Field("threshold", float, init=False),
+    )
 
     def __init__(self, device: Device) -> None:
         super().__init__(device)

@@ -20,9 +20,10 @@ and the primary region's size.
 
 from __future__ import annotations
 
-from mpsnn.cnn.reduce import Combine, ReduceBinary
+from mpsnn.cnn.reduce import _BINARY_FIELDS, Combine, ReduceBinary
 from mpsnn.core._checks import check_int
 from mpsnn.core.device import Device
+from mpsnn.core.saved import Field
 from mpsnn.ops.reduce import local_correlation
 
 __all__ = ["LocalCorrelation"]
@@ -37,6 +38,14 @@ class LocalCorrelation(ReduceBinary):
             default 0).
         stride_in_x, stride_in_y: the pixels between two offsets (>= 1, default 1).
     """
+
+    saved_fields = (
+        *_BINARY_FIELDS,
+        Field("window_in_x", int),
+        Field("window_in_y", int),
+        Field("stride_in_x", int),
+        Field("stride_in_y", int),
+    )
 
     def __init__(
         self,

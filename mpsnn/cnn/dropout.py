@@ -37,6 +37,7 @@ from mpsnn.core.cnn_kernel import Records
 from mpsnn.core.device import Device, _raw_stream
 from mpsnn.core.geometry import Size, Window
 from mpsnn.core.registry import gradient_of
+from mpsnn.core.saved import Field
 from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.ops.dropout import (
     dropout_apply,
@@ -150,6 +151,13 @@ class Dropout(_DropoutParameters, PointwiseKernel):
     """
 
     _gradient_state_class = DropoutGradientState
+    saved_fields = (
+        Field("keep_probability", float),
+        Field("seed", int, minimum=0),
+        Field("mask_stride_in_pixels", Size),
+        # encodes so far: the next masks (loaded into the kernel's own device counter)
+        Field("counter", torch.Tensor, init=False, attr="_counter"),
+    )
 
     def __init__(
         self,

@@ -34,6 +34,7 @@ from mpsnn.core.device import CommandBuffer, Device
 from mpsnn.core.geometry import AxisWindow, DestinationSpan, Offset, Window
 from mpsnn.core.gradient_command import Backward
 from mpsnn.core.registry import gradient_of
+from mpsnn.core.saved import Field
 from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.ops.gram import gram_backward, gram_forward
 
@@ -79,6 +80,7 @@ class GramMatrixCalculation(_Alpha, CNNKernel):
     """
 
     _gradient_state_class = GradientState
+    saved_fields = (Field("alpha", float),)
 
     def __init__(self, device: Device, alpha: float = 1.0) -> None:
         super().__init__(device)
@@ -148,6 +150,7 @@ class GramMatrixCalculationGradient(_Alpha, GradientKernel):
     """
 
     _state_class = GradientState
+    saved_fields = (Field("alpha", float),)
 
     def __init__(self, device: Device, alpha: float = 1.0) -> None:
         super().__init__(device)

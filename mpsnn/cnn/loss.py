@@ -41,6 +41,7 @@ from mpsnn.core.geometry import Size
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.kernel import image_sequences, resolve_images
+from mpsnn.core.saved import Field
 from mpsnn.errors import CommandBufferError, UnsupportedError
 from mpsnn.ops.loss import LossParams, loss_forward_backward, read_index_bounds
 
@@ -337,6 +338,8 @@ class Loss(_LabelsLoss):
     with them, and the command buffer fails with a `CommandBufferError` naming this kernel
     and the indices' range once its work completed (``wait_until_completed`` raises it).
     """
+
+    saved_fields = (Field("loss_descriptor", LossDescriptor, attr="_desc"),)
 
     def __init__(self, device: Device, loss_descriptor: LossDescriptor) -> None:
         super().__init__(device)

@@ -54,6 +54,7 @@ from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import RECT_NO_CLIP, Offset, Window
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
+from mpsnn.core.saved import Field
 from mpsnn.core.state import ForwardRecord, GradientState, State, _unique
 from mpsnn.errors import UnsupportedError
 from mpsnn.ops.loss import LossParams
@@ -250,6 +251,10 @@ class ForwardLoss(_LossProperties, CNNKernel):
     """
 
     _gradient_state_class = GradientState
+    saved_fields = (
+        Field("loss_descriptor", LossDescriptor, attr="_desc"),
+        Field("reduce_across_batch", bool),
+    )
 
     def __init__(
         self, device: Device, loss_descriptor: LossDescriptor, *, reduce_across_batch: bool = False
@@ -380,6 +385,12 @@ class LossGradient(_LossProperties, BinaryKernel):
     gradients). ``encode_batch(command_buffer, source_gradients, source_images, labels,
     weights=None, source_states=None, destination_gradients=None)`` takes `ImageBatch` es.
     """
+
+    saved_fields = (
+        Field("loss_descriptor", LossDescriptor, attr="_desc"),
+        Field("reduce_across_batch", bool),
+        Field("compute_label_gradients", bool),
+    )
 
     def __init__(
         self,
@@ -570,6 +581,8 @@ class InitialGradient(CNNKernel):
     destination position the encode covers gets 1, whatever the source holds (NaN included);
     the source is read for its size only.
     """
+
+    saved_fields = ()
 
     def __init__(self, device: Device) -> None:
         super().__init__(device)

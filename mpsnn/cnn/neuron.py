@@ -36,6 +36,7 @@ from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import Window
 from mpsnn.core.image import Image
 from mpsnn.core.registry import gradient_of
+from mpsnn.core.saved import Field
 from mpsnn.core.state import ForwardRecord, GradientState, _unique
 from mpsnn.ops.neuron import (
     activation,
@@ -102,6 +103,7 @@ class Neuron(_NeuronProperties, PointwiseKernel):
     """
 
     _gradient_state_class = GradientState
+    saved_fields = (Field("neuron_descriptor", NeuronDescriptor),)
 
     def __init__(self, device: Device, neuron_descriptor: NeuronDescriptor) -> None:
         super().__init__(device)

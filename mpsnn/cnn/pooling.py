@@ -36,6 +36,7 @@ from mpsnn.core.geometry import (
 )
 from mpsnn.core.gradient_command import Backward
 from mpsnn.core.registry import gradient_of
+from mpsnn.core.saved import Field
 from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.ops.plans import PoolGeometry
 from mpsnn.ops.pooling import (
@@ -194,6 +195,14 @@ class _Pooling(_InGraph, CNNKernel):
         return PoolingRecord(params, zero_pad, self._geometry(window, memo), stash)
 
 
+#: what a pooling kernel saves: its window (the constructor's arguments)
+_WINDOW_FIELDS = (
+    Field("kernel_width", int, minimum=1), Field("kernel_height", int, minimum=1),
+    Field("stride_in_pixels_x", int, minimum=1), Field("stride_in_pixels_y", int, minimum=1),
+    Field("dilation_rate_x", int, minimum=1), Field("dilation_rate_y", int, minimum=1),
+)  # fmt: skip
+
+
 class PoolingMax(_Pooling):
     """Maximum over each window (MPS ``MPSCNNPoolingMax``).
 
@@ -204,6 +213,8 @@ class PoolingMax(_Pooling):
 
     With ZERO edges, zeros read outside the image take part in the maximum.
     """
+
+    saved_fields = _WINDOW_FIELDS
 
 
 class _DilatedArguments:
@@ -229,6 +240,8 @@ class DilatedPoolingMax(_DilatedArguments, _Pooling):
     """Maximum over a dilated window (MPS ``MPSCNNDilatedPoolingMax``): taps
     ``c - E // 2 + d * j``; kernel 2 with dilation 3 reads ``c - 2`` and ``c + 1``."""
 
+    saved_fields = _WINDOW_FIELDS
+
 
 class PoolingL2Norm(_Pooling):
     """``sqrt(sum x^2)`` over each window (MPS ``MPSCNNPoolingL2Norm``), computed scaled by a
@@ -236,6 +249,7 @@ class PoolingL2Norm(_Pooling):
     finite input, e.g. four values of 3e19 give 6e19 and a gradient of 0.5 each in float32."""
 
     _forward_op = staticmethod(l2_pool_forward)
+    saved_fields = _WINDOW_FIELDS
 
 
 class _ZeroPad:
@@ -283,6 +297,11 @@ class PoolingAverage(_ZeroPad, _Pooling):
         )
 
     _forward_op = staticmethod(average_pool_forward)
+    saved_fields = (
+        *_WINDOW_FIELDS,
+        Field("zero_pad_size_x", int, init=False, minimum=0),
+        Field("zero_pad_size_y", int, init=False, minimum=0),
+    )
 
     def _pool_geometry(self, window: Window) -> PoolGeometry:
         vy, vx = self._valid(window, window.y.size, window.x.size)

@@ -55,6 +55,7 @@ from mpsnn.core.geometry import (
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.kernel import image_sequences, resolve_span
+from mpsnn.core.saved import Field
 from mpsnn.ops.reduce import reduce_block, weighted_channels
 
 __all__ = [
@@ -191,9 +192,14 @@ class ReduceUnary(CNNKernel):
         return lambda x: reduce_block(x[:, :, rows, cols], op, dim, weight)
 
 
+#: what a one-source reduction saves besides the kernel configuration
+_UNARY_FIELDS = (Field("clip_rect_source", Region, init=False),)
+
+
 def _unary(name: str, dim: int, op: str, what: str) -> type:
     doc = f"{what} (MPS ``MPSNN{name}``)."
-    return type(name, (ReduceUnary,), {"__doc__": doc, "_dim": dim, "_op": op})
+    namespace = {"__doc__": doc, "_dim": dim, "_op": op, "saved_fields": _UNARY_FIELDS}
+    return type(name, (ReduceUnary,), namespace)
 
 
 _ARG = "as a float counted from the first channel read; the first wins ties"
@@ -229,6 +235,7 @@ class ReduceFeatureChannelsSum(ReduceUnary):
 
     _dim = _CHANNELS
     _op = "sum"
+    saved_fields = (*_UNARY_FIELDS, Field("weight", float, init=False))
 
     def __init__(self, device: Device) -> None:
         super().__init__(device)
@@ -454,9 +461,18 @@ class _ChannelsAndWeights(ReduceBinary):
         return lambda x, w: weighted_channels(x, w, mode)
 
 
+#: what a two-source reduction saves besides the kernel configuration
+_BINARY_FIELDS = (
+    Field("primary_source_clip_rect", Region, init=False),
+    Field("secondary_source_clip_rect", Region, init=False),
+)
+
+
 class ReduceFeatureChannelsAndWeightsMean(_ChannelsAndWeights):
     """``sum_c x[c] w[c] / C`` per pixel, ``C`` the channels read (MPS
     ``MPSNNReduceFeatureChannelsAndWeightsMean``)."""
+
+    saved_fields = _BINARY_FIELDS
 
 
 class ReduceFeatureChannelsAndWeightsSum(_ChannelsAndWeights):
@@ -469,6 +485,8 @@ class ReduceFeatureChannelsAndWeightsSum(_ChannelsAndWeights):
         do_weighted_sum_by_non_zero_weights: divide by the number of non-zero weights
             (default False; read-only afterwards, as in MPS).
     """
+
+    saved_fields = (Field("do_weighted_sum_by_non_zero_weights", bool), *_BINARY_FIELDS)
 
     def __init__(self, device: Device, do_weighted_sum_by_non_zero_weights: bool = False) -> None:
         super().__init__(device)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpsnn.cnn.reduce import _CHANNELS, ReduceUnary
+from mpsnn.cnn.reduce import _CHANNELS, _UNARY_FIELDS, ReduceUnary
 from mpsnn.core.binary import GradientKernel
 from mpsnn.core.cnn_kernel import Forward, Records
 from mpsnn.core.device import CommandBuffer
@@ -42,6 +42,7 @@ class ReduceSpatialMean(ReduceUnary):
     module docstring; the kernel of MPS's ``MPSNNReductionSpatialMeanNode``)."""
 
     _gradient_state_class = GradientState
+    saved_fields = _UNARY_FIELDS
 
     def _reduces(self, dim: int) -> bool:
         return dim != _CHANNELS  # y and x
@@ -63,6 +64,7 @@ class ReduceSpatialMeanGradient(GradientKernel):
     """
 
     _state_class = GradientState
+    saved_fields = ()
 
     def _make_backward(
         self, cb: CommandBuffer, record: ForwardRecord, window: Window, states: list[Any]

@@ -41,6 +41,7 @@ from mpsnn.core.geometry import AxisWindow, DestinationSpan, EdgeMode, Offset, W
 from mpsnn.core.gradient_command import Backward
 from mpsnn.core.image import Image
 from mpsnn.core.registry import gradient_of
+from mpsnn.core.saved import Field
 from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.ops.resize import (
     CropAxis,
@@ -151,6 +152,14 @@ class _BilinearSettings(_ResizeSize):
         return self._align
 
 
+#: what a bilinear resize and its gradient save (the constructor's arguments)
+_BILINEAR_FIELDS = (
+    Field("resize_width", int, minimum=1),
+    Field("resize_height", int, minimum=1),
+    Field("align_corners", bool),
+)
+
+
 class _CropSettings(_ResizeSize):
     """The settings `CropAndResizeBilinear` and its gradient share."""
 
@@ -226,6 +235,8 @@ class ResizeBilinear(_BilinearSettings, _Resampling):
         resize_width, resize_height: the destination size, positive.
         align_corners: align the centres of the corner pixels (default False).
     """
+
+    saved_fields = _BILINEAR_FIELDS
 
     def __init__(
         self, device: Device, resize_width: int, resize_height: int, align_corners: bool = False
@@ -318,6 +329,7 @@ class ResizeBilinearGradient(_BilinearSettings, GradientKernel):
     ``align_corners`` must equal the forward's."""
 
     _state_class = GradientState
+    saved_fields = _BILINEAR_FIELDS
 
     def __init__(
         self, device: Device, resize_width: int, resize_height: int, align_corners: bool = False

@@ -33,6 +33,7 @@ class SoftMax(PointwiseKernel):
     """``softmax`` over the feature channels of each pixel (MPS ``MPSCNNSoftMax``)."""
 
     _gradient_state_class = GradientState
+    saved_fields = ()
 
     def _pointwise(self, window: Window, records: Records) -> Pointwise:
         return lambda x: torch.softmax(widen(x), 1).to(x.dtype)
@@ -42,6 +43,7 @@ class LogSoftMax(PointwiseKernel):
     """``log_softmax`` over the feature channels of each pixel (MPS ``MPSCNNLogSoftMax``)."""
 
     _gradient_state_class = GradientState
+    saved_fields = ()
 
     def _pointwise(self, window: Window, records: Records) -> Pointwise:
         return lambda x: torch.log_softmax(widen(x), 1).to(x.dtype)

@@ -39,6 +39,7 @@ from mpsnn.cnn.loss import (
 from mpsnn.cnn.loss_labels import LossLabels
 from mpsnn.core._checks import check_enum, check_int, check_type
 from mpsnn.core.device import Device
+from mpsnn.core.saved import Field
 from mpsnn.ops.yolo import PER_PIXEL_TYPES, YOLOParams, yolo_loss_forward_backward
 
 __all__ = ["YOLOLoss", "YOLOLossDescriptor"]
@@ -346,6 +347,7 @@ class YOLOLoss(_LabelsLoss):
     """
 
     _who = "YOLOLoss"
+    saved_fields = (Field("loss_descriptor", YOLOLossDescriptor, attr="_desc"),)
 
     def __init__(self, device: Device, loss_descriptor: YOLOLossDescriptor) -> None:
         super().__init__(device)

@@ -15,7 +15,7 @@ import enum
 import functools
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from mpsnn.core._checks import check_int, check_type
 from mpsnn.core.device import CommandBuffer, Device
@@ -23,6 +23,7 @@ from mpsnn.core.encode import Encoding, apply_encoding
 from mpsnn.core.geometry import PaddingMethod, Region
 from mpsnn.core.image import Image, _check_usable
 from mpsnn.core.image_batch import ImageBatch
+from mpsnn.core.saved import Field, declare_saved_fields
 from mpsnn.core.state import StateBatch
 
 __all__ = [
@@ -110,6 +111,14 @@ class Kernel:
     """Base of every kernel (MPS ``MPSKernel``): a device, a label and options."""
 
     _config = 0  # bumped by every public assignment: part of every plan-cache key
+    #: what the class saves (see `mpsnn.core.saved`): a class whose own body sets it is
+    #: saved and loaded by `mpsnn.io` with no codec of its own
+    saved_fields: ClassVar[tuple[Field, ...]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "saved_fields" in cls.__dict__:
+            declare_saved_fields(cls)
 
     def __init__(self, device: Device) -> None:
         if not isinstance(device, Device):

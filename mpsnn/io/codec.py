@@ -1,6 +1,8 @@
-"""The codec table and the objects codecs work with: `register_codec` / `registered_types`,
-the `Encoder` a codec's ``encode`` writes through (objects, tensors, plain values), the
-`Fields` reader a codec's ``decode`` reads from (typed getters that reject missing or
+"""The codec table and the objects codecs work with: `register_codec` / `registered_types`
+(a kernel class that declares its saved fields, `mpsnn.core.saved`, needs no entry: the
+generic codec `mpsnn.io.declared` installs with `set_declared_codec` saves it), the
+`Encoder` a codec's ``encode`` writes through (objects, tensors, plain values), the `Fields`
+reader a codec's ``decode`` reads from (typed getters that reject missing or
 malformed fields with a `CheckpointError`), and the decoder of plain values.
 
 Codec functions receive the encoder or the fields: only the `register_codec` call needs this
@@ -17,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from mpsnn.core.device import Device
+from mpsnn.core.saved import declared_class, declared_classes
 from mpsnn.errors import CheckpointError
 
 __all__ = [
@@ -35,6 +38,7 @@ __all__ = [
     "per_class",
     "register_codec",
     "registered_types",
+    "set_declared_codec",
     "show",
 ]
 
@@ -89,6 +93,34 @@ class Codec(NamedTuple):
 
 _BY_CLASS: dict[type, Codec] = {}
 _BY_NAME: dict[str, Codec] = {}
+# The codecs of the classes that declare their saved fields, made on first use by the
+# function `mpsnn.io.declared` installs (that module builds on the kernel codecs, which build
+# on this one). The table above comes first: a hand-written codec overrides a declaration.
+_DECLARED_CODECS: dict[type, Codec] = {}
+_make_declared: list[Callable[[type], Codec]] = []
+
+
+def set_declared_codec(make: Callable[[type], Codec]) -> None:
+    """Install ``make(cls) -> Codec``, the generic codec of a class that declares its saved
+    fields (`mpsnn.io.declared` does, at import)."""
+    _make_declared[:] = [make]
+    _DECLARED_CODECS.clear()
+
+
+def _declared_codec(cls: type) -> Codec | None:
+    """The generic codec of ``cls`` if it declares its saved fields and no codec is registered
+    for it (None otherwise)."""
+    codec = _DECLARED_CODECS.get(cls)
+    if codec is None and _make_declared and declared_class(cls.__name__) is cls:
+        if cls.__name__ in _BY_NAME:  # a hand-written codec's name: loads as that class
+            raise TypeError(
+                f"[save] a class saved by its declared fields must not be named like a "
+                f"registered type, got {cls.__module__}.{cls.__qualname__} named "
+                f"{cls.__name__!r} (registered for {_BY_NAME[cls.__name__].cls.__module__}."
+                f"{_BY_NAME[cls.__name__].cls.__qualname__})"
+            )
+        codec = _DECLARED_CODECS[cls] = _make_declared[0](cls)
+    return codec
 
 
 def register_codec(
@@ -102,7 +134,9 @@ def register_codec(
 
     A class, and a name, can be registered once. Modules that define new savable classes
     (e.g. graphs) register theirs at import; `load` knows only the types registered when it
-    runs.
+    runs. A kernel class can instead declare its saved fields (`mpsnn.core.saved`); a codec
+    registered for such a class replaces its generic one (for what a list of fields cannot
+    say).
 
     Raises:
         TypeError: ``cls`` not a class, or ``encode``/``decode`` not callable.
@@ -127,24 +161,43 @@ def register_codec(
             f"[register_codec] a name must be registered once, got {key!r} again "
             f"(registered for {_BY_NAME[key].cls.__name__})"
         )
+    declared = declared_class(key)
+    if declared is not None and declared is not cls:
+        raise ValueError(
+            f"[register_codec] a name must be registered once, got {key!r}, the saved name "
+            f"of {declared.__module__}.{declared.__qualname__} (it declares its saved fields)"
+        )
     codec = Codec(cls, key, encode, decode)
     _BY_CLASS[cls] = codec
     _BY_NAME[key] = codec
+    _DECLARED_CODECS.pop(cls, None)
 
 
 def registered_types() -> dict[str, type]:
-    """The codec table: name written in files -> class."""
-    return {name: codec.cls for name, codec in _BY_NAME.items()}
+    """The types `load` knows: name written in files -> class (the codec table, then the
+    classes that declare their saved fields)."""
+    out = {name: codec.cls for name, codec in _BY_NAME.items()}
+    if _make_declared:
+        for name, cls in declared_classes().items():
+            out.setdefault(name, cls)
+    return out
 
 
 def codec_of_name(name: Any) -> Codec | None:
-    """The codec registered under ``name`` (None: no such type)."""
-    return _BY_NAME.get(name) if type(name) is str else None
+    """The codec registered under ``name``, else that of the class declaring its saved fields
+    under ``name`` (None: no such type)."""
+    if type(name) is not str:
+        return None
+    codec = _BY_NAME.get(name)
+    if codec is None and (cls := declared_class(name)) is not None:
+        codec = _declared_codec(cls)
+    return codec
 
 
 def codec_of_class(cls: type) -> Codec | None:
-    """The codec of exactly ``cls`` (None: not registered)."""
-    return _BY_CLASS.get(cls)
+    """The codec of exactly ``cls``: registered, else generic if ``cls`` declares its saved
+    fields (None: neither)."""
+    return _BY_CLASS.get(cls) or _declared_codec(cls)
 
 
 def per_class(decode: Callable[[Fields, type], Any], kind: type) -> Callable[[Fields], Any]:
@@ -209,8 +262,9 @@ class Encoder:
                 return items if t is list else {"$tuple": items}
             finally:
                 self._active.discard(id(v))
-        if t in _BY_CLASS or isinstance(v, tuple(_BY_CLASS)):
-            return self.object(v)  # a subclass of a registered class is refused there
+        savable = (*_BY_CLASS, *declared_classes().values())
+        if codec_of_class(t) is not None or isinstance(v, savable):
+            return self.object(v)  # a subclass of a savable class is refused there
         raise TypeError(
             f"[save] values must be None, bool, int, float, str, list, tuple, dict, tensors or "
             f"objects of a registered type ({', '.join(sorted(_BY_NAME))}), got "
@@ -224,7 +278,7 @@ class Encoder:
         known = self._object_refs.get(id(obj))
         if known is not None:
             return known[1]
-        codec = _BY_CLASS.get(type(obj))
+        codec = codec_of_class(type(obj))
         if codec is None:
             raise TypeError(
                 f"[save] objects must be of a registered type (see mpsnn.io.register_codec), "

@@ -1,8 +1,10 @@
 """Codecs of the forward kernels: every `CNNKernel`'s configuration (label, options, offset,
-clip rect, edge mode, feature channel ranges, a `DefaultPadding`), then each kernel's own
-values (a convolution's master weights, the normalizations' gamma/beta/statistics copies,
-dropout's encode counter) and parameters. The Gram matrix, comparison, reduction, resize and
-YOLO kernels are in `mpsnn.io.kernels_more`."""
+clip rect, edge mode, feature channel ranges, a `DefaultPadding`), and the kernels whose own
+values a list of fields cannot say: a convolution's master weights (loaded into its masters
+and checked against its data source's shapes) and the normalizations' gamma/beta/statistics
+copies (loaded into their parameter objects). The kernels that declare their saved fields
+(`mpsnn.core.saved`) are saved by `mpsnn.io.declared`; the comparison, crop-and-resize and
+YOLO codecs are in `mpsnn.io.kernels_more`."""
 
 from __future__ import annotations
 
@@ -11,10 +13,6 @@ from typing import Any
 from mpsnn.cnn.convolution.data_source import ConvolutionDataSource
 from mpsnn.cnn.convolution.descriptor import ConvolutionAccumulatorPrecisionOption
 from mpsnn.cnn.convolution.kernels import Convolution, ConvolutionTranspose, FullyConnected
-from mpsnn.cnn.dropout import Dropout
-from mpsnn.cnn.loss import Loss, LossDescriptor
-from mpsnn.cnn.neuron import Neuron
-from mpsnn.cnn.neuron_descriptor import NeuronDescriptor
 from mpsnn.cnn.normalization.batch_norm_forward import BatchNormalization
 from mpsnn.cnn.normalization.data_sources import (
     BatchNormalizationDataSource,
@@ -22,8 +20,6 @@ from mpsnn.cnn.normalization.data_sources import (
     InstanceNormalizationDataSource,
 )
 from mpsnn.cnn.normalization.group_norm import GroupNormalization, InstanceNormalization
-from mpsnn.cnn.pooling import DilatedPoolingMax, PoolingAverage, PoolingL2Norm, PoolingMax
-from mpsnn.cnn.softmax import LogSoftMax, SoftMax
 from mpsnn.core.cnn_kernel import CNNKernel
 from mpsnn.core.geometry import (
     DefaultPadding,
@@ -207,83 +203,6 @@ def _dec_group_normalization(f: Fields, kind: type) -> Any:
     return k
 
 
-_POOL_FIELDS = (
-    "kernel_width", "kernel_height", "stride_in_pixels_x", "stride_in_pixels_y",
-    "dilation_rate_x", "dilation_rate_y",
-)  # fmt: skip
-
-
-def _enc_pooling(k: Any, enc: Encoder) -> dict[str, Any]:
-    out: dict[str, Any] = {name: getattr(k, name) for name in _POOL_FIELDS}
-    out.update(enc_kernel_properties(k))
-    if isinstance(k, PoolingAverage):
-        out["zero_pad_size_x"] = k.zero_pad_size_x
-        out["zero_pad_size_y"] = k.zero_pad_size_y
-    return out
-
-
-def _dec_pooling(f: Fields, kind: type) -> Any:
-    kw, kh, sx, sy, dx, dy = (f.get_int(name, 1) for name in _POOL_FIELDS)
-    if kind is DilatedPoolingMax:
-        k = kind(f.device, kw, kh, dx, dy, sx, sy)
-    else:
-        k = kind(f.device, kw, kh, sx, sy, dilation_rate_x=dx, dilation_rate_y=dy)
-    dec_kernel_properties(f, k)
-    if kind is PoolingAverage:
-        k.zero_pad_size_x = f.get_int("zero_pad_size_x", 0)
-        k.zero_pad_size_y = f.get_int("zero_pad_size_y", 0)
-    return k
-
-
-def _enc_neuron(k: Neuron, enc: Encoder) -> dict[str, Any]:
-    return {"neuron_descriptor": enc.object(k.neuron_descriptor), **enc_kernel_properties(k)}
-
-
-def _dec_neuron(f: Fields) -> Neuron:
-    k = Neuron(f.device, f.get_object("neuron_descriptor", NeuronDescriptor))
-    dec_kernel_properties(f, k)
-    return k
-
-
-def _enc_dropout(k: Dropout, enc: Encoder) -> dict[str, Any]:
-    stride = k.mask_stride_in_pixels
-    return {
-        "keep_probability": k.keep_probability,
-        "seed": k.seed,
-        "mask_stride_in_pixels": [stride.width, stride.height, stride.depth],
-        **enc_kernel_properties(k),
-        "counter": enc.tensor(k._counter, "counter"),  # encodes so far: the next masks
-    }
-
-
-def _dec_dropout(f: Fields) -> Dropout:
-    stride = Size(*f.get_ints("mask_stride_in_pixels", 3))
-    k = Dropout(f.device, f.get_float("keep_probability"), f.get_int("seed", 0), stride)
-    dec_kernel_properties(f, k)
-    k._counter.copy_(f.get_tensor("counter", shape=k._counter.shape, dtypes=(k._counter.dtype,)))
-    return k
-
-
-def _enc_plain_kernel(k: CNNKernel, enc: Encoder) -> dict[str, Any]:
-    return enc_kernel_properties(k)
-
-
-def _dec_plain_kernel(f: Fields, kind: type) -> Any:
-    k = kind(f.device)
-    dec_kernel_properties(f, k)
-    return k
-
-
-def _enc_loss(k: Loss, enc: Encoder) -> dict[str, Any]:
-    return {"loss_descriptor": enc.object(k._desc), **enc_kernel_properties(k)}
-
-
-def _dec_loss(f: Fields) -> Loss:
-    k = Loss(f.device, f.get_object("loss_descriptor", LossDescriptor))
-    dec_kernel_properties(f, k)
-    return k
-
-
 for _cls, _encode, _decode in (
     (Convolution, _enc_convolution, per_class(_dec_convolution, Convolution)),
     (FullyConnected, _enc_convolution, per_class(_dec_convolution, FullyConnected)),
@@ -299,15 +218,6 @@ for _cls, _encode, _decode in (
         _enc_group_normalization,
         per_class(_dec_group_normalization, GroupNormalization),
     ),
-    (PoolingMax, _enc_pooling, per_class(_dec_pooling, PoolingMax)),
-    (PoolingAverage, _enc_pooling, per_class(_dec_pooling, PoolingAverage)),
-    (PoolingL2Norm, _enc_pooling, per_class(_dec_pooling, PoolingL2Norm)),
-    (DilatedPoolingMax, _enc_pooling, per_class(_dec_pooling, DilatedPoolingMax)),
-    (Neuron, _enc_neuron, _dec_neuron),
-    (Dropout, _enc_dropout, _dec_dropout),
-    (SoftMax, _enc_plain_kernel, per_class(_dec_plain_kernel, SoftMax)),
-    (LogSoftMax, _enc_plain_kernel, per_class(_dec_plain_kernel, LogSoftMax)),
-    (Loss, _enc_loss, _dec_loss),
 ):
     register_codec(_cls, _encode, _decode)
 del _cls, _encode, _decode
