@@ -1,0 +1,128 @@
+"""A family added in one place: a kernel, its gradient kernel, a forward node and its gradient
+node, all declared in this module, with no edit to any mpsnn module. The automatic training
+graph finds the gradient node (``gradient_of=``), the trained graph matches PyTorch autograd in
+float64, and the gradient kernel passes the adjoint test."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mpsnn as m
+from mpsnn.cnn._pointwise import Pointwise, PointwiseBackward, PointwiseGradient, PointwiseKernel
+from mpsnn.core.cnn_kernel import Records
+from mpsnn.core.device import Device
+from mpsnn.core.geometry import Window
+from mpsnn.core.registry import gradient_kernels_of, gradient_of
+from mpsnn.core.state import ForwardRecord, GradientState
+from mpsnn.graph.nodes import UnaryGradientNode, UnaryNode
+from tests.graph._helpers import (
+    DEV,
+    TOL,
+    TorchConv,
+    assert_close,
+    conv_ds,
+    encode,
+    gen,
+    mse_loss,
+    mse_reference,
+    rand,
+    sgd1,
+    training_seen,
+)
+from tests.helpers import assert_adjoint
+
+# -- the family: y = factor * x**3 ----------------------------------------------------------
+
+
+class ScaledCube(PointwiseKernel):
+    """``y = factor * x**3`` per element."""
+
+    _gradient_state_class = GradientState
+
+    def __init__(self, device: Device, factor: float = 1.0) -> None:
+        super().__init__(device)
+        self.factor = float(factor)
+
+    def _pointwise(self, window: Window, records: Records) -> Pointwise:
+        factor = self.factor
+        return lambda x: factor * x**3
+
+
+@gradient_of(ScaledCube)
+class ScaledCubeGradient(PointwiseGradient):
+    """``dx = 3 * factor * x**2 * g`` (the derivative of the forward, times the incoming
+    gradient; the forward's factor is the gradient kernel's own, as MPS gradient kernels are
+    made with their forward's parameters)."""
+
+    _state_class = GradientState
+
+    def __init__(self, device: Device, factor: float = 1.0) -> None:
+        super().__init__(device)
+        self.factor = float(factor)
+
+    def _pointwise_backward(self, record: ForwardRecord, states: list[Any]) -> PointwiseBackward:
+        factor = self.factor
+        return lambda g, x: 3.0 * factor * x * x * g
+
+
+class ScaledCubeNode(UnaryNode):
+    """The node of `ScaledCube`."""
+
+    def __init__(self, source: m.ImageNode, factor: float = 1.0) -> None:
+        super().__init__(source)
+        self.factor = factor
+
+    def _make_kernel(self, device: Device) -> Any:
+        k = ScaledCube(device, self.factor)
+        self._configure(k)
+        return k
+
+    def _gradient_kernel(self, device: Device) -> Any:
+        return ScaledCubeGradient(device, self.factor)
+
+
+class ScaledCubeGradientNode(UnaryGradientNode, gradient_of=ScaledCubeNode):
+    """The gradient node of `ScaledCubeNode`."""
+
+
+# -- what the declarations give ------------------------------------------------------------
+
+
+def test_the_declarations_register_the_kernel_and_node_pairs() -> None:
+    assert gradient_kernels_of(ScaledCube) == (ScaledCubeGradient,)
+    x = m.ImageNode("x")
+    node = ScaledCubeNode(x, 0.5)
+    (grad,) = node.gradient_filters([m.ImageNode("g")])
+    assert type(grad) is ScaledCubeGradientNode and grad.inference_node is node
+
+
+def test_a_training_graph_through_the_new_family_matches_autograd() -> None:
+    g = gen(71)
+    dc = conv_ds(g, 3, 3, 2, 3, sgd1())
+    x = m.ImageNode("x")
+    conv = m.ConvolutionNode(x, dc)
+    cube = ScaledCubeNode(conv.result_image, 0.25)
+    graph, _, seen = training_seen(mse_loss(cube.result_image))
+    assert "ScaledCubeGradientNode" in seen
+    xt, target = rand(g, 2, 2, 5, 6), rand(g, 2, 3, 5, 6)
+    tconv = TorchConv(dc)  # before the step updates the data source
+    out = encode(graph, [xt], [m.LossLabels(DEV, target)])
+    xr = xt.clone().requires_grad_()
+    mse_reference(0.25 * tconv(xr) ** 3, target).backward()
+    assert_close(out.tensor, xr.grad, "dL/dx", TOL)
+    tconv.check_step("convolution before the new family")
+
+
+def test_the_new_gradient_kernel_is_the_adjoint_of_the_forward_linearization() -> None:
+    g = gen(72)
+    x0, v, w = rand(g, 2, 3, 4, 5), rand(g, 2, 3, 4, 5), rand(g, 2, 3, 4, 5)
+    forward, gradient = ScaledCube(DEV, 0.75), ScaledCubeGradient(DEV, 0.75)
+    cb = DEV.new_command_queue().command_buffer()
+    x = m.Image.from_tensor(x0)
+    state = forward.result_state(x)
+    forward.encode(cb, x, destination_state=state)
+    jtw = gradient.encode(cb, m.Image.from_tensor(w), x, state)
+    cb.commit()
+    cb.wait_until_completed()
+    jv = 3.0 * 0.75 * x0 * x0 * v  # the forward's linearization at x0, applied to v
+    assert_adjoint(jv, w, v, jtw.tensor, "ScaledCubeGradient")
