@@ -1,5 +1,5 @@
-"""What a kernel class saves, declared next to its definition: `Field` and the registry of the
-classes that declare their fields.
+"""What a kernel or filter node class saves, declared next to its definition: `Field` and the
+registry of the classes that declare their fields.
 
 A kernel class declares its saved fields with a class attribute of its own body::
 
@@ -12,7 +12,12 @@ it must say what it saves); `mpsnn.io` then saves and loads it with one generic 
 the class's ``__name__``, with no codec of its own. ``saved_fields = ()`` declares a kernel
 that saves only its kernel configuration.
 
-What a declared object is in a file: the kernel configuration its base class always saves
+A forward filter node class declares its saved fields the same way, in its family's module
+(`FilterNode.__init_subclass__` records it; a gradient node may not: it is saved as its place
+in a training graph): what every filter node saves, its source first, comes with them (see
+`mpsnn.io.declared_nodes`), and loading calls ``cls(source, **init fields)``.
+
+What a declared kernel is in a file: the kernel configuration its base class always saves
 (a one-source kernel's label, options, offset, clip rect, edge mode, feature channel range and
 padding; a two-source or gradient kernel's per-source ones), then one JSON field per `Field`,
 named ``Field.name``. Loading calls ``cls(device, **{f.name: value for the init fields})``
@@ -128,16 +133,18 @@ def saved_fields(cls: type) -> tuple[Field, ...] | None:
     return None if fields is None else tuple(fields)
 
 
-def declare_saved_fields(cls: type) -> None:
+def declare_saved_fields(cls: type, reserved: tuple[str, ...] = ()) -> None:
     """Check the ``saved_fields`` of ``cls``'s own body and record ``cls`` under its name
-    (`Kernel.__init_subclass__` calls this for every class that sets them).
+    (`Kernel.__init_subclass__` and `FilterNode.__init_subclass__` call this for every class
+    that sets them). ``reserved``: the names the base's saved form takes already (a filter
+    node's source and common attributes), which no field may take.
 
     Raises:
         TypeError: ``saved_fields`` not a tuple of `Field`.
-        ValueError: two fields of one name; an init field that the constructor takes no
-            keyword for; an ``init=False`` field whose attribute is a read-only property;
-            another class recorded under the same name (a class defined again, same module
-            and qualified name, replaces its earlier definition).
+        ValueError: two fields of one name, or a reserved one; an init field that the
+            constructor takes no keyword for; an ``init=False`` field whose attribute is a
+            read-only property; another class recorded under the same name (a class defined
+            again, same module and qualified name, replaces its earlier definition).
     """
     who = cls.__name__
     fields = cls.__dict__["saved_fields"]
@@ -150,6 +157,12 @@ def declare_saved_fields(cls: type) -> None:
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"[{who}] saved field names must be distinct, got {twice} twice")
+    taken = [n for n in names if n in reserved]
+    if taken:
+        raise ValueError(
+            f"[{who}] saved field names must not be those its base class saves already "
+            f"({', '.join(reserved)}), got {taken}"
+        )
     params = inspect.signature(cls).parameters  # the constructor's, without self
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     keywords = {

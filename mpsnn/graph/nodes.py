@@ -36,12 +36,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from mpsnn.cnn.neuron_descriptor import FusedNeuron
 from mpsnn.core.descriptor import FeatureChannelFormat
 from mpsnn.core.kernel import Kernel, TrainingStyle
+from mpsnn.core.saved import Field, declare_saved_fields
 
 if TYPE_CHECKING:
     from mpsnn.core.device import Device
     from mpsnn.graph.step import _Step
 
 __all__ = [
+    "COMMON_SAVED",
     "FilterNode",
     "GradientFilterNode",
     "ImageNode",
@@ -56,6 +58,9 @@ __all__ = [
 ]
 
 _ids = itertools.count()
+
+#: what every saved filter node has (`mpsnn.io` writes it): no declared field takes these names
+COMMON_SAVED = ("source", "trainable", "label", "padding_policy", "result_image", "result_state")
 
 #: forward node class -> ``factory(forward_node, incoming_gradients) -> gradient nodes``.
 _GRADIENT_FACTORIES: dict[type, Callable[[Any, list[Any]], list[Any]]] = {}
@@ -193,6 +198,31 @@ class FilterNode:
     updates_from_image_states: ClassVar[bool] = False
     #: its update also writes running statistics that the kernel reloads (batch normalization)
     updates_running_statistics: ClassVar[bool] = False
+
+    # -- what a file holds (`mpsnn.core.saved`, `mpsnn.io.declared_nodes`) -----------------
+    #: what the class saves besides what every filter node saves (its source, label, padding
+    #: policy, ``trainable``, result image and state): a forward node class whose own body
+    #: sets it is saved and loaded by `mpsnn.io` with no codec of its own
+    saved_fields: ClassVar[tuple[Field, ...]]
+    #: the attributes holding code (a callback, a provider), which a file cannot hold: saving
+    #: refuses a node where one is not None (set it again after loading)
+    code_attributes: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        code = cls.__dict__.get("code_attributes", ())
+        if type(code) is not tuple or not all(type(c) is str and c.isidentifier() for c in code):
+            raise TypeError(
+                f"[{cls.__name__}] code_attributes must be a tuple of attribute names, got {code!r}"
+            )
+        if "saved_fields" not in cls.__dict__:
+            return
+        if issubclass(cls, GradientFilterNode):
+            raise ValueError(
+                f"[{cls.__name__}] a gradient node is saved as its place in a training graph: "
+                "it must not declare saved_fields, got a declaration"
+            )
+        declare_saved_fields(cls, COMMON_SAVED)
 
     def __init__(self, sources: Sequence[ImageNode]) -> None:
         who = type(self).__name__

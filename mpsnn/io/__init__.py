@@ -50,7 +50,8 @@ Modules: `mpsnn.io.container` (`save`, `load`, the document), `mpsnn.io.files` (
 header, tensors, atomic writes), `mpsnn.io.codec` (the table, the
 `Encoder` and `Fields`), and the codecs: `mpsnn.io.data_sources` (descriptors, optimizers,
 data sources), `mpsnn.io.declared` (every kernel class that declares its saved fields, see
-`mpsnn.core.saved`), `mpsnn.io.kernels` and `mpsnn.io.kernels_more` (the other kernels),
+`mpsnn.core.saved`), `mpsnn.io.declared_nodes` (every forward node class that declares them),
+`mpsnn.io.kernels` and `mpsnn.io.kernels_more` (the other kernels),
 `mpsnn.io.graph_nodes` and `mpsnn.io.graph_nodes_more` (the forward node recipe),
 `mpsnn.io.graph_training` (how a training graph's gradient nodes were made) and
 `mpsnn.io.graphs` (`Graph`).
@@ -61,6 +62,7 @@ from __future__ import annotations
 from mpsnn.errors import CheckpointError
 from mpsnn.io import data_sources as data_sources  # each codec module registers its codecs
 from mpsnn.io import declared as declared
+from mpsnn.io import declared_nodes as declared_nodes
 from mpsnn.io import graph_nodes as graph_nodes
 from mpsnn.io import graph_nodes_more as graph_nodes_more
 from mpsnn.io import graph_training as graph_training

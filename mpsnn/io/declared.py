@@ -15,7 +15,9 @@ after construction. The configuration is, by the nearest base with one:
 
 Loading builds ``cls(device, **init fields)``, sets the configuration, then the other fields
 (see `mpsnn.core.saved`). `mpsnn.io.codec` finds these codecs after its table: a codec
-registered for a declared class replaces this one.
+registered for a declared class replaces this one. The field helpers (`encode_field`,
+`decode_field`, `set_fields_after_init`) serve the declared node classes too
+(`mpsnn.io.declared_nodes`, which installs the generic codec of both).
 """
 
 from __future__ import annotations
@@ -45,9 +47,13 @@ __all__ = [
     "dec_binary_properties",
     "dec_gradient_properties",
     "decode_declared",
+    "decode_field",
     "enc_binary_properties",
     "enc_gradient_properties",
     "encode_declared",
+    "encode_field",
+    "kernel_codec",
+    "set_fields_after_init",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -178,7 +184,8 @@ def _want(field: Field) -> str:
     return text + (" or None" if field.optional else "")
 
 
-def _encode_field(k: Any, field: Field, enc: Encoder) -> Any:
+def encode_field(k: Any, field: Field, enc: Encoder) -> Any:
+    """The JSON of ``field`` of the object ``k`` (see `mpsnn.core.saved` for each kind)."""
     who, kind = type(k).__name__, field.kind
     try:
         v = getattr(k, field.attr)
@@ -217,7 +224,8 @@ def _encode_field(k: Any, field: Field, enc: Encoder) -> Any:
     return out
 
 
-def _decode_field(f: Fields, field: Field) -> Any:
+def decode_field(f: Fields, field: Field) -> Any:
+    """The value of ``field`` (see `mpsnn.core.saved` for each kind)."""
     name, kind = field.name, field.kind
     if field.optional and f.raw(name) is None:
         return None
@@ -248,9 +256,9 @@ def encode_declared(k: Any, enc: Encoder) -> dict[str, Any]:
             f"[save] {type(k).__name__}'s saved field names must differ from the kernel "
             f"configuration's, got {clash}"
         )
-    out = {f.name: _encode_field(k, f, enc) for f in fields if f.init}
+    out = {f.name: encode_field(k, f, enc) for f in fields if f.init}
     out.update(props)
-    out.update({f.name: _encode_field(k, f, enc) for f in fields if not f.init})
+    out.update({f.name: encode_field(k, f, enc) for f in fields if not f.init})
     return out
 
 
@@ -258,26 +266,33 @@ def decode_declared(f: Fields, cls: type) -> Any:
     """A kernel of ``cls`` (which declares its saved fields) from its fields."""
     fields = saved_fields(cls) or ()
     _, dec_props = _properties(cls)
-    k = cls(f.device, **{fd.name: _decode_field(f, fd) for fd in fields if fd.init})
+    k = cls(f.device, **{fd.name: decode_field(f, fd) for fd in fields if fd.init})
     dec_props(f, k)
-    for fd in fields:
-        if fd.init:
-            continue
-        held = getattr(k, fd.attr, None)
-        if issubclass(fd.kind, torch.Tensor) and isinstance(held, torch.Tensor):
-            # the kernel keeps the tensor it made (a device counter, a buffer): filled in place
-            t = f.get_tensor(fd.name, shape=held.shape, dtypes=(held.dtype,), optional=fd.optional)
-            if t is None:
-                setattr(k, fd.attr, None)
-            else:
-                held.copy_(t)
-        else:
-            setattr(k, fd.attr, _decode_field(f, fd))
+    set_fields_after_init(f, k, fields)
     return k
 
 
-def _codec(cls: type) -> Codec:
+def set_fields_after_init(f: Fields, obj: Any, fields: tuple[Field, ...]) -> None:
+    """Set the ``init=False`` fields of ``fields`` on ``obj``, in order (a tensor field is
+    copied into the tensor ``obj`` holds when it holds one)."""
+    for fd in fields:
+        if fd.init:
+            continue
+        held = getattr(obj, fd.attr, None)
+        if issubclass(fd.kind, torch.Tensor) and isinstance(held, torch.Tensor):
+            # the object keeps the tensor it made (a device counter, a buffer): filled in place
+            t = f.get_tensor(fd.name, shape=held.shape, dtypes=(held.dtype,), optional=fd.optional)
+            if t is None:
+                setattr(obj, fd.attr, None)
+            else:
+                held.copy_(t)
+        else:
+            setattr(obj, fd.attr, decode_field(f, fd))
+
+
+def kernel_codec(cls: type) -> Codec:
+    """The generic codec of the kernel class ``cls`` (which declares its saved fields)."""
     return Codec(cls, cls.__name__, encode_declared, per_class(decode_declared, cls))
 
 
-set_declared_codec(_codec)
+set_declared_codec(kernel_codec)

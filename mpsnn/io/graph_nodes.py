@@ -1,18 +1,27 @@
-"""Codecs of the forward node recipe: `ImageNode` and every forward filter node.
+"""Codecs of the forward node recipe: `ImageNode`, what every forward filter node saves, and
+the forward nodes whose saved form is not a list of fields.
 
 A filter node is saved as its constructor's arguments (sources, data source, sizes,
 descriptors) and the attributes that can be set after construction (``label``,
-``padding_policy``, ``trainable``, and each family's own: pooling sizes and edge mode,
-``accumulator_precision``, arithmetic ``properties``, ...), with the attributes of its result
+``padding_policy``, ``trainable``, and each family's own), with the attributes of its result
 image (``handle``, ``format``, ``export_from_graph``, ``stop_gradient``) and of its result
 state. Sources are references to `ImageNode` objects: a graph input (its handle and flags), or
 the result image of a node saved earlier. Nodes reached several times (a training graph and
 an inference graph built on one recipe) are saved once and load as one node.
 
+Most node classes declare their own fields where they are defined (``saved_fields``, see
+`mpsnn.core.saved`) and are saved by `mpsnn.io.declared_nodes` with the common helpers of this
+module (`forward_encoder`, `finish`, `read_source`). The codecs here are those of the nodes
+whose saved form a field list cannot say: the convolution transpose (its pairing with a
+convolution node's state), the neurons (a named neuron node is rebuilt from its descriptor),
+reshape and pad (constructor arguments kept together, a fill value of several forms), the
+concatenation and arithmetic nodes (a list of sources; ``properties``), the local
+normalizations (a size of one or two ints, a dict of parameters) and the loss nodes (their
+labels state). The comparison and crop-and-resize nodes are in `mpsnn.io.graph_nodes_more`.
+
 What is code is refused at save time: a custom padding policy, an image allocator, a handle
 that is not a JSON-like value. The gradient nodes are not saved here: see
-`mpsnn.io.graph_training`. The YOLO loss node is saved as `LossNode` is; the Gram matrix,
-comparison, reduction, resize and scale nodes are in `mpsnn.io.graph_nodes_more`.
+`mpsnn.io.graph_training`. The YOLO loss node is saved as `LossNode` is.
 """
 
 from __future__ import annotations
@@ -25,14 +34,9 @@ from mpsnn.cnn.convolution.data_source import ConvolutionDataSource
 from mpsnn.cnn.convolution.descriptor import ConvolutionAccumulatorPrecisionOption
 from mpsnn.cnn.loss import LossDescriptor
 from mpsnn.cnn.neuron_descriptor import NeuronDescriptor
-from mpsnn.cnn.normalization.data_sources import (
-    BatchNormalizationDataSource,
-    GroupNormalizationDataSource,
-    InstanceNormalizationDataSource,
-)
 from mpsnn.cnn.yolo import YOLOLossDescriptor
 from mpsnn.core.descriptor import FeatureChannelFormat
-from mpsnn.core.geometry import EdgeMode, ImageCoordinate, Size
+from mpsnn.core.geometry import EdgeMode, ImageCoordinate
 from mpsnn.graph.nodes import FilterNode, ImageNode, StateNode
 from mpsnn.io.codec import Encoder, Fields, fail, per_class, register_codec, show
 from mpsnn.io.kernels import decode_padding, encode_padding
@@ -212,81 +216,34 @@ def read_source(f: Fields) -> ImageNode:
 
 
 # ---------------------------------------------------------------------------------------------
-# trainable layers: convolutions and normalizations
-
-_CONVOLUTIONS = (nodes.ConvolutionNode, nodes.FullyConnectedNode, nodes.ConvolutionTransposeNode)
-_DATA_SOURCES: dict[type, type] = {
-    **dict.fromkeys(_CONVOLUTIONS, ConvolutionDataSource),
-    nodes.BatchNormalizationNode: BatchNormalizationDataSource,
-    nodes.InstanceNormalizationNode: InstanceNormalizationDataSource,
-    nodes.GroupNormalizationNode: GroupNormalizationDataSource,
-}
+# the convolution transpose (its pairing), neurons, reshape, pad, concatenation
 
 
-def _enc_layer(node: Any, enc: Encoder) -> dict[str, Any]:
+def _enc_transpose(node: nodes.ConvolutionTransposeNode, enc: Encoder) -> dict[str, Any]:
     out: dict[str, Any] = {"source": enc.object(node.source_images[0])}
-    if isinstance(node, nodes.ConvolutionTransposeNode):
-        pair = node._pair
-        if pair is not None and (pair.producer is None or pair.producer.result_state is not pair):
-            raise TypeError(
-                "[save] ConvolutionTransposeNode's convolution_gradient_state must be the "
-                f"result_state of a convolution node to be saved, got {pair!r} at {enc.path()}"
-            )
-        out["convolution_gradient_state"] = None if pair is None else enc.object(pair.producer)
+    pair = node._pair
+    if pair is not None and (pair.producer is None or pair.producer.result_state is not pair):
+        raise TypeError(
+            "[save] ConvolutionTransposeNode's convolution_gradient_state must be the "
+            f"result_state of a convolution node to be saved, got {pair!r} at {enc.path()}"
+        )
+    out["convolution_gradient_state"] = None if pair is None else enc.object(pair.producer)
     out["data_source"] = enc.object(node.data_source)
-    if isinstance(node, _CONVOLUTIONS):
-        precision = node.accumulator_precision
-        out["accumulator_precision"] = None if precision is None else precision.name
-    if isinstance(node, nodes.BatchNormalizationNode):
-        out["fused_neuron"] = enc.object(node._neuron)
+    precision = node.accumulator_precision
+    out["accumulator_precision"] = None if precision is None else precision.name
     return out
 
 
-def _dec_layer(f: Fields, kind: type) -> Any:
+def _dec_transpose(f: Fields) -> nodes.ConvolutionTransposeNode:
     source = read_source(f)
-    pair = None
-    if kind is nodes.ConvolutionTransposeNode:
-        conv = f.get_object("convolution_gradient_state", nodes.ConvolutionNode, optional=True)
-        pair = None if conv is None else conv.result_state
-    ds = f.get_object("data_source", _DATA_SOURCES[kind])
-    node = kind(source, pair, ds) if kind is nodes.ConvolutionTransposeNode else kind(source, ds)
-    if kind in _CONVOLUTIONS:
-        raw = f.raw("accumulator_precision")
-        if raw is not None:
-            node.accumulator_precision = f.get_enum(
-                "accumulator_precision", ConvolutionAccumulatorPrecisionOption
-            )
-    if kind is nodes.BatchNormalizationNode:
-        node._neuron = f.get_object("fused_neuron", NeuronDescriptor, optional=True)
-    return finish(f, node)
-
-
-# ---------------------------------------------------------------------------------------------
-# pooling, neurons, softmax, dropout, upsampling
-
-_POOLINGS = (
-    nodes.PoolingMaxNode, nodes.PoolingAverageNode, nodes.PoolingL2NormNode,
-    nodes.DilatedPoolingMaxNode,
-)  # fmt: skip
-_POOL_SIZES = ("kernel_width", "kernel_height", "stride_in_pixels_x", "stride_in_pixels_y")
-_DILATIONS = ("dilation_rate_x", "dilation_rate_y")
-
-
-def _enc_pooling(node: Any, enc: Encoder) -> dict[str, Any]:
-    names = _POOL_SIZES + (_DILATIONS if isinstance(node, nodes.DilatedPoolingMaxNode) else ())
-    out: dict[str, Any] = {"source": enc.object(node.source_images[0])}
-    out.update({name: attr(node, name, (int,), enc) for name in names})
-    out["edge_mode"] = EdgeMode(node.edge_mode).name
-    return out
-
-
-def _dec_pooling(f: Fields, kind: type) -> Any:
-    source = read_source(f)
-    sizes = {name: f.get_int(name, 1) for name in _POOL_SIZES}
-    node = kind(source, **sizes)
-    if kind is nodes.DilatedPoolingMaxNode:
-        node.dilation_rate_x, node.dilation_rate_y = (f.get_int(n, 1) for n in _DILATIONS)
-    node.edge_mode = f.get_enum("edge_mode", EdgeMode)
+    conv = f.get_object("convolution_gradient_state", nodes.ConvolutionNode, optional=True)
+    pair = None if conv is None else conv.result_state
+    ds = f.get_object("data_source", ConvolutionDataSource)
+    node = nodes.ConvolutionTransposeNode(source, pair, ds)
+    if f.raw("accumulator_precision") is not None:
+        node.accumulator_precision = f.get_enum(
+            "accumulator_precision", ConvolutionAccumulatorPrecisionOption
+        )
     return finish(f, node)
 
 
@@ -299,71 +256,6 @@ def _dec_neuron(f: Fields, kind: type) -> Any:
     node = kind.__new__(kind)  # a named neuron node's constructor only builds the descriptor
     neuron_nodes.NeuronNode.__init__(node, source, f.get_object("descriptor", NeuronDescriptor))
     return finish(f, node)
-
-
-def _enc_source_only(node: Any, enc: Encoder) -> dict[str, Any]:
-    return {"source": enc.object(node.source_images[0])}
-
-
-def _dec_source_only(f: Fields, kind: type) -> Any:
-    return finish(f, kind(read_source(f)))
-
-
-def _enc_dropout(node: nodes.DropoutNode, enc: Encoder) -> dict[str, Any]:
-    stride = node.mask_stride_in_pixels
-    return {
-        "source": enc.object(node.source_images[0]),
-        "keep_probability": attr(node, "keep_probability", (float, int), enc),
-        "seed": attr(node, "seed", (int,), enc),
-        "mask_stride_in_pixels": [stride.width, stride.height, stride.depth],
-    }
-
-
-def _dec_dropout(f: Fields) -> nodes.DropoutNode:
-    source = read_source(f)
-    keep, seed = f.get_float("keep_probability"), f.get_int("seed", 0)
-    stride = Size(*f.get_ints("mask_stride_in_pixels", 3))
-    return finish(f, nodes.DropoutNode(source, keep, seed, stride))
-
-
-def _enc_upsampling(node: Any, enc: Encoder) -> dict[str, Any]:
-    out = {
-        "source": enc.object(node.source_images[0]),
-        "integer_scale_factor_x": attr(node, "integer_scale_factor_x", (int,), enc),
-        "integer_scale_factor_y": attr(node, "integer_scale_factor_y", (int,), enc),
-    }
-    if isinstance(node, nodes.UpsamplingBilinearNode):
-        out["align_corners"] = attr(node, "align_corners", (bool,), enc)
-    return out
-
-
-def _dec_upsampling(f: Fields, kind: type) -> Any:
-    source = read_source(f)
-    sx, sy = f.get_int("integer_scale_factor_x", 1), f.get_int("integer_scale_factor_y", 1)
-    if kind is nodes.UpsamplingBilinearNode:
-        return finish(f, kind(source, sx, sy, f.get_bool("align_corners")))
-    return finish(f, kind(source, sx, sy))
-
-
-# ---------------------------------------------------------------------------------------------
-# shape: slice, reshape, pad, concatenation
-
-
-def _enc_slice(node: nodes.SliceNode, enc: Encoder) -> dict[str, Any]:
-    return {
-        "source": enc.object(node.source_images[0]),
-        "source_feature_channel_offset": attr(node, "source_feature_channel_offset", (int,), enc),
-        "source_feature_channel_max_count": attr(
-            node, "source_feature_channel_max_count", (int, type(None)), enc
-        ),
-    }
-
-
-def _dec_slice(f: Fields) -> nodes.SliceNode:
-    source = read_source(f)
-    offset = f.get_int("source_feature_channel_offset", 0)
-    count = f.get_int("source_feature_channel_max_count", 1, optional=True)
-    return finish(f, nodes.SliceNode(source, offset, count))
 
 
 _RESHAPE = ("result_width", "result_height", "result_feature_channels")
@@ -512,22 +404,13 @@ def _dec_loss(f: Fields, kind: type) -> nodes.LossNode:
 def _register() -> None:
     register_codec(ImageNode, _enc_image_node, _dec_image_node)
     families: list[tuple[tuple[type, ...], Any, Any]] = [
-        (tuple(_DATA_SOURCES), _enc_layer, _dec_layer),
-        (_POOLINGS, _enc_pooling, _dec_pooling),
         ((neuron_nodes.NeuronNode,), _enc_neuron, _dec_neuron),
-        ((nodes.SoftMaxNode, nodes.LogSoftMaxNode), _enc_source_only, _dec_source_only),
-        (
-            (nodes.UpsamplingNearestNode, nodes.UpsamplingBilinearNode),
-            _enc_upsampling,
-            _dec_upsampling,
-        ),
         (ARITHMETIC[1:], enc_arithmetic, dec_arithmetic),
         (_LOCALS, _enc_local, _dec_local),
         (tuple(_LOSS_DESCRIPTORS), _enc_loss, _dec_loss),
     ]
     single: list[tuple[type, Any, Any]] = [
-        (nodes.DropoutNode, _enc_dropout, _dec_dropout),
-        (nodes.SliceNode, _enc_slice, _dec_slice),
+        (nodes.ConvolutionTransposeNode, _enc_transpose, _dec_transpose),
         (nodes.ReshapeNode, _enc_reshape, _dec_reshape),
         (nodes.PadNode, _enc_pad, _dec_pad),
         (nodes.ConcatenationNode, _enc_concatenation, _dec_concatenation),

@@ -7,8 +7,11 @@ from typing import Any
 
 import mpsnn.cnn.convolution as conv
 from mpsnn.cnn.convolution import ConvolutionGradientOption
+from mpsnn.cnn.convolution.data_source import ConvolutionDataSource
+from mpsnn.cnn.convolution.descriptor import ConvolutionAccumulatorPrecisionOption as Precision
 from mpsnn.core.device import Device
 from mpsnn.core.image_batch import ImageBatch
+from mpsnn.core.saved import Field
 from mpsnn.graph.nodes import (
     ImageNode,
     UnaryGradientNode,
@@ -28,6 +31,13 @@ __all__ = [
 
 # -- forward nodes ---------------------------------------------------------------------------
 
+#: what a convolution or fully connected node saves (the transpose's pairing is
+#: `mpsnn.io.graph_nodes`'s): its data source, shared, and the accumulator precision
+_CONVOLUTION_FIELDS = (
+    Field("data_source", ConvolutionDataSource),
+    Field("accumulator_precision", Precision, init=False, optional=True),
+)
+
 
 class ConvolutionNode(_TrainableNode):
     """A convolution (MPS ``MPSCNNConvolutionNode``); ``data_source`` gives the weights."""
@@ -38,6 +48,7 @@ class ConvolutionNode(_TrainableNode):
     records_fused_neuron = True
     gradient_fuses_relu_gradient = True
     makes_state_for_forward_readers = True
+    saved_fields = _CONVOLUTION_FIELDS
 
     def __init__(self, source: ImageNode, data_source: Any) -> None:
         super().__init__(source, data_source)
@@ -64,6 +75,7 @@ class FullyConnectedNode(ConvolutionNode):
 
     _kernel_class = conv.FullyConnected
     _gradient_class = conv.FullyConnectedGradient
+    saved_fields = _CONVOLUTION_FIELDS
 
 
 class ConvolutionTransposeNode(ConvolutionNode):

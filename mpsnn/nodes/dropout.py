@@ -7,6 +7,7 @@ from typing import Any
 import mpsnn.cnn.dropout as drop
 from mpsnn.core.device import Device
 from mpsnn.core.geometry import Size
+from mpsnn.core.saved import Field
 from mpsnn.graph.nodes import (
     ImageNode,
     UnaryGradientNode,
@@ -25,6 +26,11 @@ class DropoutNode(UnaryNode):
     the device); in a graph with no gradient consumer it is the identity."""
 
     identity_in_inference = True
+    saved_fields = (
+        Field("keep_probability", float),
+        Field("seed", int, minimum=0),
+        Field("mask_stride_in_pixels", Size),
+    )
 
     def __init__(
         self,

@@ -31,6 +31,7 @@ from mpsnn.cnn.loss import Loss, LossDescriptor
 from mpsnn.cnn.loss_split import ForwardLoss, InitialGradient, LossGradient
 from mpsnn.core._checks import check_type
 from mpsnn.core.device import Device
+from mpsnn.core.saved import Field
 from mpsnn.graph.nodes import (
     FilterNode,
     GradientFilterNode,
@@ -104,6 +105,14 @@ class ForwardLossNode(FilterNode):
             (the batch) and the loss image's `ImageDescriptor`; the gradient uses the same
             weight (it reads it from the forward's gradient state).
     """
+
+    saved_fields = (
+        Field("labels", ImageNode, attr="input_labels"),
+        Field("weights", ImageNode, optional=True, attr="input_weights"),
+        Field("loss_descriptor", LossDescriptor, attr="descriptor"),  # shared, as kept
+        Field("reduce_across_batch", bool),
+    )
+    code_attributes = ("property_call_back",)
 
     def __init__(
         self,
@@ -264,6 +273,7 @@ class InitialGradientNode(UnaryNode):
 
     _has_state = False
     supplies_gradient = "initial gradient"  # the walk starts at its source with its result
+    saved_fields = ()  # its source and what every node saves
 
     def _make_kernel(self, device: Device) -> Any:
         k = InitialGradient(device)

@@ -8,7 +8,14 @@ from typing import Any
 
 import mpsnn.cnn.local_normalization as local
 import mpsnn.cnn.normalization as norm
+from mpsnn.cnn.neuron_descriptor import NeuronDescriptor
+from mpsnn.cnn.normalization.data_sources import (
+    BatchNormalizationDataSource,
+    GroupNormalizationDataSource,
+    InstanceNormalizationDataSource,
+)
 from mpsnn.core.device import Device
+from mpsnn.core.saved import Field
 from mpsnn.graph.nodes import (
     ImageNode,
     UnaryGradientNode,
@@ -44,6 +51,11 @@ class BatchNormalizationNode(_TrainableNode):
     gradient_applies_fused_neuron = True
     recomputes_result = True
     updates_running_statistics = True
+    saved_fields = (
+        Field("data_source", BatchNormalizationDataSource),
+        # what a graph sets while it makes the kernels (None otherwise)
+        Field("fused_neuron", NeuronDescriptor, init=False, optional=True, attr="_neuron"),
+    )
 
     def __init__(self, source: ImageNode, data_source: Any) -> None:
         super().__init__(source, data_source)
@@ -94,6 +106,7 @@ class InstanceNormalizationNode(_TrainableNode):
     """Instance normalization (MPS ``MPSCNNInstanceNormalizationNode``)."""
 
     updates_from_image_states = True
+    saved_fields = (Field("data_source", InstanceNormalizationDataSource),)
 
     _kernel_class: type = norm.InstanceNormalization
     _gradient_class: type = norm.InstanceNormalizationGradient
@@ -112,6 +125,7 @@ class GroupNormalizationNode(InstanceNormalizationNode):
 
     _kernel_class = norm.GroupNormalization
     _gradient_class = norm.GroupNormalizationGradient
+    saved_fields = (Field("data_source", GroupNormalizationDataSource),)
 
 
 class _LocalNode(UnaryNode):

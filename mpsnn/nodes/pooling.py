@@ -9,6 +9,7 @@ import mpsnn.cnn.pooling as pool
 from mpsnn.core._checks import check_positive
 from mpsnn.core.device import Device
 from mpsnn.core.geometry import EdgeMode
+from mpsnn.core.saved import Field
 from mpsnn.graph.nodes import (
     ImageNode,
     UnaryGradientNode,
@@ -25,6 +26,16 @@ __all__ = [
     "PoolingMaxGradientNode",
     "PoolingMaxNode",
 ]
+
+
+#: what a pooling node saves: its sizes (the constructor's keywords) and edge mode
+_POOLING_FIELDS = (
+    Field("kernel_width", int, minimum=1),
+    Field("kernel_height", int, minimum=1),
+    Field("stride_in_pixels_x", int, minimum=1),
+    Field("stride_in_pixels_y", int, minimum=1),
+    Field("edge_mode", EdgeMode, init=False),
+)
 
 
 class _PoolingNode(UnaryNode):
@@ -72,12 +83,15 @@ class _PoolingNode(UnaryNode):
 class PoolingMaxNode(_PoolingNode):
     """Max pooling (MPS ``MPSCNNPoolingMaxNode``)."""
 
+    saved_fields = _POOLING_FIELDS
+
 
 class PoolingAverageNode(_PoolingNode):
     """Average pooling (MPS ``MPSCNNPoolingAverageNode``)."""
 
     _kernel_class = pool.PoolingAverage
     _gradient_class = pool.PoolingAverageGradient
+    saved_fields = _POOLING_FIELDS
 
 
 class PoolingL2NormNode(_PoolingNode):
@@ -85,6 +99,7 @@ class PoolingL2NormNode(_PoolingNode):
 
     _kernel_class = pool.PoolingL2Norm
     _gradient_class = pool.PoolingL2NormGradient
+    saved_fields = _POOLING_FIELDS
 
 
 class DilatedPoolingMaxNode(_PoolingNode):
@@ -93,6 +108,12 @@ class DilatedPoolingMaxNode(_PoolingNode):
 
     _kernel_class = pool.DilatedPoolingMax
     _gradient_class = pool.DilatedPoolingMaxGradient
+    saved_fields = (
+        *_POOLING_FIELDS[:4],
+        Field("dilation_rate_x", int, init=False, minimum=1),
+        Field("dilation_rate_y", int, init=False, minimum=1),
+        _POOLING_FIELDS[4],
+    )
 
     def __init__(
         self,

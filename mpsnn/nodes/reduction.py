@@ -24,6 +24,7 @@ from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.device import Device
 from mpsnn.core.geometry import RECT_NO_CLIP, Region
 from mpsnn.core.image import Image
+from mpsnn.core.saved import Field
 from mpsnn.graph.nodes import (
     FilterNode,
     ImageNode,
@@ -76,6 +77,9 @@ class GramMatrixCalculationNode(UnaryNode):
             result's `ImageDescriptor` (the result is allocated by the encode itself); the
             gradient uses the same ``alpha``.
     """
+
+    saved_fields = (Field("alpha", float),)
+    code_attributes = ("property_call_back",)
 
     def __init__(self, source: ImageNode, alpha: float = 1.0) -> None:
         super().__init__(source)
@@ -166,6 +170,7 @@ class UnaryReductionNode(UnaryNode):
 
     _kernel_class: type = red.ReduceRowMin
     _has_state = False
+    saved_fields = (Field("clip_rect_source", Region, init=False),)
 
     def __init__(self, source: ImageNode) -> None:
         super().__init__(source)
@@ -180,7 +185,9 @@ class UnaryReductionNode(UnaryNode):
 
 def _reduction_node(name: str, kernel: type) -> type:
     doc = f"A `{kernel.__name__}` (MPS ``MPSNN{name}``). No gradient."
-    return type(name, (UnaryReductionNode,), {"__doc__": doc, "_kernel_class": kernel})
+    fields = UnaryReductionNode.saved_fields  # each class declares them itself
+    body = {"__doc__": doc, "_kernel_class": kernel, "saved_fields": fields}
+    return type(name, (UnaryReductionNode,), body)
 
 
 ReductionRowMinNode = _reduction_node("ReductionRowMinNode", red.ReduceRowMin)
@@ -213,6 +220,7 @@ class ReductionFeatureChannelsSumNode(UnaryReductionNode):
     (default 1) is set on the kernel. No gradient."""
 
     _kernel_class = red.ReduceFeatureChannelsSum
+    saved_fields = (*UnaryReductionNode.saved_fields, Field("weight", float, init=False))
 
     def __init__(self, source: ImageNode) -> None:
         super().__init__(source)
@@ -235,6 +243,7 @@ class ReductionSpatialMeanNode(UnaryReductionNode):
 
     _kernel_class = ReduceSpatialMean
     _has_state = True
+    saved_fields = UnaryReductionNode.saved_fields
 
     def _gradient_kernel(self, device: Device) -> Any:
         return ReduceSpatialMeanGradient(device)

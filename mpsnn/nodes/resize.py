@@ -15,6 +15,7 @@ import mpsnn.cnn.resize as rs
 import mpsnn.cnn.scale as sc
 from mpsnn.core.device import Device
 from mpsnn.core.geometry import Size
+from mpsnn.core.saved import Field
 from mpsnn.graph.nodes import (
     GradientFilterNode,
     ImageNode,
@@ -36,6 +37,8 @@ __all__ = [
 
 class ResizeBilinearNode(rs._BilinearSettings, UnaryNode):
     """Bilinear resize (the node of `mpsnn.ResizeBilinear`; an mpsnn extension)."""
+
+    saved_fields = rs._BILINEAR_FIELDS  # the kernel's: resize_width, resize_height, align_corners
 
     def __init__(
         self,
@@ -108,6 +111,9 @@ class ScaleNode(UnaryNode):
 
     _has_state = False
     _kernel_class: type = sc.ImageScale
+    # ScaleNode itself is abstract: a file naming it is refused by its constructor
+    saved_fields = (Field("output_size", Size),)
+    code_attributes = ("transform_provider",)
 
     def __init__(
         self,
@@ -183,6 +189,7 @@ class BilinearScaleNode(ScaleNode):
     `mpsnn.cnn.scale.ImageBilinearScale`)."""
 
     _kernel_class = sc.ImageBilinearScale
+    saved_fields = ScaleNode.saved_fields
 
 
 class LanczosScaleNode(ScaleNode):
@@ -190,3 +197,4 @@ class LanczosScaleNode(ScaleNode):
     `mpsnn.cnn.scale.ImageLanczosScale`)."""
 
     _kernel_class = sc.ImageLanczosScale
+    saved_fields = ScaleNode.saved_fields

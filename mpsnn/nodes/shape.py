@@ -10,6 +10,7 @@ import mpsnn.cnn.shape as shape
 from mpsnn.core.device import Device
 from mpsnn.core.geometry import EdgeMode, ImageCoordinate
 from mpsnn.core.image_batch import ImageBatch
+from mpsnn.core.saved import Field
 from mpsnn.graph.nodes import (
     FilterNode,
     GradientFilterNode,
@@ -36,6 +37,11 @@ class SliceNode(UnaryNode):
     """Copy a region and channel range (MPS ``MPSNNSliceNode`` semantics of `Slice`): set
     ``offset``, ``source_feature_channel_offset`` and ``source_feature_channel_max_count``
     through the node's attributes of the same names."""
+
+    saved_fields = (
+        Field("source_feature_channel_offset", int, minimum=0),
+        Field("source_feature_channel_max_count", int, optional=True, minimum=1),
+    )
 
     def __init__(
         self,

@@ -25,6 +25,7 @@ class SoftMaxNode(UnaryNode):
 
     _kernel_class: type = softmax.SoftMax
     _gradient_class: type = softmax.SoftMaxGradient
+    saved_fields = ()  # its source and what every node saves
 
     def _make_kernel(self, device: Device) -> Any:
         k = self._kernel_class(device)
@@ -40,6 +41,7 @@ class LogSoftMaxNode(SoftMaxNode):
 
     _kernel_class = softmax.LogSoftMax
     _gradient_class = softmax.LogSoftMaxGradient
+    saved_fields = ()
 
 
 class SoftMaxGradientNode(UnaryGradientNode, gradient_of=SoftMaxNode):

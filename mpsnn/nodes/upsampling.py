@@ -7,6 +7,7 @@ from typing import Any
 
 import mpsnn.cnn.upsampling as up
 from mpsnn.core.device import Device
+from mpsnn.core.saved import Field
 from mpsnn.graph.nodes import (
     ImageNode,
     UnaryGradientNode,
@@ -21,8 +22,16 @@ __all__ = [
 ]
 
 
+_FACTORS = (
+    Field("integer_scale_factor_x", int, minimum=1),
+    Field("integer_scale_factor_y", int, minimum=1),
+)
+
+
 class UpsamplingNearestNode(UnaryNode):
     """Nearest upsampling by integer factors (MPS ``MPSCNNUpsamplingNearestNode``)."""
+
+    saved_fields = _FACTORS
 
     def __init__(
         self, source: ImageNode, integer_scale_factor_x: int, integer_scale_factor_y: int
@@ -44,6 +53,8 @@ class UpsamplingNearestNode(UnaryNode):
 
 class UpsamplingBilinearNode(UpsamplingNearestNode):
     """Bilinear upsampling (MPS ``MPSCNNUpsamplingBilinearNode``)."""
+
+    saved_fields = (*_FACTORS, Field("align_corners", bool))
 
     def __init__(
         self,

@@ -257,7 +257,7 @@ def _refusals():
         (graph, TypeError, r"\[save\] Graph\.destination_image_allocator must be None to be saved \(an allocator is code\), got _Allocator at root\.Graph"),
         (padded, TypeError, r"\[save\] SoftMaxNode\.padding_policy must be a DefaultPadding to be saved \(a custom policy is code\), got _Allocator"),
         (labelled, TypeError, r"\[save\] SoftMaxNode\.label must be str or None to be saved, got int at root\.SoftMaxNode"),
-        ([pool], TypeError, r"\[save\] PoolingMaxNode\.kernel_width must be int to be saved, got float at root\.0\.PoolingMaxNode"),
+        ([pool], TypeError, r"\[save\] PoolingMaxNode field 'kernel_width' must be an int, got float at root\.0\.PoolingMaxNode"),
         (train, TypeError, r"\[save\] a gradient node must be one that training_graph\(\) makes again from the saved forward nodes \(its loss or initial gradient node, or its node and source gradient\) to be saved, got a ConvolutionGradientNode that it does not make \(made some other way, or the forward graph changed after training_graph\(\)\) at root\.Graph\.ImageNode\.ConvolutionGradientNode"),
     ]  # fmt: skip
 

@@ -1,11 +1,15 @@
 """A family added in one place: a kernel, its gradient kernel, a forward node and its gradient
 node, all declared in this module, with no edit to any mpsnn module. The automatic training
 graph finds the gradient node (``gradient_of=``), the trained graph matches PyTorch autograd in
-float64, and the gradient kernel passes the adjoint test."""
+float64, the gradient kernel passes the adjoint test, and the kernel and the forward node,
+which declare their saved fields (``saved_fields``), are saved and loaded with no codec: a
+graph using the family gives the same outputs after a load."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 import mpsnn as m
 from mpsnn.cnn._pointwise import Pointwise, PointwiseBackward, PointwiseGradient, PointwiseKernel
@@ -13,10 +17,13 @@ from mpsnn.core.cnn_kernel import Records
 from mpsnn.core.device import Device
 from mpsnn.core.geometry import Window
 from mpsnn.core.registry import gradient_kernels_of, gradient_of
+from mpsnn.core.saved import Field
 from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.graph.nodes import UnaryGradientNode, UnaryNode
+from mpsnn.io.graph_training import register_gradient_node
 from tests.graph._helpers import (
     DEV,
+    F64,
     TOL,
     TorchConv,
     assert_close,
@@ -27,6 +34,7 @@ from tests.graph._helpers import (
     mse_reference,
     rand,
     sgd1,
+    training,
     training_seen,
 )
 from tests.helpers import assert_adjoint
@@ -38,6 +46,7 @@ class ScaledCube(PointwiseKernel):
     """``y = factor * x**3`` per element."""
 
     _gradient_state_class = GradientState
+    saved_fields = (Field("factor", float),)  # saved with the kernel configuration
 
     def __init__(self, device: Device, factor: float = 1.0) -> None:
         super().__init__(device)
@@ -67,6 +76,8 @@ class ScaledCubeGradient(PointwiseGradient):
 
 class ScaledCubeNode(UnaryNode):
     """The node of `ScaledCube`."""
+
+    saved_fields = (Field("factor", float),)  # saved with what every node saves
 
     def __init__(self, source: m.ImageNode, factor: float = 1.0) -> None:
         super().__init__(source)
@@ -126,3 +137,51 @@ def test_the_new_gradient_kernel_is_the_adjoint_of_the_forward_linearization() -
     cb.wait_until_completed()
     jv = 3.0 * 0.75 * x0 * x0 * v  # the forward's linearization at x0, applied to v
     assert_adjoint(jv, w, v, jtw.tensor, "ScaledCubeGradient")
+
+
+# -- saving and loading the family ----------------------------------------------------------
+
+
+def test_the_kernel_saves_and_loads_with_no_codec(tmp_path) -> None:
+    k = ScaledCube(DEV, 0.375)
+    k.label = "cube"
+    m.save(k, tmp_path / "k.safetensors")
+    back = m.load(tmp_path / "k.safetensors", "cpu")
+    assert type(back) is ScaledCube and (back.factor, back.label) == (0.375, "cube")
+    x = rand(gen(73), 2, 3, 4, 5)
+    cb = DEV.new_command_queue().command_buffer()
+    y, y_back = (kern.encode(cb, m.Image.from_tensor(x)) for kern in (k, back))
+    cb.commit()
+    cb.wait_until_completed()
+    assert torch.equal(y.tensor, y_back.tensor)
+
+
+def test_a_trained_graph_using_the_family_saves_and_loads_to_the_same_outputs(tmp_path) -> None:
+    """Trained one step, then saved: the inference graph (the forward nodes and the trained
+    weights, with no codec registered by the family) and the training graph (its gradient node
+    is saved as its place in the training graph, which the family's module registers with
+    `register_gradient_node`) load to graphs that give the same outputs, bit for bit, and go on
+    training the same."""
+    if "ScaledCubeGradientNode" not in m.io.registered_types():
+        register_gradient_node(ScaledCubeGradientNode)  # the gradient node's one line
+    g = gen(74)
+    x = m.ImageNode("x")
+    conv = m.ConvolutionNode(x, conv_ds(g, 3, 3, 2, 3, sgd1()))
+    cube = ScaledCubeNode(conv.result_image, 0.25)
+    cube.label = "cube"
+    train, _ = training(mse_loss(cube.result_image))
+    batches = [(rand(g, 2, 2, 5, 6), rand(g, 2, 3, 5, 6)) for _ in range(3)]
+    encode(train, [batches[0][0]], [m.LossLabels(DEV, batches[0][1])])  # one training step
+    infer = m.Graph(DEV, cube.result_image, True)
+    infer.format = F64
+    m.save({"train": train, "infer": infer}, tmp_path / "graphs.safetensors")
+    back = m.load(tmp_path / "graphs.safetensors", "cpu")
+    nodes = [n for n in back["infer"]._plan.order if type(n) is ScaledCubeNode]
+    assert [(n.factor, n.label) for n in nodes] == [(0.25, "cube")]
+    xt = batches[1][0]
+    assert torch.equal(encode(back["infer"], [xt]).tensor, encode(infer, [xt]).tensor)
+    for xt, target in batches[1:]:  # the same training steps: the same gradients
+        want = encode(train, [xt], [m.LossLabels(DEV, target)]).tensor
+        got = encode(back["train"], [xt], [m.LossLabels(DEV, target)]).tensor
+        assert torch.equal(got, want)
+    assert torch.equal(encode(back["infer"], [xt]).tensor, encode(infer, [xt]).tensor)
