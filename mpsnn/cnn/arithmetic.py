@@ -35,10 +35,12 @@ from mpsnn.ops.arithmetic import (
     SUBTRACT,
     ReadGeometry,
     add_activation,
+    add_relu_gradient_of_result,
     pack_bits,
     read_geometry,
     read_source,
 )
+from mpsnn.ops.neuron import relu_backward_of_result
 
 __all__ = [
     "Add",
@@ -137,6 +139,10 @@ class Arithmetic(BinaryKernel):
         # an arithmetic node into it (`mpsnn.graph.plan`); the gradient kernels ignore it (the
         # graph differentiates the ReLU from its result before the arithmetic gradients run).
         self._neuron: FusedNeuron | None = None
+        # The result of a plain ReLU whose gradient this sum is the incoming gradient of: set
+        # by a graph around one encode of a gradient sum (`mpsnn.graph.plan_passes`), which
+        # then writes that gradient, ``a + b`` where the result is > 0, in one command.
+        self._gradient_mask: Image | None = None
 
     @property
     def primary_stride_in_feature_channels(self) -> int:
@@ -372,7 +378,8 @@ class Arithmetic(BinaryKernel):
             (p._shape, s._shape, dshape), (pz, sz, dz, count),
             (self._dco, channels, y0, ny, x0, nx), batch,
         )  # fmt: skip
-        run = _command(record, p, s, states[0] if states else None, self._neuron)
+        state = states[0] if states else None
+        run = _command(record, p, s, state, self._neuron, self._gradient_mask)
         out = dst_write if dst_write is not None else desc
         enc = Encoding(run, (out,), (p, s), [(st, record) for st in states], None, batch)
         return self._apply(cb, enc)[0]  # type: ignore[return-value]
@@ -419,7 +426,12 @@ def scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 def _command(
-    record: ArithmeticRecord, p: Image, s: Image, state: Any, neuron: FusedNeuron | None = None
+    record: ArithmeticRecord,
+    p: Image,
+    s: Image,
+    state: Any,
+    neuron: FusedNeuron | None = None,
+    mask: Image | None = None,
 ) -> Callable[[Image], None]:
     pz, sz, dz, count = record.images
     c0, nc, y0, ny, x0, nx = record.out
@@ -430,10 +442,27 @@ def _command(
         neuron is not None and record.op == ADD and record.scales == (1.0, 1.0, 0.0) and not clamps
     )
 
+    # a gradient sum with a plain ReLU's gradient after it (``mask``: the ReLU's result)
+    plain_sum = record.op == ADD and record.scales == (1.0, 1.0, 0.0) and not clamps
+
     def run(out: Image) -> None:
         x = read_source(p._read()[pz : pz + count], record.reads[0])
         y = read_source(s._read()[sz : sz + count], record.reads[1])
-        if add_then and x.shape == y.shape and x.dtype is out._read_dtype:
+        r = (
+            None
+            if mask is None
+            else mask._read()[dz : dz + count, c0 : c0 + nc, y0 : y0 + ny, x0 : x0 + nx]
+        )
+        if (
+            r is not None
+            and plain_sum
+            and neuron is None
+            and x.shape == y.shape == r.shape
+            and x.dtype is out._read_dtype
+        ):
+            z = add_relu_gradient_of_result(x, y, r)
+            r = None  # applied
+        elif add_then and x.shape == y.shape and x.dtype is out._read_dtype:
             z = add_activation(x, y, neuron.params)  # type: ignore[union-attr]
             if state is not None:  # no clamp, no divisor: only the shape to record
                 state._mask, state._mask_shape, state._divisor = None, tuple(z.shape), None
@@ -449,6 +478,8 @@ def _command(
                 z = neuron.forward(z.to(out._read_dtype))
         if z.shape != (count, nc, ny, nx):  # materialize a broadcast (an expanded view); an
             z = torch.broadcast_to(z, (count, nc, ny, nx)).contiguous()  # equal shape keeps
+        if r is not None:  # the ReLU's gradient of the stored sum, as its own command reads it
+            z = relu_backward_of_result(z.to(out._read_dtype), r)
         out._write_block(z.to(out._read_dtype), dz, c0, y0, x0, p._data())  # its layout
 
     return run

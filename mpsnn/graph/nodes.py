@@ -198,6 +198,9 @@ class FilterNode:
     updates_from_image_states: ClassVar[bool] = False
     #: its update also writes running statistics that the kernel reloads (batch normalization)
     updates_running_statistics: ClassVar[bool] = False
+    #: as the automatic training graph's sum of two gradients (a plain sum, `_plain_sum`), its
+    #: command can apply the plain ReLU gradient that reads the sum (`mpsnn.graph.plan_passes`)
+    sums_gradients_with_relu_gradient: ClassVar[bool] = False
 
     # -- what a file holds (`mpsnn.core.saved`, `mpsnn.io.declared_nodes`) -----------------
     #: what the class saves besides what every filter node saves (its source, label, padding
@@ -258,6 +261,12 @@ class FilterNode:
         """The neuron descriptor this node applies, if it may run fused into the node before
         it (None: not a fusible neuron)."""
         return None
+
+    def _plain_sum(self) -> bool:
+        """Whether this node computes ``left + right`` and nothing else (no scale, bias, clamp,
+        stride or padding policy): what a `sums_gradients_with_relu_gradient` node must be for
+        the ReLU gradient after it to run inside its command."""
+        return False
 
     def _accepts_fused_neuron(self) -> bool:
         """Whether a neuron may fuse into this node now (a node that ``fuses_neuron``)."""

@@ -105,6 +105,8 @@ class GraphPlan:
                 extra.append("training")
             if node._id in self.fusion.fused:
                 extra.append(f"fused {self.fusion.fused[node._id]}")
+            if node._id in self.fusion.gradient_fusions or node._id in self.fusion.sum_gradients:
+                extra.append("applies the ReLU gradient")
             last = [
                 names.get(k, "state")
                 for k in liveness.reads_by[node._id]
@@ -151,9 +153,9 @@ class _Fused:
 
 
 class _PassGradient:
-    """The kernel slot of a neuron gradient that runs inside another node's gradient (batch
-    normalization's gradient kernels, or a convolution gradient's command): this node passes
-    its incoming gradient on."""
+    """The kernel slot of a neuron gradient that runs inside another node's command (batch
+    normalization's gradient kernels, a convolution gradient's command, or the sum of the
+    gradients it differentiates): this node passes its incoming gradient on."""
 
 
 def kernels_pass(
@@ -204,6 +206,8 @@ def kernels_pass(
             kernels[n._id] = _PassGradient()
         elif getattr(n, "_uses_result", lambda: False)():
             kernels[target._id]._keep_preactivation = False
+    for n in fusion.sum_gradients.values():  # applied by the sum before it
+        kernels[n._id] = _PassGradient()
     pre_gradient = {}
     for g_id, n in fusion.gradient_fusions.items():
         pre_gradient[g_id] = (kernels[n._id], n.inference_node.result_image)

@@ -190,6 +190,7 @@ class Fusion:
     fused_into: neuron node id -> the node it runs inside.
     fused: that node's id -> the fused neuron's type name (for reports).
     gradient_fusions: convolution-gradient node id -> the ReLU gradient node it runs inside.
+    sum_gradients: gradient-sum node id -> the plain ReLU's gradient node it runs inside.
     passed: ids of gradient nodes that pass their incoming gradient on.
     canon: image/state id -> the id whose read-count key it shares (follow with `key`).
     """
@@ -197,6 +198,7 @@ class Fusion:
     fused_into: Mapping[int, FilterNode]
     fused: Mapping[int, str]
     gradient_fusions: Mapping[int, GradientFilterNode]
+    sum_gradients: Mapping[int, GradientFilterNode]
     passed: frozenset[int]
     canon: Mapping[int, int]
 
@@ -296,6 +298,55 @@ def _gradient_fusions(
     return out
 
 
+def _sum_gradients(
+    order: tuple[FilterNode, ...],
+    readers: dict[int, list[FilterNode]],
+    modes: Modes,
+    taken: set[int],
+) -> dict[int, GradientFilterNode]:
+    """``{gradient-sum node id: ReLU gradient node}`` where the automatic training graph's sum
+    of two gradients (a plain sum, ``sums_gradients_with_relu_gradient``, in no training mode)
+    is the incoming gradient of a plain ReLU's gradient that reads the ReLU's result, and
+    nothing else reads that sum: both images in the graph's format, neither kept nor given an
+    allocator. In a residual network that is each block input's gradient. The sum's command then
+    writes the ReLU's gradient, ``a + b`` where the result is > 0 (one pass instead of two,
+    the same bits: the sum rounded to the graph's format, then the mask), and the ReLU's
+    gradient node passes its incoming gradient on. ``taken``: ReLU gradient nodes fused
+    elsewhere already."""
+    out: dict[int, GradientFilterNode] = {}
+    if not FUSE_GRADIENTS:
+        return out
+    keep = modes.kept
+    for n in order:
+        if not n.sums_gradients_with_relu_gradient or n._id in modes.training:
+            continue
+        if not n._plain_sum():
+            continue
+        res = n.result_image
+        rs = readers.get(res._id, [])
+        if len(rs) != 1 or res._id in keep or res.format is not None:
+            continue
+        if res.image_allocator is not None:
+            continue
+        g = rs[0]
+        uses_result = getattr(g, "_uses_result", None)
+        if (
+            not isinstance(g, GradientFilterNode)
+            or not getattr(g, "_plain_relu", False)
+            or uses_result is None
+            or not uses_result()
+            or g._id in taken
+            or g.source_images[0] is not res
+            or any(s is res for s in g.source_images[1:])
+        ):
+            continue
+        gres = g.result_image
+        if gres._id in keep or gres.format is not None or gres.image_allocator is not None:
+            continue
+        out[n._id] = g
+    return out
+
+
 def fusion_pass(topology: Topology, modes: Modes) -> Fusion:
     order = topology.order
     keep = modes.kept
@@ -309,7 +360,7 @@ def fusion_pass(topology: Topology, modes: Modes) -> Fusion:
             fused[target._id] = n._fusible_neuron().neuron_type.name
     gradient_fusions = _gradient_fusions(order, readers, keep, fused_into)
     # neuron gradients that pass their incoming gradient on: after a node whose gradient
-    # applies the fused neuron's, and those that run inside a layer gradient
+    # applies the fused neuron's, and those that run inside a layer gradient or a sum
     passed = {n._id for n in gradient_fusions.values()} | {
         n._id
         for n in order
@@ -317,6 +368,8 @@ def fusion_pass(topology: Topology, modes: Modes) -> Fusion:
         and (t := fused_into.get(n.inference_node._id)) is not None
         and t.gradient_applies_fused_neuron
     }
+    sum_gradients = _sum_gradients(order, readers, modes, passed)
+    passed |= {n._id for n in sum_gradients.values()}
     # fused neurons and passed-on gradients hold their input's value: one key for both
     canon: dict[int, int] = {}
     for n in order:
@@ -340,7 +393,7 @@ def fusion_pass(topology: Topology, modes: Modes) -> Fusion:
         if n.identity_in_inference and n._id not in modes.training:
             canon[n.result_image._id] = n.source_images[0]._id
     return Fusion(_frozen(fused_into), _frozen(fused), _frozen(gradient_fusions),
-                  frozenset(passed), _frozen(canon))  # fmt: skip
+                  _frozen(sum_gradients), frozenset(passed), _frozen(canon))  # fmt: skip
 
 
 # -- 4. liveness ---------------------------------------------------------------------------
@@ -393,6 +446,8 @@ def liveness_pass(
             content = content[:1]  # a passed-on gradient: it reads nothing of the forward
         elif n._id in fusion.gradient_fusions:  # a ReLU's gradient runs inside: its result
             content = [*content, fusion.gradient_fusions[n._id].inference_node.result_image]
+        elif n._id in fusion.sum_gradients:  # the same, inside a gradient sum
+            content = [*content, fusion.sum_gradients[n._id].inference_node.result_image]
         keys = [s._id for s in content] + [s._id for s in n.source_states]
         keys = list(dict.fromkeys(key(k) for k in keys))
         mine = [k for k in keys if k not in keep and k not in topology.source_ids]

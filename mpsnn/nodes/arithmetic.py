@@ -78,10 +78,25 @@ class _ArithmeticNode(FilterNode):
         (grad,) = gradient_kernels_of(self._kernel_class)
         return grad(device, secondary)
 
+    def _plain_sum(self) -> bool:
+        return (
+            issubclass(self._kernel_class, arith.Add)
+            and not self.properties
+            and self.padding_policy is None
+        )
+
     def _run(self, step: _Step, kernel: Any) -> None:
         a, b = step.image(self._sources[0]), step.image(self._sources[1])
         states = kernel.result_state_batch(a, b) if step.training(self) else None
-        y = kernel.encode_batch(step.cb, a, b, destination_states=states)
+        relu = step.graph._plan.fusion.sum_gradients.get(self._id)
+        if relu is None:
+            y = kernel.encode_batch(step.cb, a, b, destination_states=states)
+        else:  # a gradient sum: the ReLU gradient that reads it runs in this command
+            kernel._gradient_mask = step.image(relu.inference_node.result_image).image
+            try:
+                y = kernel.encode_batch(step.cb, a, b, destination_states=states)
+            finally:
+                kernel._gradient_mask = None
         step.set_image(self.result_image, y)
         if states is not None:
             step.set_state(self.result_state, states)
@@ -89,6 +104,8 @@ class _ArithmeticNode(FilterNode):
 
 class AdditionNode(_ArithmeticNode):
     """``left + right`` (MPS ``MPSNNAdditionNode``)."""
+
+    sums_gradients_with_relu_gradient = True
 
     _kernel_class = arith.Add
 

@@ -22,7 +22,7 @@ import torch
 
 from mpsnn.core.geometry import AxisWindow, EdgeMode
 from mpsnn.ops import triton as fast_paths
-from mpsnn.ops.neuron import NeuronParams, activation, plain_relu
+from mpsnn.ops.neuron import NeuronParams, activation, plain_relu, relu_backward_of_result
 from mpsnn.ops.window import ExtractPlan, apply_extract, apply_extract_adjoint, plan_extract
 
 __all__ = [
@@ -93,6 +93,17 @@ def unpack_bits(packed: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     for s in shape:
         n *= s
     return bits.reshape(-1)[:n].view(shape).bool()
+
+
+def add_relu_gradient_of_result(a: torch.Tensor, b: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """The plain ReLU's gradient, from its result ``r``, of the sum of two incoming gradients:
+    ``relu_backward_of_result(a + b, r)`` (``a + b`` where ``r > 0``, else +0.0), with those
+    bits. One Triton pass on CUDA tensors of one layout and dtype, else the addition and then
+    the gradient."""
+    fast = fast_paths.sum_relu_gradient(a, b, r)
+    if fast is not None:
+        return fast
+    return relu_backward_of_result(a + b, r)
 
 
 def add_activation(x: torch.Tensor, y: torch.Tensor, neuron: NeuronParams) -> torch.Tensor:

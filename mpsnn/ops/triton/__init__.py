@@ -143,6 +143,17 @@ def relu_times(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor | None:
     return relu_times_triton(x, t)
 
 
+def sum_relu_gradient(a: torch.Tensor, b: torch.Tensor, r: torch.Tensor) -> torch.Tensor | None:
+    """``threshold_backward(a + b, r, 0)`` (the plain ReLU's gradient, from its result ``r``,
+    of a sum of two gradients) in one pass, under `add_relu`'s conditions for the three
+    tensors, else None."""
+    if not (_one_pass(a, b) and _one_pass(a, r)):
+        return None
+    from mpsnn.ops.triton.elementwise import sum_relu_gradient_triton
+
+    return sum_relu_gradient_triton(a, b, r)
+
+
 _F32_MAX = torch.finfo(torch.float32).max
 
 

@@ -1,6 +1,7 @@
-"""The plain ReLU's elementwise passes in Triton: a residual block's ``relu(x + y)`` and the
+"""The plain ReLU's elementwise passes in Triton: a residual block's ``relu(x + y)``, the
 masked product ``(x >= 0) t`` (the ReLU itself with ``t = x``, its gradient with ``t`` the
-incoming gradient), each in one pass.
+incoming gradient), and the ReLU's gradient from its result of a sum of two gradients, each in
+one pass.
 
 ``x`` and ``y`` have one shape and one memory layout (NCHW or channels-last, dense), so the sum
 is elementwise over their storage in memory order. The sum is rounded to the storage dtype
@@ -14,6 +15,13 @@ storage dtype: multiplying by 1.0 or 0.0 is exact, so the bits equal the portabl
 1.0/0.0 mask in ``x``'s dtype, then a product): ``x`` for ``x >= 0``, -0.0 for ``x < 0``, NaN
 for NaN and -inf. It reads ``x`` and ``t`` once and writes once (the portable form writes the
 mask, then reads it again), and it is one launch instead of two.
+
+The gradient of a sum, ``(a + b)`` where ``r > 0`` else +0.0 (``r`` the ReLU's result), is
+where a residual network's two gradients of a block's input meet the ReLU that made that
+input: the sum rounded to the storage dtype, then PyTorch's ``threshold_backward(sum, r, 0)``
+(``r <= 0`` gives +0.0; a NaN ``r`` passes the sum). Its bits equal ``torch.add`` followed by
+that call; it reads the three inputs once and writes once, where the two passes read four
+tensors and write two.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import triton.language as tl
 
 from mpsnn.ops.triton.launch import cdiv, fast_kernel
 
-__all__ = ["add_relu_triton", "relu_times_triton"]
+__all__ = ["add_relu_triton", "relu_times_triton", "sum_relu_gradient_triton"]
 
 _BLOCK = 4096
 
@@ -68,6 +76,28 @@ def relu_times_triton(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``(x >= 0) t`` for dense CUDA tensors of one shape, strides and dtype (the caller
     checks); a new tensor with ``x``'s layout."""
     return _launch(_relu_times, x, t)
+
+
+@fast_kernel
+@triton.jit
+def _sum_relu_gradient(a_ptr, b_ptr, r_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < numel
+    a = tl.load(a_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    s = (a + b).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    out = tl.where(r <= 0, tl.zeros_like(s), s)  # threshold_backward: r <= 0 gives +0.0
+    tl.store(out_ptr + offs, out, mask=m)
+
+
+def sum_relu_gradient_triton(a: torch.Tensor, b: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """``a + b`` where ``r > 0`` (or NaN), else +0.0, for dense CUDA tensors of one shape,
+    strides and dtype (the caller checks); a new tensor with ``a``'s layout."""
+    out = torch.empty_like(a)
+    n = a.numel()
+    _sum_relu_gradient[(cdiv(n, _BLOCK),)](a, b, r, out, n, BLOCK=_BLOCK, num_warps=8)
+    return out
 
 
 def _launch(kernel: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
