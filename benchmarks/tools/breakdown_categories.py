@@ -50,6 +50,7 @@ TRITON_KERNELS: dict[str, str] = {
     "_backward_nhwc": BN_BWD,
     "_add_relu": EW_TRITON,
     "_relu_times": EW_TRITON,
+    "_sum_relu_gradient": EW_TRITON,
     "_multi_tensor_update": OPTIMIZER,
     "_softmax_cross_entropy": LOSS,
     "_max_pool_bwd": POOLING,

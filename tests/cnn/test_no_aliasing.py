@@ -173,7 +173,9 @@ CASES: dict[type, Callable] = {
 
 
 def test_every_registered_pair_has_a_case() -> None:
-    missing = {f.__name__ for f, _ in registered_pairs() if f not in CASES}
+    # mpsnn's own families (a test module may register a family of its own)
+    ours = [f for f, _ in registered_pairs() if f.__module__.startswith("mpsnn.")]
+    missing = {f.__name__ for f in ours if f not in CASES}
     assert not missing, f"no aliasing case for {sorted(missing)}"
 
 
