@@ -57,6 +57,7 @@ __all__ = [
     "declare_saved_fields",
     "declared_class",
     "declared_classes",
+    "record_saved_class",
     "saved_fields",
 ]
 
@@ -125,6 +126,7 @@ class Field:
 
 
 _DECLARED: dict[str, type] = {}
+_AMBIGUOUS: set[str] = set()  # names `record_saved_class` found on two classes
 
 
 def saved_fields(cls: type) -> tuple[Field, ...] | None:
@@ -194,6 +196,27 @@ def declare_saved_fields(cls: type, reserved: tuple[str, ...] = ()) -> None:
             f"(declared by {known.__module__}.{known.__qualname__})"
         )
     _DECLARED[who] = cls
+
+
+def record_saved_class(cls: type) -> None:
+    """Record ``cls`` under its name with no fields of its own: a class whose saved form a
+    base's codec defines for every subclass (a graph's gradient nodes, saved as their place in
+    a training graph), so that a file can name it. Two different classes of one name (a module
+    and qualified name apart) are neither found by that name: a file could not tell them
+    apart (register a codec under another name for one of them)."""
+    who = cls.__name__
+    if who in _AMBIGUOUS:
+        return
+    known = _DECLARED.get(who)
+    if (
+        known is None
+        or known is cls
+        or ((known.__module__, known.__qualname__) == (cls.__module__, cls.__qualname__))
+    ):
+        _DECLARED[who] = cls
+        return
+    del _DECLARED[who]
+    _AMBIGUOUS.add(who)
 
 
 def declared_class(name: str) -> type | None:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from mpsnn.cnn.neuron_descriptor import FusedNeuron
 from mpsnn.core.descriptor import FeatureChannelFormat
 from mpsnn.core.kernel import Kernel, TrainingStyle
-from mpsnn.core.saved import Field, declare_saved_fields
+from mpsnn.core.saved import Field, declare_saved_fields, record_saved_class
 
 if TYPE_CHECKING:
     from mpsnn.core.device import Device
@@ -410,6 +410,12 @@ class GradientFilterNode(FilterNode):
     """
 
     _has_state = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # every gradient node class is saved as its place in the training graph that made it
+        # (`mpsnn.io.graph_training`): recorded by name, so a file can name a family's own
+        super().__init_subclass__(**kwargs)
+        record_saved_class(cls)
 
     def __init__(
         self,

@@ -19,10 +19,11 @@ from __future__ import annotations
 from typing import Any
 
 from mpsnn.core.saved import saved_fields
-from mpsnn.graph.nodes import FilterNode, ImageNode
+from mpsnn.graph.nodes import FilterNode, GradientFilterNode, ImageNode
 from mpsnn.io.codec import Codec, Encoder, Fields, per_class, set_declared_codec
 from mpsnn.io.declared import decode_field, encode_field, kernel_codec, set_fields_after_init
 from mpsnn.io.graph_nodes import finish, forward_encoder, read_source
+from mpsnn.io.graph_training import gradient_codec
 
 __all__ = ["decode_node", "encode_node_fields", "node_codec"]
 
@@ -81,6 +82,8 @@ def node_codec(cls: type) -> Codec:
 
 
 def _declared_codec(cls: type) -> Codec:
+    if issubclass(cls, GradientFilterNode):  # recorded by name, saved by the training graph
+        return gradient_codec(cls)
     return node_codec(cls) if issubclass(cls, FilterNode) else kernel_codec(cls)
 
 

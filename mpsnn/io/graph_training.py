@@ -30,7 +30,16 @@ from typing import Any
 import mpsnn.nodes as nodes
 from mpsnn.core.kernel import TrainingStyle
 from mpsnn.graph.nodes import FilterNode, GradientFilterNode, ImageNode, UnaryGradientNode
-from mpsnn.io.codec import Encoder, Fields, codec_of_class, fail, per_class, register_codec, show
+from mpsnn.io.codec import (
+    Codec,
+    Encoder,
+    Fields,
+    codec_of_class,
+    fail,
+    per_class,
+    register_codec,
+    show,
+)
 from mpsnn.io.graph_nodes import (
     dec_arithmetic,
     dec_common,
@@ -43,7 +52,7 @@ from mpsnn.nodes.arithmetic import AdditionNode, ArithmeticGradientNode
 from mpsnn.nodes.loss import InitialGradientNode, LossGradientNode, LossNode
 from mpsnn.nodes.shape import ConcatenationGradientNode
 
-__all__ = ["TrainingCall", "register_gradient_node"]
+__all__ = ["TrainingCall", "gradient_codec", "register_gradient_node"]
 
 _CONTEXT = "mpsnn.io.graph_training"
 # the nodes whose result is their source's gradient: a training graph starts at one of them
@@ -323,6 +332,12 @@ def _dec_addition(f: Fields) -> AdditionNode:
     node = _dec_made(f, AdditionNode)
     set_properties(f, node)
     return node
+
+
+def gradient_codec(cls: type) -> Codec:
+    """The codec of the gradient node class ``cls``: saved as its place in the
+    ``training_graph()`` call that makes it (see the module docstring)."""
+    return Codec(cls, cls.__name__, _enc_gradient, per_class(_dec_made, cls))
 
 
 def register_gradient_node(cls: type) -> None:

@@ -20,7 +20,6 @@ from mpsnn.core.registry import gradient_kernels_of, gradient_of
 from mpsnn.core.saved import Field
 from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.graph.nodes import UnaryGradientNode, UnaryNode
-from mpsnn.io.graph_training import register_gradient_node
 from tests.graph._helpers import (
     DEV,
     F64,
@@ -158,12 +157,10 @@ def test_the_kernel_saves_and_loads_with_no_codec(tmp_path) -> None:
 
 def test_a_trained_graph_using_the_family_saves_and_loads_to_the_same_outputs(tmp_path) -> None:
     """Trained one step, then saved: the inference graph (the forward nodes and the trained
-    weights, with no codec registered by the family) and the training graph (its gradient node
-    is saved as its place in the training graph, which the family's module registers with
-    `register_gradient_node`) load to graphs that give the same outputs, bit for bit, and go on
-    training the same."""
-    if "ScaledCubeGradientNode" not in m.io.registered_types():
-        register_gradient_node(ScaledCubeGradientNode)  # the gradient node's one line
+    weights) and the training graph (its gradient node is saved as its place in the training
+    graph) load, with no codec registered by the family, to graphs that give the same outputs,
+    bit for bit, and go on training the same."""
+    assert m.io.registered_types()["ScaledCubeGradientNode"] is ScaledCubeGradientNode
     g = gen(74)
     x = m.ImageNode("x")
     conv = m.ConvolutionNode(x, conv_ds(g, 3, 3, 2, 3, sgd1()))
@@ -185,3 +182,27 @@ def test_a_trained_graph_using_the_family_saves_and_loads_to_the_same_outputs(tm
         got = encode(back["train"], [xt], [m.LossLabels(DEV, target)]).tensor
         assert torch.equal(got, want)
     assert torch.equal(encode(back["infer"], [xt]).tensor, encode(infer, [xt]).tensor)
+
+
+def _gradient_node_named_twice(which: int) -> type:
+    class TwiceNamedGradientNode(UnaryGradientNode):
+        """A gradient node class whose name another class also has."""
+
+    TwiceNamedGradientNode.which = which
+    return TwiceNamedGradientNode
+
+
+def test_a_gradient_node_name_two_classes_share_names_neither() -> None:
+    from mpsnn.core.saved import declared_class
+
+    first = _gradient_node_named_twice(1)
+    assert declared_class("TwiceNamedGradientNode") is first
+    _gradient_node_named_twice(2)  # the same module and qualified name: replaces the first
+    assert declared_class("TwiceNamedGradientNode").which == 2
+
+    class TwiceNamedGradientNode(UnaryGradientNode):  # another qualified name: ambiguous
+        """The same name as the classes above."""
+
+    assert declared_class("TwiceNamedGradientNode") is None
+    assert "TwiceNamedGradientNode" not in m.io.registered_types()
+    assert declared_class("ScaledCubeGradientNode") is ScaledCubeGradientNode
