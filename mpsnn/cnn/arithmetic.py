@@ -46,7 +46,6 @@ __all__ = [
     "Add",
     "Arithmetic",
     "ArithmeticGradientState",
-    "ArithmeticRecord",
     "Divide",
     "Multiply",
     "Subtract",

@@ -43,7 +43,10 @@ from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.saved import Field
 from mpsnn.core.state import State
 
-__all__ = ["Compare", "ComparisonType"]
+__all__ = [
+    "Compare",
+    "ComparisonType",
+]
 
 
 class ComparisonType(enum.IntEnum):

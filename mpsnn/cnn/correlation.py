@@ -26,7 +26,9 @@ from mpsnn.core.device import Device
 from mpsnn.core.saved import Field
 from mpsnn.ops.reduce import local_correlation
 
-__all__ = ["LocalCorrelation"]
+__all__ = [
+    "LocalCorrelation",
+]
 
 
 class LocalCorrelation(ReduceBinary):

@@ -47,7 +47,11 @@ from mpsnn.ops.dropout import (
 )
 from mpsnn.ops.plans import DropoutGeometry
 
-__all__ = ["Dropout", "DropoutGradient", "DropoutGradientState", "DropoutRecord"]
+__all__ = [
+    "Dropout",
+    "DropoutGradient",
+    "DropoutGradientState",
+]
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -38,7 +38,10 @@ from mpsnn.core.saved import Field
 from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.ops.gram import gram_backward, gram_forward
 
-__all__ = ["GramMatrixCalculation", "GramMatrixCalculationGradient", "GramMatrixRecord"]
+__all__ = [
+    "GramMatrixCalculation",
+    "GramMatrixCalculationGradient",
+]
 
 
 @dataclass(frozen=True, slots=True, eq=False)

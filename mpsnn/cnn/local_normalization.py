@@ -79,13 +79,10 @@ from mpsnn.ops.window import ExtractPlan, apply_extract, apply_extract_adjoint, 
 __all__ = [
     "CrossChannelNormalization",
     "CrossChannelNormalizationGradient",
-    "CrossChannelNormalizationRecord",
     "LocalContrastNormalization",
     "LocalContrastNormalizationGradient",
-    "LocalContrastNormalizationRecord",
     "SpatialNormalization",
     "SpatialNormalizationGradient",
-    "SpatialNormalizationRecord",
 ]
 
 

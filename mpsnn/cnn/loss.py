@@ -45,7 +45,12 @@ from mpsnn.core.saved import Field
 from mpsnn.errors import CommandBufferError, UnsupportedError
 from mpsnn.ops.loss import LossParams, loss_forward_backward, read_index_bounds
 
-__all__ = ["Loss", "LossDescriptor", "LossType", "ReductionType"]
+__all__ = [
+    "Loss",
+    "LossDescriptor",
+    "LossType",
+    "ReductionType",
+]
 
 
 class LossType(enum.IntEnum):

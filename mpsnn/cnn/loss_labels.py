@@ -14,7 +14,9 @@ from mpsnn.core.geometry import Size
 from mpsnn.core.image import Image
 from mpsnn.core.state import State
 
-__all__ = ["LossLabels"]
+__all__ = [
+    "LossLabels",
+]
 
 
 def _as_tensor(who: str, name: str, value: Any) -> torch.Tensor:

@@ -65,7 +65,11 @@ from mpsnn.ops.loss_split import (
     prediction_gradient,
 )
 
-__all__ = ["ForwardLoss", "ForwardLossRecord", "InitialGradient", "LossGradient"]
+__all__ = [
+    "ForwardLoss",
+    "InitialGradient",
+    "LossGradient",
+]
 
 
 @dataclass(frozen=True, slots=True, eq=False)

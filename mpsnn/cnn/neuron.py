@@ -45,7 +45,10 @@ from mpsnn.ops.neuron import (
     relu_mask_backward,
 )
 
-__all__ = ["Neuron", "NeuronGradient", "NeuronRecord"]
+__all__ = [
+    "Neuron",
+    "NeuronGradient",
+]
 
 
 @dataclass(frozen=True, slots=True, eq=False)

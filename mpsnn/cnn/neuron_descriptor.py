@@ -16,7 +16,11 @@ import torch
 
 from mpsnn.ops.neuron import NeuronParams, activation, activation_backward
 
-__all__ = ["FusedNeuron", "NeuronDescriptor", "NeuronType"]
+__all__ = [
+    "FusedNeuron",
+    "NeuronDescriptor",
+    "NeuronType",
+]
 
 
 class NeuronType(enum.IntEnum):

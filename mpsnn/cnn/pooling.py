@@ -60,7 +60,6 @@ __all__ = [
     "PoolingL2NormGradient",
     "PoolingMax",
     "PoolingMaxGradient",
-    "PoolingRecord",
 ]
 
 _PARAMS = (

@@ -34,7 +34,10 @@ from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.ops.reduce import spatial_mean, spatial_mean_backward
 
-__all__ = ["ReduceSpatialMean", "ReduceSpatialMeanGradient"]
+__all__ = [
+    "ReduceSpatialMean",
+    "ReduceSpatialMeanGradient",
+]
 
 
 class ReduceSpatialMean(ReduceUnary):

@@ -55,10 +55,8 @@ from mpsnn.ops.resize import (
 __all__ = [
     "CropAndResizeBilinear",
     "CropAndResizeBilinearGradient",
-    "CropAndResizeRecord",
     "ResizeBilinear",
     "ResizeBilinearGradient",
-    "ResizeRecord",
 ]
 
 NormalizedRegion = tuple[float, float, float, float]  # (x, y, width, height)

@@ -37,9 +37,6 @@ from mpsnn.core.image import Image
 from mpsnn.ops.resize import ScaleAxis, resample_forward
 
 __all__ = [
-    "ImageBilinearScale",
-    "ImageLanczosScale",
-    "ImageScale",
     "ImageTransformProvider",
     "ScaleTransform",
 ]

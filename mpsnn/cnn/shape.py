@@ -41,7 +41,14 @@ from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.errors import UnsupportedError
 from mpsnn.ops.shape import PadAxis, pad_axis, pad_backward, pad_forward, reshape_hwc
 
-__all__ = ["Pad", "PadGradient", "Reshape", "ReshapeGradient", "Slice", "SliceGradient"]
+__all__ = [
+    "Pad",
+    "PadGradient",
+    "Reshape",
+    "ReshapeGradient",
+    "Slice",
+    "SliceGradient",
+]
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -26,7 +26,12 @@ from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord, GradientState
 from mpsnn.ops._dtypes import widen
 
-__all__ = ["LogSoftMax", "LogSoftMaxGradient", "SoftMax", "SoftMaxGradient"]
+__all__ = [
+    "LogSoftMax",
+    "LogSoftMaxGradient",
+    "SoftMax",
+    "SoftMaxGradient",
+]
 
 
 class SoftMax(PointwiseKernel):

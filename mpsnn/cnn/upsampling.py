@@ -29,7 +29,6 @@ __all__ = [
     "UpsamplingGradient",
     "UpsamplingNearest",
     "UpsamplingNearestGradient",
-    "UpsamplingRecord",
 ]
 
 

@@ -42,7 +42,10 @@ from mpsnn.core.device import Device
 from mpsnn.core.saved import Field
 from mpsnn.ops.yolo import PER_PIXEL_TYPES, YOLOParams, yolo_loss_forward_backward
 
-__all__ = ["YOLOLoss", "YOLOLossDescriptor"]
+__all__ = [
+    "YOLOLoss",
+    "YOLOLossDescriptor",
+]
 
 _SUB_LOSSES = (
     ("xy_loss_descriptor", "_xy"),

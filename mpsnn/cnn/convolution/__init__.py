@@ -24,3 +24,20 @@ from mpsnn.cnn.convolution.state import ConvolutionGradientState as ConvolutionG
 from mpsnn.cnn.convolution.state import (
     ConvolutionTransposeGradientState as ConvolutionTransposeGradientState,
 )
+
+__all__ = [
+    "Convolution",
+    "ConvolutionAccumulatorPrecisionOption",
+    "ConvolutionDataSource",
+    "ConvolutionDescriptor",
+    "ConvolutionGradient",
+    "ConvolutionGradientOption",
+    "ConvolutionGradientState",
+    "ConvolutionTranspose",
+    "ConvolutionTransposeGradient",
+    "ConvolutionTransposeGradientState",
+    "ConvolutionWeightsAndBiasesState",
+    "FullyConnected",
+    "FullyConnectedGradient",
+    "TensorConvolutionDataSource",
+]

@@ -90,3 +90,25 @@ from mpsnn.cnn.normalization.states import (
 from mpsnn.cnn.normalization.states import (
     NormalizationMeanAndVarianceState as NormalizationMeanAndVarianceState,
 )
+
+__all__ = [
+    "BatchNormalization",
+    "BatchNormalizationDataSource",
+    "BatchNormalizationGradient",
+    "BatchNormalizationState",
+    "BatchNormalizationStatistics",
+    "BatchNormalizationStatisticsGradient",
+    "GroupNormalization",
+    "GroupNormalizationDataSource",
+    "GroupNormalizationGradient",
+    "GroupNormalizationGradientState",
+    "InstanceNormalization",
+    "InstanceNormalizationDataSource",
+    "InstanceNormalizationGradient",
+    "InstanceNormalizationGradientState",
+    "NormalizationGammaAndBetaState",
+    "NormalizationMeanAndVarianceState",
+    "TensorBatchNormalizationDataSource",
+    "TensorGroupNormalizationDataSource",
+    "TensorInstanceNormalizationDataSource",
+]
