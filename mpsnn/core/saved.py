@@ -127,6 +127,7 @@ class Field:
 
 _DECLARED: dict[str, type] = {}
 _AMBIGUOUS: set[str] = set()  # names `record_saved_class` found on two classes
+_RECORDED: set[str] = set()  # names `record_saved_class` recorded (no declaration)
 
 
 def saved_fields(cls: type) -> tuple[Field, ...] | None:
@@ -185,37 +186,57 @@ def declare_saved_fields(cls: type, reserved: tuple[str, ...] = ()) -> None:
                 f"[{who}] the field {f.name!r} (init=False) must be settable after "
                 f"construction, got the read-only property {f.attr!r}"
             )
+    _check_one_class(cls, who in _AMBIGUOUS)
+    _DECLARED[who] = cls
+    _RECORDED.discard(who)
+
+
+def _same(a: type, b: type) -> bool:
+    """One class, or one defined again (the same module and qualified name: a module or
+    notebook cell run twice)."""
+    return a is b or (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
+
+
+def _check_one_class(cls: type, ambiguous: bool) -> None:
+    """Raise unless ``cls``'s name is free for it: not declared by another class, and not a
+    name `record_saved_class` found on two classes."""
+    who = cls.__name__
     known = _DECLARED.get(who)
-    if (
-        known is not None
-        and known is not cls
-        and ((known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__))
-    ):
+    if ambiguous or (known is not None and not _same(known, cls)):
+        other = (
+            "two gradient node classes"
+            if known is None
+            else (f"{known.__module__}.{known.__qualname__}")
+        )
         raise ValueError(
             f"[{who}] a saved name must be declared by one class, got {who!r} again "
-            f"(declared by {known.__module__}.{known.__qualname__})"
+            f"(declared by {other})"
         )
-    _DECLARED[who] = cls
 
 
 def record_saved_class(cls: type) -> None:
     """Record ``cls`` under its name with no fields of its own: a class whose saved form a
     base's codec defines for every subclass (a graph's gradient nodes, saved as their place in
-    a training graph), so that a file can name it. Two different classes of one name (a module
-    and qualified name apart) are neither found by that name: a file could not tell them
-    apart (register a codec under another name for one of them)."""
+    a training graph), so that a file can name it. A private name (a leading underscore: a base
+    never saved) is not recorded. Two recorded classes of one name (a module and qualified name
+    apart) are neither found by that name: a file could not tell them apart (register a codec
+    under another name for one of them).
+
+    Raises:
+        ValueError: a class that declares its saved fields has the name already.
+    """
     who = cls.__name__
-    if who in _AMBIGUOUS:
+    if who.startswith("_") or who in _AMBIGUOUS:
         return
     known = _DECLARED.get(who)
-    if (
-        known is None
-        or known is cls
-        or ((known.__module__, known.__qualname__) == (cls.__module__, cls.__qualname__))
-    ):
+    if known is None or _same(known, cls):
         _DECLARED[who] = cls
+        _RECORDED.add(who)
         return
+    if who not in _RECORDED:  # a declared class's name: one class per saved name
+        _check_one_class(cls, False)
     del _DECLARED[who]
+    _RECORDED.discard(who)
     _AMBIGUOUS.add(who)
 
 

@@ -492,8 +492,18 @@ class UnaryGradientNode(GradientFilterNode):
         declares the gradient node of a one-input forward node: the automatic training graph
         makes one of it per incoming gradient (`register_gradient_nodes`)."""
         super().__init_subclass__(**kw)
-        if gradient_of is not None:
-            register_gradient_nodes(gradient_of, unary_gradient_nodes(cls))
+        if gradient_of is None:
+            return
+        known = getattr(_GRADIENT_FACTORIES.get(gradient_of), "node_class", None)
+        if known is not None and (known.__module__, known.__qualname__) != (
+            cls.__module__,
+            cls.__qualname__,
+        ):
+            raise ValueError(
+                f"[{cls.__name__}] a forward node has one gradient node class: "
+                f"{gradient_of.__name__} has {known.__name__}, got a second"
+            )
+        register_gradient_nodes(gradient_of, unary_gradient_nodes(cls))
 
     def __init__(self, source_gradient: ImageNode, forward: FilterNode) -> None:
         secondary = forward.result_image if self._reads_result else forward.source_images[0]
@@ -553,4 +563,5 @@ def unary_gradient_nodes(node_class: type) -> Callable[[Any, list[Any]], list[An
             )
         return [node_class(incoming[0], forward)]
 
+    factory.node_class = node_class  # type: ignore[attr-defined]  # whose factory it is
     return factory

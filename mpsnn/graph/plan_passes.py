@@ -5,8 +5,9 @@ of the node graph and the earlier passes' records, returning one frozen record.
 2. `modes_pass`: which forward filters run in training mode; what is kept (results, exports,
    result states); which layers are updated on the CPU.
 3. `fusion_pass`: neurons that run inside the filter before them, ReLU gradients that run
-   inside the convolution gradient after them, gradients passed on, and the aliases these make
-   (one read-count key for the nodes that show one image).
+   inside the convolution gradient after them or inside the sum of gradients before them,
+   gradients passed on, and the aliases these make (one read-count key for the nodes that
+   show one image).
 4. `liveness_pass`: who allocates each image, who reads which key, the last reader of each
    (where it is freed), the sources' read counts.
 5. `recompute_pass`: batch-normalization results freed after the forward and computed again
@@ -27,7 +28,13 @@ normalization), its gradient kernels apply the neuron's gradient first and the n
 gradient node passes its input on. After a node that keeps no record for the neuron
 (arithmetic), only a ReLU whose gradient reads its own result fuses; its node then writes its
 own forward record (no command) for that gradient. In an inference graph any neuron after
-arithmetic fuses.
+arithmetic fuses. A plain ReLU's gradient that reads its result and whose incoming gradient
+is the training graph's sum of two gradients (``sums_gradients_with_relu_gradient``) runs
+inside that sum's command.
+
+Fusion is decided when the plan is made, from the node formats set then (a node handler sets
+them during ``training_graph``, before any `Graph` is made): a format set on a node later is
+not seen by these decisions.
 
 Aliases: a fused neuron's result, an inference dropout's result (``identity_in_inference``)
 and a gradient passed on hold the image of another node; they share its read-count key, and
@@ -59,8 +66,9 @@ __all__ = [
     "recompute_pass",
 ]
 
-# Whether a plain ReLU's gradient may fuse into the convolution gradient after it (see
-# `fusion_pass`); tests turn it off to compare the two plans bit for bit.
+# Whether a plain ReLU's gradient may run inside another node's command (the convolution
+# gradient after it, the gradient sum before it: see `fusion_pass`); tests turn it off to
+# compare the two plans bit for bit.
 FUSE_GRADIENTS = True
 
 
@@ -246,6 +254,18 @@ def _fuses_into(
     return prev
 
 
+def _sole_reader(
+    img: ImageNode, readers: dict[int, list[FilterNode]], keep: frozenset[int]
+) -> FilterNode | None:
+    """The one node that reads ``img``, when ``img`` is the graph's own (not kept, no
+    allocator of the caller's) and in the graph's format; else None. What a gradient fusion
+    needs of an image it stops storing or passes on."""
+    rs = readers.get(img._id, [])
+    if len(rs) != 1 or img._id in keep or img.format is not None:
+        return None
+    return rs[0] if img.image_allocator is None else None
+
+
 def _gradient_fusions(
     order: tuple[FilterNode, ...],
     readers: dict[int, list[FilterNode]],
@@ -271,15 +291,8 @@ def _gradient_fusions(
             continue
         target = fused_into.get(n.inference_node._id)
         res = n.result_image
-        rs = readers.get(res._id, [])
-        if (
-            target is None
-            or not target.gradient_fuses_relu_gradient
-            or len(rs) != 1
-            or res._id in keep
-            or res.format is not None
-            or res.image_allocator is not None
-        ):
+        g = _sole_reader(res, readers, keep)
+        if target is None or not target.gradient_fuses_relu_gradient or g is None:
             continue
         # the incoming gradient in the graph's format too, made by a node of the graph with
         # the graph's allocator: the layer gradient then reads it in the dtype the ReLU's
@@ -287,7 +300,6 @@ def _gradient_fusions(
         g_in = n.source_images[0]
         if g_in.producer is None or g_in.format is not None or g_in.image_allocator is not None:
             continue
-        g = rs[0]
         if (
             isinstance(g, GradientFilterNode)
             and g.inference_node is target
@@ -323,15 +335,11 @@ def _sum_gradients(
         if not n._plain_sum():
             continue
         res = n.result_image
-        rs = readers.get(res._id, [])
-        if len(rs) != 1 or res._id in keep or res.format is not None:
-            continue
-        if res.image_allocator is not None:
-            continue
-        g = rs[0]
+        g = _sole_reader(res, readers, keep)
         uses_result = getattr(g, "_uses_result", None)
         if (
-            not isinstance(g, GradientFilterNode)
+            g is None
+            or not isinstance(g, GradientFilterNode)
             or not getattr(g, "_plain_relu", False)
             or uses_result is None
             or not uses_result()
@@ -444,10 +452,10 @@ def liveness_pass(
         content = n._content_sources()
         if n._id in fusion.passed:
             content = content[:1]  # a passed-on gradient: it reads nothing of the forward
-        elif n._id in fusion.gradient_fusions:  # a ReLU's gradient runs inside: its result
-            content = [*content, fusion.gradient_fusions[n._id].inference_node.result_image]
-        elif n._id in fusion.sum_gradients:  # the same, inside a gradient sum
-            content = [*content, fusion.sum_gradients[n._id].inference_node.result_image]
+        else:  # a ReLU's gradient runs inside (a layer gradient, a sum): it reads the result
+            relu = fusion.gradient_fusions.get(n._id) or fusion.sum_gradients.get(n._id)
+            if relu is not None:
+                content = [*content, relu.inference_node.result_image]
         keys = [s._id for s in content] + [s._id for s in n.source_states]
         keys = list(dict.fromkeys(key(k) for k in keys))
         mine = [k for k in keys if k not in keep and k not in topology.source_ids]

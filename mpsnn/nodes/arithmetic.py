@@ -40,7 +40,6 @@ class _ArithmeticNode(FilterNode):
     ``maximum_value``, ``primary_stride_in_feature_channels``, ...)."""
 
     _kernel_class: type = arith.Add
-    _gradient_class: type = arith.Add
     fuses_neuron = True
     _properties = (
         "primary_scale", "secondary_scale", "bias", "minimum_value", "maximum_value",
@@ -79,8 +78,13 @@ class _ArithmeticNode(FilterNode):
         return grad(device, secondary)
 
     def _plain_sum(self) -> bool:
+        # the ReLU gradient is applied by this class's `_run` and `Add`'s command: a subclass
+        # that makes or runs its kernel otherwise keeps the ReLU gradient apart
+        own = type(self)
         return (
-            issubclass(self._kernel_class, arith.Add)
+            self._kernel_class is arith.Add
+            and own._run is _ArithmeticNode._run
+            and own._make_kernel is _ArithmeticNode._make_kernel
             and not self.properties
             and self.padding_policy is None
         )

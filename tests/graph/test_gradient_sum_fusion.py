@@ -124,3 +124,35 @@ def test_an_exported_sum_or_a_leaky_relu_is_not_fused() -> None:
     loss, _, handler, _ = _net(gen(85), leaky=0.1)
     graph, _ = training(loss, handler=handler)
     assert not _sums(graph)
+
+
+def test_a_sum_node_that_runs_its_kernel_otherwise_is_not_fused() -> None:
+    """The training graph's sum made by an `AdditionNode` subclass with its own ``_run``: the
+    plan keeps the ReLU gradient apart (the mask is applied by the library's run only), and
+    the gradients still match autograd."""
+    from mpsnn.graph import nodes as node_base
+
+    class LoggedAddition(m.AdditionNode):
+        runs = 0
+
+        def _run(self, step, kernel) -> None:
+            LoggedAddition.runs += 1
+            super()._run(step, kernel)
+
+    saved = list(node_base._GRADIENT_SUM)
+    node_base.register_gradient_sum(LoggedAddition)
+    try:
+        g = gen(86)
+        loss, (d1, d2), handler, _ = _net(g)
+        graph, _ = training(loss, handler=handler)
+    finally:
+        node_base._GRADIENT_SUM[:] = saved
+    assert not _sums(graph)
+    xt, target = rand(g, 2, 3, 5, 6), rand(g, 2, 3, 5, 6)
+    t1, t2 = TorchConv(d1), TorchConv(d2)
+    out = encode(graph, [xt], [m.LossLabels(DEV, target)])
+    assert LoggedAddition.runs == 2  # the gradients of y1 and of the input x
+    xr = xt.clone().requires_grad_()
+    r1 = F.relu(t1(xr) + xr)
+    mse_reference(F.relu(t2(r1) + r1), target).backward()
+    assert_close(out.tensor, xr.grad, "dL/dx", TOL)

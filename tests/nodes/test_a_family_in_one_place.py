@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 import mpsnn as m
@@ -206,3 +207,50 @@ def test_a_gradient_node_name_two_classes_share_names_neither() -> None:
     assert declared_class("TwiceNamedGradientNode") is None
     assert "TwiceNamedGradientNode" not in m.io.registered_types()
     assert declared_class("ScaledCubeGradientNode") is ScaledCubeGradientNode
+
+
+def test_a_forward_node_has_one_gradient_node_class() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"\[OtherCubeGradientNode\] a forward node has one gradient node class: "
+        r"ScaledCubeNode has ScaledCubeGradientNode, got a second",
+    ):
+
+        class OtherCubeGradientNode(UnaryGradientNode, gradient_of=ScaledCubeNode):
+            """A second gradient node of the family's forward node."""
+
+    x = m.ImageNode("x")
+    (grad,) = ScaledCubeNode(x).gradient_filters([m.ImageNode("g")])
+    assert type(grad) is ScaledCubeGradientNode  # the first stays
+
+
+def test_a_saved_name_is_one_class_whichever_is_defined_first() -> None:
+    """A gradient node class named like a class that declares its saved fields, or the other
+    way round, raises when the second is defined; the first keeps the name."""
+    from mpsnn.core.saved import declared_class
+
+    class CubeWidget(ScaledCube):
+        saved_fields = (Field("factor", float),)
+
+    with pytest.raises(ValueError, match=r"\[CubeWidget\] a saved name must be declared by one"):
+
+        def gradient_first() -> None:
+            class CubeWidget(UnaryGradientNode):
+                """A gradient node class of a declared class's name."""
+
+        gradient_first()
+    assert declared_class("CubeWidget") is CubeWidget
+
+    def gradient() -> type:
+        class CubeGizmo(UnaryGradientNode):
+            """A gradient node class first."""
+
+        return CubeGizmo
+
+    made = gradient()
+    with pytest.raises(ValueError, match=r"\[CubeGizmo\] a saved name must be declared by one"):
+
+        class CubeGizmo(ScaledCube):
+            saved_fields = (Field("factor", float),)
+
+    assert declared_class("CubeGizmo") is made
