@@ -27,9 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import mpsnn.nodes as nodes
 from mpsnn.core.kernel import TrainingStyle
-from mpsnn.graph.nodes import FilterNode, GradientFilterNode, ImageNode, UnaryGradientNode
+from mpsnn.graph.nodes import FilterNode, GradientFilterNode, ImageNode
 from mpsnn.io.codec import (
     Codec,
     Encoder,
@@ -340,19 +339,17 @@ def gradient_codec(cls: type) -> Codec:
     return Codec(cls, cls.__name__, _enc_gradient, per_class(_dec_made, cls))
 
 
-def register_gradient_node(cls: type) -> None:
-    """Register a gradient node class: saved as its place in the ``training_graph()`` call that
-    makes it (see the module docstring)."""
-    register_codec(cls, _enc_gradient, per_class(_dec_made, cls))
+def register_gradient_node(cls: type, *, name: str | None = None) -> None:
+    """Register a gradient node class under ``name`` (default: its ``__name__``): saved as its
+    place in the ``training_graph()`` call that makes it (see the module docstring). Every
+    gradient node class is found by its name without this (`GradientFilterNode` records it);
+    register one whose name another class has, under a name of its own."""
+    register_codec(cls, _enc_gradient, per_class(_dec_made, cls), name=name)
 
 
 def _register() -> None:
     register_codec(TrainingCall, _enc_call, _dec_call, name="TrainingGraph")
     register_codec(AdditionNode, _enc_addition, _dec_addition)
-    # every family's gradient nodes (and the unary base, which files may name)
-    for cls in [UnaryGradientNode, *(getattr(nodes, name) for name in nodes.__all__)]:
-        if isinstance(cls, type) and issubclass(cls, GradientFilterNode):
-            register_gradient_node(cls)
 
 
 _register()
