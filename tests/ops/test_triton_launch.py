@@ -48,6 +48,11 @@ def test_key_separates_what_triton_specializes_on() -> None:
     assert _key((2,), {"BLOCK": 64}) != _key((2,), {"BLOCK": 128})
     assert _key((2,), {"F": True}) != _key((2,), {"F": 1}) != _key((2,), {"F": 1.0})
     assert _key((2,), {}) != _key((2, 2), {})
+    # one flat tuple: the arguments' kinds and order still tell keys apart
+    z = torch.zeros(8)
+    assert _key((z, 2), {}) != _key((2, z), {})
+    assert _key((None, 2.0), {}) != _key((2.0, None), {})
+    assert _key((True, 2), {}) != _key((2, True), {})
     # a constexpr passed positionally is keyed by its value, not by its integer properties
     assert _key((2, 64), {}) == _key((2, 128), {})
     assert _key((2, 64), {}, frozenset({1})) != _key((2, 128), {}, frozenset({1}))
@@ -57,6 +62,7 @@ def test_key_refuses_what_it_cannot_key() -> None:
     assert _key(("text",), {}) is None
     assert _key((2,), {"T": torch.zeros(1)}) is None  # a tensor by keyword
     assert _key((2,), {"L": [1, 2]}) is None  # unhashable
+    assert _key((2,), {"L": (1, [2])}) is None  # a tuple holding something unhashable
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)

@@ -43,6 +43,7 @@ __all__ = ["FastKernel", "cdiv", "fast_kernel", "next_power_of_2"]
 
 _I32 = (-(1 << 31), 1 << 31)
 _U64 = 1 << 63
+_PLAIN = (int, bool, float, str, type(None))  # keyword values hashable as they are
 # the current CUDA device (-1 without CUDA: the interpreter, where nothing is launched directly)
 _get_device: Callable[[], int] = (
     getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
@@ -167,33 +168,49 @@ def _key(
     args: tuple[Any, ...], kwargs: dict[str, Any], constexpr: frozenset[int] = frozenset()
 ) -> tuple[Any, ...] | None:
     """The properties of the arguments Triton specializes on (``constexpr``: positions keyed
-    by type and value); None when one cannot be keyed."""
+    by type and value); None when one cannot be keyed.
+
+    One flat tuple: each argument adds a tag that fixes how many items follow (a tensor's
+    dtype, then its 16-byte alignment; ``"i"`` and four properties of an int; ``"b"``, ``"f"``
+    or None alone; a constexpr's type, then its value), so two argument lists with one key
+    specialize alike. Flat, because a launch builds it on the host: no tuple per argument."""
     key: list[Any] = []
+    add = key.append
     for i, a in enumerate(args):
         t = type(a)
-        if i in constexpr:
-            key.append((t, a))
-        elif t is torch.Tensor or isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.data_ptr() & 15 == 0))
-        elif t is bool:  # before int: a bool is an int
-            key.append(("b",))
+        if t is torch.Tensor:  # the common case first (never a constexpr)
+            add(a.dtype)
+            add(not a.data_ptr() & 15)
+        elif i in constexpr:
+            add(t)
+            add(a)
         elif t is int:
-            key.append(("i", a == 1, a & 15 == 0, _I32[0] <= a < _I32[1], a < _U64))
+            add("i")
+            add(a == 1)
+            add(not a & 15)
+            add(_I32[0] <= a < _I32[1])
+            add(a < _U64)
+        elif t is bool:
+            add("b")
         elif t is float:
-            key.append(("f",))
+            add("f")
         elif a is None:
-            key.append(None)
+            add(None)
+        elif isinstance(a, torch.Tensor):
+            add(a.dtype)
+            add(not a.data_ptr() & 15)
         else:
             return None
-    if kwargs:
-        for v in kwargs.values():
+    for k, v in kwargs.items():
+        if type(v) not in _PLAIN:
             if isinstance(v, torch.Tensor):
+                return None  # a tensor by keyword
+            try:
+                hash(v)
+            except TypeError:  # a value a key cannot hold (a list)
                 return None
-        try:
-            # by type too: Triton compiles FLAG=True, FLAG=1 and FLAG=1.0 apart (they are ==)
-            items = tuple((k, type(v), v) for k, v in kwargs.items())
-            hash(items)
-        except TypeError:
-            return None
-        key.append(items)
+        # by type too: Triton compiles FLAG=True, FLAG=1 and FLAG=1.0 apart (they are ==)
+        add(k)
+        add(type(v))
+        add(v)
     return tuple(key)
