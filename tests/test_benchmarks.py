@@ -300,7 +300,7 @@ def test_dp_host_time_reports_every_variant_on_the_cpu(capfd) -> None:
     # the processes share the captured stdout: a line may follow another process's output on
     # the same line (a native library's message), so the reports are searched, not split
     out = capfd.readouterr().out
-    lines = re.findall(r"# rank \d, [^;\n]*;[^\n]*", out)
+    lines = re.findall(r"# rank \d, [^;#\n]*;[^#\n]*", out)
     want = {f"# rank {r}, 2 processes, {bn} BN: CPU" for r in (0, 1)
             for bn in ("synchronized", "local")} | {"# rank 0, one process: CPU"}  # fmt: skip
     assert {ln.split(";")[0] for ln in lines} == want, out

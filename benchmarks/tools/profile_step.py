@@ -175,10 +175,11 @@ def _back_to_back(
         sync()
         wall = (time.perf_counter() - start) / n
         calls = f"{len(waits)} synchronizing calls in a step" if cuda else "CPU"
+        # one write with its newline: several processes may share this stdout
         print(f"# {name}: {calls}; host per step "
               f"{statistics.median(synced) * 1e3:.2f} ms synchronized, "
               f"{statistics.median(b2b) * 1e3:.2f} ms back to back; wall per step "
-              f"{wall * 1e3:.2f} ms", flush=True)  # fmt: skip
+              f"{wall * 1e3:.2f} ms\n", end="", flush=True)  # fmt: skip
 
 
 def main() -> None:
