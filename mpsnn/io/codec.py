@@ -262,9 +262,10 @@ class Encoder:
                 return items if t is list else {"$tuple": items}
             finally:
                 self._active.discard(id(v))
-        savable = (*_BY_CLASS, *declared_classes().values())
-        if codec_of_class(t) is not None or isinstance(v, savable):
-            return self.object(v)  # a subclass of a savable class is refused there
+        if codec_of_class(t) is not None or isinstance(
+            v, (*_BY_CLASS, *declared_classes().values())
+        ):  # (the tuple only where no codec is found: a subclass, refused by `object`)
+            return self.object(v)
         raise TypeError(
             f"[save] values must be None, bool, int, float, str, list, tuple, dict, tensors or "
             f"objects of a registered type ({', '.join(sorted(_BY_NAME))}), got "
