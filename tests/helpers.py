@@ -94,3 +94,12 @@ def run(cb: m.CommandBuffer) -> None:
 
 def randn(*shape, dtype=torch.float64, device="cpu", gen=None) -> torch.Tensor:
     return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The same dtype, shape and bits, NaNs by position (a NaN's payload may differ)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got.isnan(), want.isnan())
+    keep = ~want.isnan()
+    view = torch.int16 if got.dtype != torch.float32 else torch.int32
+    assert torch.equal(got[keep].view(view), want[keep].view(view))

@@ -58,6 +58,7 @@ __all__ = [
     "declared_class",
     "declared_classes",
     "record_saved_class",
+    "same_definition",
     "saved_fields",
 ]
 
@@ -191,9 +192,9 @@ def declare_saved_fields(cls: type, reserved: tuple[str, ...] = ()) -> None:
     _RECORDED.discard(who)
 
 
-def _same(a: type, b: type) -> bool:
+def same_definition(a: type, b: type) -> bool:
     """One class, or one defined again (the same module and qualified name: a module or
-    notebook cell run twice)."""
+    notebook cell run twice), which a registry by name replaces instead of refusing."""
     return a is b or (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
 
 
@@ -202,7 +203,7 @@ def _check_one_class(cls: type, ambiguous: bool) -> None:
     name `record_saved_class` found on two classes."""
     who = cls.__name__
     known = _DECLARED.get(who)
-    if ambiguous or (known is not None and not _same(known, cls)):
+    if ambiguous or (known is not None and not same_definition(known, cls)):
         other = (
             "two gradient node classes"
             if known is None
@@ -229,7 +230,7 @@ def record_saved_class(cls: type) -> None:
     if who.startswith("_") or who in _AMBIGUOUS:
         return
     known = _DECLARED.get(who)
-    if known is None or _same(known, cls):
+    if known is None or same_definition(known, cls):
         _DECLARED[who] = cls
         _RECORDED.add(who)
         return

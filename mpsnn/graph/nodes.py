@@ -36,7 +36,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from mpsnn.cnn.neuron_descriptor import FusedNeuron
 from mpsnn.core.descriptor import FeatureChannelFormat
 from mpsnn.core.kernel import Kernel, TrainingStyle
-from mpsnn.core.saved import Field, declare_saved_fields, record_saved_class
+from mpsnn.core.saved import (
+    Field,
+    declare_saved_fields,
+    record_saved_class,
+    same_definition,
+)
 
 if TYPE_CHECKING:
     from mpsnn.core.device import Device
@@ -495,10 +500,7 @@ class UnaryGradientNode(GradientFilterNode):
         if gradient_of is None:
             return
         known = getattr(_GRADIENT_FACTORIES.get(gradient_of), "node_class", None)
-        if known is not None and (known.__module__, known.__qualname__) != (
-            cls.__module__,
-            cls.__qualname__,
-        ):
+        if known is not None and not same_definition(known, cls):
             raise ValueError(
                 f"[{cls.__name__}] a forward node has one gradient node class: "
                 f"{gradient_of.__name__} has {known.__name__}, got a second"

@@ -92,14 +92,15 @@ class _ArithmeticNode(FilterNode):
     def _run(self, step: _Step, kernel: Any) -> None:
         a, b = step.image(self._sources[0]), step.image(self._sources[1])
         states = kernel.result_state_batch(a, b) if step.training(self) else None
+        # a gradient sum whose ReLU gradient runs in this command reads the ReLU's result
         relu = step.graph._plan.fusion.sum_gradients.get(self._id)
-        if relu is None:
+        mask = None if relu is None else step.image(relu.inference_node.result_image).image
+        if mask is not None:
+            kernel._gradient_mask = mask
+        try:
             y = kernel.encode_batch(step.cb, a, b, destination_states=states)
-        else:  # a gradient sum: the ReLU gradient that reads it runs in this command
-            kernel._gradient_mask = step.image(relu.inference_node.result_image).image
-            try:
-                y = kernel.encode_batch(step.cb, a, b, destination_states=states)
-            finally:
+        finally:
+            if mask is not None:
                 kernel._gradient_mask = None
         step.set_image(self.result_image, y)
         if states is not None:

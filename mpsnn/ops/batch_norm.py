@@ -338,7 +338,7 @@ def bn_running_update_portable(
 ) -> None:
     """`bn_running_update` in PyTorch operations (any device and dtype)."""
     mu, var = running
-    unbiased = m2 / (count - 1).clamp(min=1)
+    unbiased = bn_variance(count, m2, unbiased=True)
     # both vectors in one launch each on a GPU
     torch._foreach_mul_([mu, var], 1 - momentum)
     torch._foreach_add_([mu, var], [mean.to(mu.dtype), unbiased.to(var.dtype)], alpha=momentum)

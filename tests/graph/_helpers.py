@@ -7,14 +7,16 @@ after one step ``w_before - w_after`` is the gradient (exact up to one rounding 
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 import mpsnn as m
+import mpsnn.graph.plan_passes as plan_passes
 from tests.helpers import assert_close
 
 DEV = m.Device("cpu")
@@ -210,3 +212,21 @@ def peak_and_total(graph: m.Graph) -> tuple[float, float]:
     found = _PEAK.search(graph.debug_description())
     assert found is not None, graph.debug_description()
     return float(found.group(1)), float(found.group(2))
+
+
+@contextlib.contextmanager
+def gradient_fusion(enabled: bool) -> Iterator[None]:
+    """Graphs made inside plan their ReLU gradients fused into other commands or not
+    (`mpsnn.graph.plan_passes.FUSE_GRADIENTS`), to compare the two plans bit for bit."""
+    saved = plan_passes.FUSE_GRADIENTS
+    plan_passes.FUSE_GRADIENTS = enabled
+    try:
+        yield
+    finally:
+        plan_passes.FUSE_GRADIENTS = saved
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same dtype and the same bytes, element by element."""
+    a, b = a.contiguous().view(-1), b.contiguous().view(-1)
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))

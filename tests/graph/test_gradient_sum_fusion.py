@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 import mpsnn as m
-import mpsnn.graph.plan_passes as plan
 from mpsnn.graph.plan import _PassGradient
 from tests.graph._helpers import (
     DEV,
@@ -23,9 +22,11 @@ from tests.graph._helpers import (
     conv_ds,
     encode,
     gen,
+    gradient_fusion,
     mse_loss,
     mse_reference,
     rand,
+    same_bytes,
     sgd1,
     training,
 )
@@ -86,14 +87,10 @@ def test_the_sum_runs_the_relu_gradient_and_matches_autograd() -> None:
 
 
 def _steps(fused: bool, fmt, steps: int = 3):
-    saved = plan.FUSE_GRADIENTS
-    plan.FUSE_GRADIENTS = fused
-    try:
+    with gradient_fusion(fused):
         g = gen(82)
         loss, ds, handler, _ = _net(g, lambda: m.Adam(DEV))
         graph, _ = training(loss, fmt=fmt, handler=handler)
-    finally:
-        plan.FUSE_GRADIENTS = saved
     data = gen(83)
     dx = None
     for _ in range(steps):
@@ -102,19 +99,14 @@ def _steps(fused: bool, fmt, steps: int = 3):
     return graph, [t for d in ds for t in (d.weights(), d.bias_terms())], dx.tensor
 
 
-def _bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = a.contiguous().view(-1), b.contiguous().view(-1)
-    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
-
 @pytest.mark.parametrize("fmt", [F64, F32, BF16], ids=["f64", "f32", "bf16"])
 def test_fused_and_unfused_steps_give_the_same_bits(fmt) -> None:
     fused, w_fused, dx_fused = _steps(True, fmt)
     plain, w_plain, dx_plain = _steps(False, fmt)
     assert len(_sums(fused)) == 1 and not _sums(plain)
-    assert _bits(dx_fused, dx_plain)
+    assert same_bytes(dx_fused, dx_plain)
     for a, b in zip(w_fused, w_plain, strict=True):
-        assert _bits(a, b)
+        assert same_bytes(a, b)
 
 
 def test_an_exported_sum_or_a_leaky_relu_is_not_fused() -> None:

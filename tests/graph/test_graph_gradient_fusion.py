@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 import mpsnn as m
-import mpsnn.graph.plan_passes as plan
 from tests.graph._helpers import (
     DEV,
     F16,
@@ -26,7 +25,9 @@ from tests.graph._helpers import (
     conv_ds,
     encode,
     gen,
+    gradient_fusion,
     rand,
+    same_bytes,
     sgd1,
     training,
 )
@@ -56,14 +57,10 @@ def _net(g: torch.Generator, optimizer=sgd1, leaky: float = 0.0):
 def _steps(fused: bool, fmt, steps: int = 3, leaky: float = 0.0, handler=None):
     """Weights after ``steps`` Adam steps and the last input gradient, with the gradient
     fusion on or off; and the graph."""
-    saved = plan.FUSE_GRADIENTS
-    plan.FUSE_GRADIENTS = fused
-    try:
+    with gradient_fusion(fused):
         g = gen(501)
         loss, ds, relus = _net(g, lambda: m.Adam(DEV), leaky)
         graph, _ = training(loss, fmt=fmt, handler=handler)
-    finally:
-        plan.FUSE_GRADIENTS = saved
     data = gen(502)
     dx = None
     for _ in range(steps):
@@ -72,11 +69,6 @@ def _steps(fused: bool, fmt, steps: int = 3, leaky: float = 0.0, handler=None):
         dx = encode(graph, [x], [m.LossLabels(DEV, labels)])
     weights = [t for d in ds for t in (d.weights(), d.bias_terms())]
     return graph, weights, dx.tensor, relus
-
-
-def _bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = a.contiguous().view(-1), b.contiguous().view(-1)
-    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 @pytest.mark.parametrize("fmt", [F32, F16, F64], ids=["float32", "float16", "float64"])
@@ -88,8 +80,8 @@ def test_fused_relu_gradients_give_the_unfused_bits(fmt) -> None:
     text = fused.debug_description()
     assert text.count("[_PassGradient]") == 3 and "_PassGradient" not in unfused.debug_description()
     for a, b in zip(w_fused, w_plain, strict=True):
-        assert _bits(a, b)
-    assert _bits(dx_fused, dx_plain)
+        assert same_bytes(a, b)
+    assert same_bytes(dx_fused, dx_plain)
 
 
 def test_fused_relu_gradients_match_autograd_in_float64() -> None:
@@ -155,5 +147,5 @@ def test_an_incoming_gradient_of_another_format_keeps_the_relu_gradient_apart() 
     _, w_plain, dx_plain, _ = _steps(False, F16, steps=2, handler=wide)
     assert not fused._plan.pre_gradient
     for a, b in zip(w_fused, w_plain, strict=True):
-        assert _bits(a, b)
-    assert _bits(dx_fused, dx_plain)
+        assert same_bytes(a, b)
+    assert same_bytes(dx_fused, dx_plain)

@@ -14,7 +14,7 @@ from mpsnn.ops import triton as fast_paths
 from mpsnn.ops.arithmetic import add_relu_gradient_of_result
 from mpsnn.ops.neuron import relu_backward_of_result
 from mpsnn.ops.triton.elementwise import sum_relu_gradient_triton
-from tests.helpers import TRITON_DEVICES
+from tests.helpers import TRITON_DEVICES, assert_same_bits
 
 
 def _three(shape, dtype, device, channels_last: bool):
@@ -36,14 +36,6 @@ def _three(shape, dtype, device, channels_last: bool):
     return (t.to(device=device, dtype=dtype).contiguous(memory_format=fmt) for t in (a, b, r))
 
 
-def _same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape
-    assert torch.equal(got.isnan(), want.isnan())
-    keep = ~want.isnan()
-    view = torch.int16 if got.dtype != torch.float32 else torch.int32
-    assert torch.equal(got[keep].view(view), want[keep].view(view))
-
-
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
@@ -54,7 +46,7 @@ def test_triton_sum_relu_gradient_equals_add_then_threshold_backward(
     a, b, r = _three(shape, dtype, device, channels_last)
     got = sum_relu_gradient_triton(a, b, r)
     assert got.stride() == a.stride()
-    _same_bits(got, torch.ops.aten.threshold_backward(a + b, r, 0))
+    assert_same_bits(got, torch.ops.aten.threshold_backward(a + b, r, 0))
     # the masked entries are +0.0, as threshold_backward writes them
     masked = (r <= 0) & ~r.isnan()
     assert torch.equal(got[masked].abs(), got[masked]) and not got[masked].signbit().any()
@@ -63,9 +55,9 @@ def test_triton_sum_relu_gradient_equals_add_then_threshold_backward(
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 def test_the_op_is_the_sum_then_the_relu_gradient_of_result(dtype) -> None:
     a, b, r = _three((2, 4, 6, 5), dtype, "cpu", False)
-    _same_bits(add_relu_gradient_of_result(a, b, r), relu_backward_of_result(a + b, r))
+    assert_same_bits(add_relu_gradient_of_result(a, b, r), relu_backward_of_result(a + b, r))
     # a result in another format than the gradients (compared with 0 only)
-    _same_bits(
+    assert_same_bits(
         add_relu_gradient_of_result(a, b, r.double()), relu_backward_of_result(a + b, r.double())
     )
 

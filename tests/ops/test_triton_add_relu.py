@@ -14,7 +14,7 @@ from mpsnn.ops import triton as fast_paths
 from mpsnn.ops.arithmetic import add_activation
 from mpsnn.ops.neuron import RELU, NeuronParams, activation
 from mpsnn.ops.triton.elementwise import add_relu_triton, relu_times_triton
-from tests.helpers import TRITON_DEVICES
+from tests.helpers import TRITON_DEVICES, assert_same_bits
 
 RELU0 = NeuronParams(RELU, 0.0, 0.0, 0.0, None)
 
@@ -46,19 +46,7 @@ def test_triton_add_relu_equals_add_then_relu(shape, dtype, channels_last, devic
     got = add_relu_triton(x, y)
     want = activation(RELU0, x + y)
     assert got.dtype == dtype and got.stride() == x.stride()
-    # bits, NaNs included (a NaN's payload may differ: compare NaN positions, then the rest)
-    assert torch.equal(got.isnan(), want.isnan())
-    keep = ~want.isnan()
-    assert torch.equal(got[keep].view(torch.int16 if dtype != torch.float32 else torch.int32),
-                       want[keep].view(torch.int16 if dtype != torch.float32 else torch.int32))  # fmt: skip
-
-
-def _same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape
-    assert torch.equal(got.isnan(), want.isnan())
-    keep = ~want.isnan()
-    view = torch.int16 if got.dtype != torch.float32 else torch.int32
-    assert torch.equal(got[keep].view(view), want[keep].view(view))
+    assert_same_bits(got, want)  # NaNs by position (a NaN's payload may differ)
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
@@ -71,9 +59,9 @@ def test_triton_relu_times_equals_the_mask_product(dtype, channels_last, device)
     for a, b in ((x, x), (x, t), (t, x)):
         got = relu_times_triton(a, b)
         assert got.stride() == a.stride()
-        _same_bits(got, N._times(N._nonnegative(a), b))
+        assert_same_bits(got, N._times(N._nonnegative(a), b))
     assert N.plain_relu(RELU0, x)
-    _same_bits(activation(RELU0, x), N._times(N._nonnegative(x), x))
+    assert_same_bits(activation(RELU0, x), N._times(N._nonnegative(x), x))
 
 
 def test_dispatch_takes_one_layout_and_dtype_only() -> None:
@@ -88,7 +76,7 @@ def test_dispatch_takes_one_layout_and_dtype_only() -> None:
         assert fast_paths.add_relu(gpu, gpu.double()) is None
         assert fast_paths.add_relu(gpu[..., ::2], gpu[..., ::2]) is None  # not dense
         for a, b in ((gpu, gpu), (gpu, -gpu)):
-            _same_bits(fast_paths.relu_times(a, b), N._times(N._nonnegative(a), b))
+            assert_same_bits(fast_paths.relu_times(a, b), N._times(N._nonnegative(a), b))
         assert fast_paths.relu_times(gpu, gpu.contiguous(memory_format=torch.channels_last)) is None
         assert fast_paths.relu_times(gpu.double(), gpu.double()) is None
     assert fast_paths.relu_times(x, x) is None  # CPU tensors: the portable path

@@ -94,16 +94,13 @@ def _sum_relu_gradient(a_ptr, b_ptr, r_ptr, out_ptr, numel, BLOCK: tl.constexpr)
 def sum_relu_gradient_triton(a: torch.Tensor, b: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """``a + b`` where ``r > 0`` (or NaN), else +0.0, for dense CUDA tensors of one shape,
     strides and dtype (the caller checks); a new tensor with ``a``'s layout."""
-    out = torch.empty_like(a)
-    n = a.numel()
-    _sum_relu_gradient[(cdiv(n, _BLOCK),)](a, b, r, out, n, BLOCK=_BLOCK, num_warps=8)
-    return out
+    return _launch(_sum_relu_gradient, a, b, r)
 
 
-def _launch(kernel: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Run a two-input pass over the storage in memory order into a new tensor with ``a``'s
+def _launch(kernel: Any, a: torch.Tensor, *more: torch.Tensor) -> torch.Tensor:
+    """Run a pass over the inputs' storage in memory order into a new tensor with ``a``'s
     layout (the caller checked one shape, strides and dtype)."""
     out = torch.empty_like(a)
     n = a.numel()
-    kernel[(cdiv(n, _BLOCK),)](a, b, out, n, BLOCK=_BLOCK, num_warps=8)
+    kernel[(cdiv(n, _BLOCK),)](a, *more, out, n, BLOCK=_BLOCK, num_warps=8)
     return out
