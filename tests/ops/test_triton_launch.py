@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpsnn.ops.triton import elementwise
+from mpsnn.ops.triton import elementwise, launch
 from mpsnn.ops.triton.elementwise import _add_relu, add_relu_triton
 from mpsnn.ops.triton.launch import FastKernel, _key, cdiv, next_power_of_2
 from tests.helpers import TRITON_DEVICES
@@ -112,3 +112,46 @@ def test_a_launch_hook_sees_every_launch() -> None:
     finally:
         knobs.runtime.launch_enter_hook = old
     assert len(seen) == 3
+
+
+def test_the_generated_keyers_equal_the_key() -> None:
+    """Each call shape's generated key function gives `_key`'s key, for every kind of
+    argument `_key` keys (aligned and misaligned tensors, integers at the specialization
+    boundaries, constexprs by type and value, keywords), and falls back to `_key` where the
+    shape has a type it keys otherwise."""
+    base = torch.zeros(64)
+    ints = [0, 1, 2, 16, 17, -1, (1 << 31) - 1, 1 << 31, -(1 << 31), -(1 << 31) - 1, 1 << 63]
+    calls = [
+        ((base, base[1:], 3, 2.5, None, True), {}, frozenset()),
+        ((base[4:], 64, 128), {"BLOCK": 64, "FLAG": True}, frozenset({1})),
+        ((base.to(torch.bfloat16), 2), {"F": 1.0, "G": None}, frozenset()),
+        ((), {}, frozenset()),
+        ((), {"BLOCK": 32}, frozenset()),
+        ((2,), {"L": (1, 2)}, frozenset()),  # a keyword value `_key` checks for hashability
+        ((2,), {"L": [1, 2]}, frozenset()),  # ... and refuses
+        ((torch.nn.Parameter(base),), {}, frozenset()),  # a tensor subclass: `_key` per call
+        (("text",), {}, frozenset()),  # refused
+    ] + [((i, base), {"B": i}, frozenset()) for i in ints]
+    for args, kwargs, constexpr in calls:
+        keyer = launch._keyer(tuple(map(type, args)), tuple(kwargs), constexpr)
+        want = _key(args, kwargs, constexpr)
+        got = _key(args, kwargs, constexpr) if keyer is None else keyer(args, kwargs)
+        assert got == want and (got is None) == (want is None), (args, kwargs)
+        if want is not None:
+            assert type(got) is tuple
+    # the shapes of plain arguments get a generated function; a subclass does not
+    assert launch._keyer((torch.Tensor, int), ("B",), frozenset()) is not None
+    assert launch._keyer((torch.nn.Parameter,), (), frozenset()) is None
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_a_kernel_makes_one_keyer_per_call_shape(device, monkeypatch) -> None:
+    kernel = FastKernel(_add_relu.fn)
+    monkeypatch.setattr(elementwise, "_add_relu", kernel)
+    base = torch.randn(4096 + 7).to(device)
+    for start in (0, 0, 1, 4):  # aligned and misaligned views: one call shape, two keys
+        x = base[start:]
+        z = x + x
+        assert torch.equal(add_relu_triton(x, x), (z >= 0).to(z.dtype) * z)
+    assert len(kernel._keyers) == 1
+    assert len(kernel._compiled) == 2  # aligned (starts 0 and 4) and misaligned (start 1)

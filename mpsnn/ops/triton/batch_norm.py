@@ -367,6 +367,10 @@ def _elementwise_plan(
 
 
 def _per_channel(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    # the common case (the statistics' and the data source's vectors) returns without a call
+    # into PyTorch: a normalization layer's commands make about fifteen of these per step
+    if t.dtype is torch.float32 and t.is_contiguous() and t.device == x.device:
+        return t
     return t.to(device=x.device, dtype=torch.float32).contiguous()
 
 
@@ -383,7 +387,10 @@ def _channel_sums(sums: BatchNormSums, x: torch.Tensor) -> list[torch.Tensor]:
 
 def _count(sums: BatchNormSums, x: torch.Tensor) -> torch.Tensor:
     """The count ``m`` as a float32 vector on ``x``'s device (one element, or one per channel)."""
-    m = torch.as_tensor(sums.count, dtype=torch.float32, device=x.device)
+    m = sums.count
+    if type(m) is torch.Tensor and m.dim() == 1:
+        return _per_channel(m, x)  # as the statistics wrote it: no call into PyTorch
+    m = torch.as_tensor(m, dtype=torch.float32, device=x.device)
     return m.reshape(-1).contiguous()
 
 

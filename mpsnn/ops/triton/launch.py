@@ -13,7 +13,9 @@ constexprs (positional or keyword) and launch options by type and value, under t
 device (Triton compiles, and loads a kernel, per device): a finer partition than Triton's own,
 so two calls with one key get one Triton specialization.
 A call whose key was seen launches the `CompiledKernel` directly on the current stream, with
-the same arguments in the same order as Triton's own path would.
+the same arguments in the same order as Triton's own path would. The key itself is built by a
+function generated once per *call shape* (the arguments' types and the keywords' names,
+`_keyer`): one tuple expression with no per-argument dispatch, equal to `_key`'s result.
 
 Triton's own path still runs:
 
@@ -76,7 +78,9 @@ class FastKernel:
     """A ``@triton.jit`` function launched as ``kernel[grid](*args, **constexprs)``, with the
     compiled kernel looked up by `_key` instead of Triton's binder (see the module)."""
 
-    __slots__ = ("_compiled", "_constexpr", "_defaults", "_names", "direct_launches", "fn")
+    __slots__ = (
+        "_compiled", "_constexpr", "_defaults", "_keyers", "_names", "direct_launches", "fn",
+    )  # fmt: skip
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
@@ -92,6 +96,8 @@ class FastKernel:
         )
         # key -> (launcher, function, packed metadata, trailing args), or None: Triton's path
         self._compiled: dict[Any, tuple[Any, ...] | None] = {}
+        # (argument types, keyword names) -> `_keyer` for such calls (None: `_key` per call)
+        self._keyers: dict[tuple[Any, ...], Callable[..., Any] | None] = {}
         self.direct_launches = 0  # how many launches skipped Triton's binder (for tests)
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
@@ -99,7 +105,16 @@ class FastKernel:
 
     def launch(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         device = _get_device()  # Triton compiles per device: a kernel's handle is for one
-        key = None if callable(grid) else _key(args, kwargs, self._constexpr)
+        if callable(grid):
+            key = None
+        else:
+            shape = (*map(type, args), *kwargs)  # C-level: the call's types and keywords
+            keyer = self._keyers.get(shape, _MISSING)
+            if keyer is _MISSING:
+                keyer = self._keyers[shape] = _keyer(
+                    tuple(map(type, args)), tuple(kwargs), self._constexpr
+                )
+            key = _key(args, kwargs, self._constexpr) if keyer is None else keyer(args, kwargs)
         if key is not None:
             key = (device, key)
         entry = self._compiled.get(key, _MISSING) if key is not None else None
@@ -162,6 +177,59 @@ def _hooked(hook: Any) -> bool:
         return False
     calls = getattr(hook, "calls", None)
     return calls is None or len(calls) > 0
+
+
+def _keyer(
+    types: tuple[type, ...], names: tuple[str, ...], constexpr: frozenset[int]
+) -> Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, ...] | None] | None:
+    """A function ``(args, kwargs) -> _key(args, kwargs, constexpr)`` for calls whose
+    arguments have exactly the types ``types`` and whose keywords are ``names`` in that order,
+    or None where `_key` itself decides per call (a type it keys by isinstance).
+
+    Generated once per call shape: the key's items are one tuple expression, with no loop or
+    type dispatch per argument (a launch's key is built on the host at every launch, and the
+    dispatch cost about as much as the launch). A keyword value of a type `_key` checks for
+    hashability falls back to `_key`."""
+    items: list[str] = []
+    env: dict[str, Any] = {"_key": _key, "_PLAIN": _PLAIN, "_constexpr": constexpr}
+    for i, t in enumerate(types):
+        a = f"a{i}"
+        if t is torch.Tensor:
+            items.append(f"{a}.dtype, not {a}.data_ptr() & 15")
+        elif i in constexpr:
+            env[f"T{i}"] = t
+            items.append(f"T{i}, {a}")
+        elif t is int:
+            items.append(f"'i', {a} == 1, not {a} & 15, {_I32[0]} <= {a} < {_I32[1]}, {a} < {_U64}")
+        elif t is bool:
+            items.append("'b'")
+        elif t is float:
+            items.append("'f'")
+        elif t is type(None):
+            items.append("None")
+        else:  # a subclass of tensor, or a type `_key` refuses
+            return None
+    checks = []
+    for j, name in enumerate(names):
+        env[f"N{j}"] = name
+        checks.append(f"type(k{j}) in _PLAIN")
+        items.append(f"N{j}, type(k{j}), k{j}")
+    unpack_args = "".join(f"a{i}, " for i in range(len(types)))
+    unpack_kw = "".join(f"    k{j} = kwargs[N{j}]\n" for j in range(len(names)))
+    fallback = (
+        f"    if not ({' and '.join(checks)}):\n        return _key(args, kwargs, _constexpr)\n"
+        if checks
+        else ""
+    )
+    src = (
+        "def keyer(args, kwargs):\n"
+        + (f"    {unpack_args}= args\n" if types else "")
+        + unpack_kw
+        + fallback
+        + f"    return ({''.join(x + ', ' for x in items)})\n"
+    )
+    exec(compile(src, f"<mpsnn launch key {types}>", "exec"), env)
+    return env["keyer"]
 
 
 def _key(
