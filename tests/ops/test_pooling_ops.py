@@ -1,9 +1,9 @@
 """Max pooling math (`mpsnn.ops.pooling`): the CPU tile paths (disjoint windows inside the image)
 against the general path, bit for bit: forward and gradient, ties to the first maximum in
 raster order (+0.0 and -0.0 in one window included), NaN sources (the last NaN wins), ±inf,
-inf/NaN/-0.0 gradients, leftover rows and columns, non-square and 1-wide windows, both
-dtypes they take (float32, float64), non-contiguous inputs. Geometries that are not tiles, and
-float16/bfloat16 data, never reach the tile paths."""
+inf/NaN/-0.0 gradients (signalling NaNs and payloads too), leftover rows and columns,
+non-square and 1-wide windows, both dtypes they take (float32, float64), non-contiguous inputs.
+Geometries that are not tiles, and float16/bfloat16 data, never reach the tile paths."""
 
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ TILES = [
     (1, 1, 5, 33, 1, 1, 0, 0, 5, 33),  # 1x1 windows
     (3, 6, 28, 28, 2, 2, 0, 0, 14, 14),  # LeNet's
     (0, 2, 4, 4, 2, 2, 0, 0, 2, 2),  # no images
+    (1, 2, 7, 10, 2, 2, 0, 0, 3, 4),  # a leftover row and two leftover columns
+    (2, 2, 6, 9, 2, 2, 0, 0, 3, 4),  # an odd width
+    (2, 2, 7, 5, 3, 1, 0, 0, 2, 5),  # a leftover row under 1-wide windows
 ]
 
 
@@ -116,6 +119,26 @@ def test_tile_forward_equals_the_general_path_bit_for_bit(shape, dtype) -> None:
         oh = torch.arange(shape[8]).view(-1, 1) * k[0]
         ow = torch.arange(shape[9]) * k[1]
         assert torch.equal((oh + i) * t.shape[3] + ow + j, want_idx)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", TILES, ids=str)
+def test_tile_gradient_routes_any_bits_from_the_forward_argmax(shape, dtype) -> None:
+    """Gradients of every kind (NaNs of both signs, with payloads, signalling; ±inf; ±0.0),
+    routed from the argmax the forward found (as a graph's step hands it over) and found again:
+    the general path's bits, ``0 + g`` (a signalling NaN quieted, -0.0 made +0.0)."""
+    geom = _geometry(shape)
+    for seed in range(2):
+        x, g = _source(shape, dtype, 20 + seed, nan=seed == 1), _gradient(shape, dtype, 30 + seed)
+        for i, pattern in enumerate(_PAYLOADS[dtype]):
+            g.view(-1).view(_BITS[g.element_size()])[i::5] = pattern
+        g.view(-1)[3::10] = float("inf")
+        g.view(-1)[4::10] = -float("inf")
+        want = max_pool_backward_portable(g, x, geom)
+        tap = P.max_pool_forward_argmax(x, geom)[1]
+        assert tap is not None
+        assert torch.equal(bits(max_pool_backward(g, x, geom, tap)), bits(want))
+        assert torch.equal(bits(P._tile_max_backward(g, x, geom)), bits(want))
 
 
 def test_ties_go_to_the_first_maximum_in_raster_order() -> None:
