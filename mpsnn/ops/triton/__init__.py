@@ -35,6 +35,7 @@ __all__ = [
     "relu_times",
     "set_enabled",
     "softmax_cross_entropy",
+    "to_channels_last",
 ]
 
 _enabled = True
@@ -318,6 +319,17 @@ def channel_sums(g: torch.Tensor) -> torch.Tensor | None:
     from mpsnn.ops.triton import batch_norm_nhwc as nhwc
 
     return nhwc.nhwc_channel_sums(g) if nhwc.is_nhwc(g) else None
+
+
+def to_channels_last(t: torch.Tensor) -> torch.Tensor | None:
+    """``t.contiguous(memory_format=torch.channels_last)`` in one Triton pass (a tiled
+    transpose, `mpsnn.ops.triton.layout`) for an NCHW-contiguous 4-D CUDA tensor in float16,
+    bfloat16 or float32 that is not channels-last already, else None."""
+    if not (_runs(t) and t.dtype in _PASS_DTYPES):
+        return None
+    from mpsnn.ops.triton.layout import nchw_to_nhwc_triton
+
+    return nchw_to_nhwc_triton(t)
 
 
 def optimizer_tables(

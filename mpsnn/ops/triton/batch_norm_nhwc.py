@@ -38,6 +38,7 @@ from mpsnn.ops.triton.batch_norm import (
     combine_statistics,
 )
 from mpsnn.ops.triton.launch import cdiv, fast_kernel, next_power_of_2
+from mpsnn.ops.triton.layout import nchw_to_nhwc_triton
 
 __all__ = [
     "is_nhwc",
@@ -251,7 +252,10 @@ def _make_tile(
 
 
 def _nhwc(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous(memory_format=torch.channels_last)
+    if t.is_contiguous(memory_format=torch.channels_last):
+        return t
+    fast = nchw_to_nhwc_triton(t)  # the tiled transpose (PyTorch's strided copy is slower)
+    return fast if fast is not None else t.contiguous(memory_format=torch.channels_last)
 
 
 def nhwc_statistics(
