@@ -4,7 +4,10 @@ Optimizers as two small functions: `init_state` makes a parameter's state vector
 update rule per optimizer is applied to a whole list of parameters by `apply_update` (for
 contiguous float32 CUDA tensors one Triton launch for the whole list, one per gradient dtype
 present, `mpsnn.ops.triton.optim`; otherwise a few ``torch._foreach_*`` operations per step).
-`sgd_update`, `rmsprop_update` and `adam_update` name the arguments.
+`sgd_update`, `rmsprop_update` and `adam_update` name the arguments. On the CPU, Adam and
+AMSGrad over float32 lists run PyTorch's fused kernel (one pass over each parameter, where the
+portable path makes seven): the same function, with ``eps`` rescaled as below, in other
+roundings (a few float32 ulps per update; `_cpu_fused_adam`).
 
 The rules and the regularization types (`UpdateRule`, `RegularizationType`), the
 hyperparameter tensor (`Hyper`, `HYPER_SIZE`, `make_hyper`, `set_hyper`), Adam's step tensor
@@ -198,6 +201,9 @@ def apply_update(
     fast = _plan(rule, lists, hyper, plans)
     if fast is not None:
         fast.launch(rule, hyper, step, clip, regularization)
+        return
+    if rule in _ADAM_RULES and _cpu_fused_adam(values, grads, results, states, hyper, step,
+                                               clip, regularization):  # fmt: skip
         return
     _portable(rule, values, grads, results, states, hyper, step, clip, regularization)
 
@@ -521,6 +527,58 @@ def _adam(g: _TensorList, states, h, hyper, step) -> _Step:
         den = list(torch._foreach_sqrt(v))
     _add_(den, h[Hyper.EPSILON])
     return m, den, lr_t
+
+
+# PyTorch's fused Adam (``torch.optim.Adam(fused=True)``'s kernel), where this PyTorch has it
+_FUSED_ADAM: Callable[..., None] | None = getattr(torch, "_fused_adam_", None)
+
+
+def _cpu_fused_adam(
+    values: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    results: Sequence[torch.Tensor],
+    states: Sequence[Sequence[torch.Tensor]],
+    hyper: torch.Tensor,
+    step: torch.Tensor,
+    clip: bool,
+    regularization: RegularizationType,
+) -> bool:
+    """Adam (AMSGrad with a third state list) on CPU float32 lists as PyTorch's fused kernel:
+    one pass over each parameter's tensors, where the portable path makes seven (each a pass
+    over memory, the CPU's cost). False, with nothing done, where it does not apply (another
+    device or dtype, a non-contiguous tensor, no fused kernel in this PyTorch).
+
+    The same function as the portable path: PyTorch's kernel divides by ``sqrt(v) / sqrt(1 -
+    beta2^t) + eps'`` and steps by ``lr / (1 - beta1^t)``, so with ``eps' = eps / sqrt(1 -
+    beta2^t)`` its update is ``lr_t m / (sqrt(v) + eps)`` (module docstring). Its roundings
+    differ (a few float32 ulps of ``m``, ``v`` and the step)."""
+    if _FUSED_ADAM is None or hyper.device.type != "cpu":
+        return False
+    lists = (values, grads, results, *states)
+    for ts in lists:
+        for t in ts:
+            if t.dtype is not torch.float32 or not t.is_contiguous():
+                return False
+    h64 = hyper.tolist()  # float64: lr, betas and eps as `_adam` computes lr_t
+    b1, b2 = h64[Hyper.BETA1], h64[Hyper.BETA2]
+    t = int(step[0]) + 1  # this update's (the CPU: no wait)
+    corr2 = 1.0 - b2**t
+    if not corr2 > 0.0:  # beta2 >= 1 or NaN: the portable path's arithmetic
+        return False
+    h32 = hyper.to(torch.float32).tolist()  # the gradients' preparation, as `_portable`'s
+    g = _gradients(values, grads, h32, clip, regularization)
+    if not all(r is w for r, w in zip(results, values, strict=True)):
+        torch._foreach_copy_(list(results), list(values))  # then update the copies
+    step[:1].add_(1)
+    steps = [torch.tensor(float(t))] * len(values)
+    amsgrad = len(states) == 3
+    _FUSED_ADAM(
+        list(results), list(g), list(states[0]), list(states[1]),
+        list(states[2]) if amsgrad else [], steps,
+        lr=h64[Hyper.LEARNING_RATE], beta1=b1, beta2=b2, weight_decay=0.0,
+        eps=h64[Hyper.EPSILON] / corr2**0.5, amsgrad=amsgrad, maximize=False,
+    )  # fmt: skip
+    return True
 
 
 _PORTABLE_RULES: dict[UpdateRule, Callable[..., _Step]] = {
