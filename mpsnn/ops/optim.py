@@ -202,8 +202,11 @@ def apply_update(
     if fast is not None:
         fast.launch(rule, hyper, step, clip, regularization)
         return
-    if rule in _ADAM_RULES and _cpu_fused_adam(values, grads, results, states, hyper, step,
-                                               clip, regularization):  # fmt: skip
+    if (
+        step is not None  # (Adam's rules have one: checked above)
+        and rule in _ADAM_RULES
+        and _cpu_fused_adam(values, grads, results, states, hyper, step, clip, regularization)
+    ):
         return
     _portable(rule, values, grads, results, states, hyper, step, clip, regularization)
 
@@ -556,8 +559,8 @@ def _cpu_fused_adam(
         return False
     lists = (values, grads, results, *states)
     for ts in lists:
-        for t in ts:
-            if t.dtype is not torch.float32 or not t.is_contiguous():
+        for x in ts:
+            if x.dtype is not torch.float32 or not x.is_contiguous():
                 return False
     h64 = hyper.tolist()  # float64: lr, betas and eps as `_adam` computes lr_t
     b1, b2 = h64[Hyper.BETA1], h64[Hyper.BETA2]
