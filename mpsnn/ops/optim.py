@@ -7,7 +7,7 @@ present, `mpsnn.ops.triton.optim`; otherwise a few ``torch._foreach_*`` operatio
 `sgd_update`, `rmsprop_update` and `adam_update` name the arguments. On the CPU, Adam and
 AMSGrad over float32 lists run PyTorch's fused kernel (one pass over each parameter, where the
 portable path makes seven): the same function, with ``eps`` rescaled as below, in other
-roundings (a few float32 ulps per update; `_cpu_fused_adam`).
+roundings (a few float32 ulps per update; `mpsnn.ops.optim_portable.cpu_fused_adam`).
 
 The rules and the regularization types (`UpdateRule`, `RegularizationType`), the
 hyperparameter tensor (`Hyper`, `HYPER_SIZE`, `make_hyper`, `set_hyper`), Adam's step tensor
@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import operator
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -78,12 +78,12 @@ from mpsnn.core.device import _raw_stream
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops.optim_hyper import (
     _ADAM_RULES,
-    Hyper,
     RegularizationType,
     UpdateRule,
     _check_hyper,
     _check_step,
 )
+from mpsnn.ops.optim_portable import cpu_fused_adam, portable_update
 
 __all__ = [
     "UpdatePlans",
@@ -205,10 +205,10 @@ def apply_update(
     if (
         step is not None  # (Adam's rules have one: checked above)
         and rule in _ADAM_RULES
-        and _cpu_fused_adam(values, grads, results, states, hyper, step, clip, regularization)
+        and cpu_fused_adam(values, grads, results, states, hyper, step, clip, regularization)
     ):
         return
-    _portable(rule, values, grads, results, states, hyper, step, clip, regularization)
+    portable_update(rule, values, grads, results, states, hyper, step, clip, regularization)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,242 +382,3 @@ def _check_lists(
                 ok = t.dtype == dtype
             if not ok:
                 raise TypeError(f"{who} {name}[{i}] is {t.dtype} with {dtype} values")
-
-
-# ---------------------------------------------------------------------------------------------
-# the portable path: torch._foreach_* over the lists
-#
-# Hyperparameters are "scalars": 0-dim device tensors off the CPU (read by the device when the
-# work runs: nothing waits, a captured graph follows them), Python floats on the CPU (read for
-# free, and they let the CPU use torch's fused foreach ops). Either way they hold the values'
-# dtype (float32 for float32 values: MPS computes in float32, and so does the Triton kernel).
-
-_TensorList = list[torch.Tensor]
-_Scalar = float | torch.Tensor
-
-
-def _axpy_(y: _TensorList, x: Sequence[torch.Tensor], a: _Scalar) -> None:
-    """``y += a x``."""
-    if isinstance(a, torch.Tensor):
-        torch._foreach_add_(y, torch._foreach_mul(x, a))  # type: ignore[call-overload]  # lists or tuples, as torch's stubs want
-    else:
-        torch._foreach_add_(y, x, alpha=a)  # type: ignore[call-overload]  # lists or tuples, as torch's stubs want
-
-
-def _add_(y: _TensorList, a: _Scalar) -> None:
-    """``y += a``."""
-    if isinstance(a, torch.Tensor):
-        # the 0-dim tensor overload of _foreach_add_ breaks CUDA-graph capture (PyTorch 2.11;
-        # that of _foreach_mul_ does not); a list of 0-dim tensors runs tensor by tensor
-        torch._foreach_add_(y, [a] * len(y))
-    else:
-        torch._foreach_add_(y, a)
-
-
-def _addcmul_(y: _TensorList, x1: _TensorList, x2: _TensorList, a: _Scalar) -> None:
-    """``y += a (x1 x2)``."""
-    if isinstance(a, torch.Tensor):
-        t = torch._foreach_mul(x1, x2)
-        torch._foreach_mul_(t, a)
-        torch._foreach_add_(y, t)
-    else:
-        torch._foreach_addcmul_(y, x1, x2, a)
-
-
-def _addcdiv_(y: _TensorList, x1: _TensorList, x2: _TensorList, a: _Scalar) -> None:
-    """``y += a (x1 / x2)``."""
-    if isinstance(a, torch.Tensor):
-        t = torch._foreach_div(x1, x2)
-        torch._foreach_mul_(t, a)
-        torch._foreach_add_(y, t)
-    else:
-        torch._foreach_addcdiv_(y, x1, x2, a)
-
-
-def _clamped(g: _TensorList, lo: _Scalar, hi: _Scalar) -> _TensorList:
-    """``clamp(g, lo, hi)`` as new tensors (NaN stays NaN)."""
-    if isinstance(lo, torch.Tensor):
-        # no foreach clamp takes tensor bounds; maximum/minimum take a list of 0-dim tensors
-        # (one launch per tensor on CUDA, where this path runs only when Triton does not)
-        out = torch._foreach_maximum(g, [lo] * len(g))
-        torch._foreach_minimum_(out, [hi] * len(g))  # type: ignore[list-item]  # a tensor, as lo
-    else:
-        out = torch._foreach_maximum(g, lo)
-        torch._foreach_minimum_(out, hi)  # type: ignore[arg-type]  # a float, as lo
-    return list(out)
-
-
-def _gradients(
-    values: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    h: Sequence[_Scalar],
-    clip: bool,
-    regularization: RegularizationType,
-) -> _TensorList:
-    """Clipped, rescaled, regularized gradients, to be read only: new tensors, or on the CPU
-    the callers' own when nothing changes them (saves a copy; the callers' are never written)."""
-    dt = values[0].dtype
-    g = [x if x.dtype == dt else x.to(dt) for x in grads]
-    rescale = h[Hyper.GRADIENT_RESCALE]
-    if not (clip or regularization or isinstance(rescale, torch.Tensor)) and rescale == 1.0:
-        return g
-    if clip:
-        g = _clamped(g, h[Hyper.GRADIENT_CLIP_MIN], h[Hyper.GRADIENT_CLIP_MAX])
-        torch._foreach_mul_(g, h[Hyper.GRADIENT_RESCALE])
-    else:
-        g = list(torch._foreach_mul(g, h[Hyper.GRADIENT_RESCALE]))
-    if regularization == RegularizationType.L1:
-        sign = torch._foreach_sign(values)  # type: ignore[arg-type]  # lists or tuples, as torch's stubs want
-        _axpy_(g, sign, h[Hyper.REGULARIZATION_SCALE])
-    elif regularization == RegularizationType.L2:
-        _axpy_(g, values, h[Hyper.REGULARIZATION_SCALE])
-    return g
-
-
-# Each rule: (g, states, h, hyper, step) -> (x, den, c) with w_new = w - c x / den (den None:
-# w - c x; c None: w - x), updating the state in place; g is only read.
-_Step = tuple[_TensorList, _TensorList | None, _Scalar | None]
-
-
-def _sgd(g: _TensorList, states, h, hyper, step) -> _Step:
-    return g, None, h[Hyper.LEARNING_RATE]
-
-
-def _sgd_momentum(g: _TensorList, states, h, hyper, step) -> _Step:
-    (m,) = states
-    torch._foreach_mul_(m, h[Hyper.MOMENTUM_SCALE])
-    _axpy_(m, g, h[Hyper.LEARNING_RATE])
-    return m, None, None
-
-
-def _sgd_nesterov(g: _TensorList, states, h, hyper, step) -> _Step:
-    (m,) = states
-    mu = h[Hyper.MOMENTUM_SCALE]
-    torch._foreach_mul_(m, mu)
-    torch._foreach_add_(m, g)
-    x = list(torch._foreach_mul(m, mu))
-    torch._foreach_add_(x, g)
-    return x, None, h[Hyper.LEARNING_RATE]
-
-
-def _rmsprop(g: _TensorList, states, h, hyper, step) -> _Step:
-    (s,) = states
-    decay = h[Hyper.DECAY]
-    torch._foreach_mul_(s, decay)
-    _addcmul_(s, g, g, 1 - decay)
-    den = list(torch._foreach_sqrt(s))
-    _add_(den, h[Hyper.EPSILON])
-    return g, den, h[Hyper.LEARNING_RATE]
-
-
-def _adam(g: _TensorList, states, h, hyper, step) -> _Step:
-    m, v = states[0], states[1]
-    # t += 1 and lr_t, on the device in float64 (tensor ops: nothing read back to the host)
-    step[:1].add_(1)
-    corr = 1 - torch.pow(hyper[Hyper.BETA1 : Hyper.BETA2 + 1], step[0])
-    lr_t = (hyper[Hyper.LEARNING_RATE] * corr[1].sqrt() / corr[0]).to(g[0].dtype)
-    if not isinstance(h[0], torch.Tensor):
-        lr_t = lr_t.item()  # the CPU
-    b1, b2 = h[Hyper.BETA1], h[Hyper.BETA2]
-    torch._foreach_mul_(m, b1)
-    _axpy_(m, g, 1 - b1)
-    torch._foreach_mul_(v, b2)
-    _addcmul_(v, g, g, 1 - b2)
-    if len(states) == 3:
-        torch._foreach_maximum_(states[2], v)
-        den = list(torch._foreach_sqrt(states[2]))
-    else:
-        den = list(torch._foreach_sqrt(v))
-    _add_(den, h[Hyper.EPSILON])
-    return m, den, lr_t
-
-
-# PyTorch's fused Adam (``torch.optim.Adam(fused=True)``'s kernel), where this PyTorch has it
-_FUSED_ADAM: Callable[..., None] | None = getattr(torch, "_fused_adam_", None)
-
-
-def _cpu_fused_adam(
-    values: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    results: Sequence[torch.Tensor],
-    states: Sequence[Sequence[torch.Tensor]],
-    hyper: torch.Tensor,
-    step: torch.Tensor,
-    clip: bool,
-    regularization: RegularizationType,
-) -> bool:
-    """Adam (AMSGrad with a third state list) on CPU float32 lists as PyTorch's fused kernel:
-    one pass over each parameter's tensors, where the portable path makes seven (each a pass
-    over memory, the CPU's cost). False, with nothing done, where it does not apply (another
-    device or dtype, a non-contiguous tensor, no fused kernel in this PyTorch).
-
-    The same function as the portable path: PyTorch's kernel divides by ``sqrt(v) / sqrt(1 -
-    beta2^t) + eps'`` and steps by ``lr / (1 - beta1^t)``, so with ``eps' = eps / sqrt(1 -
-    beta2^t)`` its update is ``lr_t m / (sqrt(v) + eps)`` (module docstring). Its roundings
-    differ (a few float32 ulps of ``m``, ``v`` and the step)."""
-    if _FUSED_ADAM is None or hyper.device.type != "cpu":
-        return False
-    lists = (values, grads, results, *states)
-    for ts in lists:
-        for x in ts:
-            if x.dtype is not torch.float32 or not x.is_contiguous():
-                return False
-    h64 = hyper.tolist()  # float64: lr, betas and eps as `_adam` computes lr_t
-    b1, b2 = h64[Hyper.BETA1], h64[Hyper.BETA2]
-    t = int(step[0]) + 1  # this update's (the CPU: no wait)
-    corr2 = 1.0 - b2**t
-    if not corr2 > 0.0:  # beta2 >= 1 or NaN: the portable path's arithmetic
-        return False
-    h32 = hyper.to(torch.float32).tolist()  # the gradients' preparation, as `_portable`'s
-    g = _gradients(values, grads, h32, clip, regularization)
-    if not all(r is w for r, w in zip(results, values, strict=True)):
-        torch._foreach_copy_(list(results), list(values))  # then update the copies
-    step[:1].add_(1)
-    steps = [torch.tensor(float(t))] * len(values)
-    amsgrad = len(states) == 3
-    _FUSED_ADAM(
-        list(results), list(g), list(states[0]), list(states[1]),
-        list(states[2]) if amsgrad else [], steps,
-        lr=h64[Hyper.LEARNING_RATE], beta1=b1, beta2=b2, weight_decay=0.0,
-        eps=h64[Hyper.EPSILON] / corr2**0.5, amsgrad=amsgrad, maximize=False,
-    )  # fmt: skip
-    return True
-
-
-_PORTABLE_RULES: dict[UpdateRule, Callable[..., _Step]] = {
-    UpdateRule.SGD: _sgd,
-    UpdateRule.SGD_MOMENTUM: _sgd_momentum,
-    UpdateRule.SGD_NESTEROV: _sgd_nesterov,
-    UpdateRule.RMSPROP: _rmsprop,
-    UpdateRule.ADAM: _adam,
-    UpdateRule.ADAM_AMSGRAD: _adam,
-}
-
-
-def _portable(
-    rule: UpdateRule,
-    values: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    results: Sequence[torch.Tensor],
-    states: Sequence[Sequence[torch.Tensor]],
-    hyper: torch.Tensor,
-    step: torch.Tensor | None,
-    clip: bool,
-    regularization: RegularizationType,
-) -> None:
-    """The update with ``torch._foreach_*`` ops: a few launches per step whatever the count of
-    tensors (on CUDA; the CPU loops over the tensors inside each op)."""
-    h_dt = hyper.to(values[0].dtype)  # hyperparameters rounded once to the values' dtype
-    h: list[_Scalar] = list(h_dt.unbind()) if h_dt.device.type != "cpu" else h_dt.tolist()
-    g = _gradients(values, grads, h, clip, regularization)
-    x, den, c = _PORTABLE_RULES[rule](g, [list(s) for s in states], h, hyper, step)
-    target = list(results)
-    if not all(r is w for r, w in zip(results, values, strict=True)):
-        # copy, then update the copy: also right where only some results are their values
-        torch._foreach_copy_(target, list(values))
-    if c is None:
-        torch._foreach_sub_(target, x)
-    elif den is None:
-        _axpy_(target, x, -c)
-    else:
-        _addcdiv_(target, x, den, -c)

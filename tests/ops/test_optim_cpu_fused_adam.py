@@ -1,15 +1,16 @@
 """Adam and AMSGrad on CPU float32 lists through PyTorch's fused kernel
-(`mpsnn.ops.optim._cpu_fused_adam`): it runs exactly where it applies, computes MPS's update
+(`mpsnn.ops.optim_portable.cpu_fused_adam`): it runs exactly where it applies, computes MPS's update
 (``eps`` rescaled to PyTorch's placement) as accurately as the portable path against the
 float64 formulas, over every option and a changing, once negative, learning rate, and leaves
-what it does not take (float64, non-contiguous tensors, ``beta2 = 1``) to the portable path."""
+what it does not take (float64, ``beta2 = 1``) to the portable path; a tensor's layout never
+changes its bits."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mpsnn.ops import optim, optim_hyper
+from mpsnn.ops import optim, optim_hyper, optim_portable
 from mpsnn.ops.optim_hyper import UpdateRule as Rule
 from tests.ops._optim_helpers import OPTIONS, SHAPES, _option_id, _params, _reference, _run
 
@@ -19,14 +20,14 @@ ADAMS = [Rule.ADAM, Rule.ADAM_AMSGRAD]
 def _spy(monkeypatch) -> list[int]:
     """Counts the fused kernel's calls."""
     calls: list[int] = []
-    real = optim._FUSED_ADAM
+    real = optim_portable._FUSED_ADAM
     assert real is not None, "this PyTorch has torch._fused_adam_"
 
     def fused(*args, **kwargs):
         calls.append(len(args[0]))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(optim, "_FUSED_ADAM", fused)
+    monkeypatch.setattr(optim_portable, "_FUSED_ADAM", fused)
     return calls
 
 
@@ -50,7 +51,7 @@ def test_the_fused_kernel_is_as_accurate_as_the_portable_path(
     got_w, got_s, step = _run(rule, _params(torch.float32), dtypes, steps, clip, reg, in_place)
     assert calls == [len(SHAPES)] * steps  # one fused call per update, over the whole list
     assert step.tolist() == [steps, 0]
-    monkeypatch.setattr(optim, "_FUSED_ADAM", None)  # the portable path, for comparison
+    monkeypatch.setattr(optim_portable, "_FUSED_ADAM", None)  # the portable path, for comparison
     old_w, old_s, _ = _run(rule, _params(torch.float32), dtypes, steps, clip, reg, in_place)
     # against the float64 formulas: within float32 accuracy, and not worse than the portable
     # path's own float32 error beyond a few roundings
@@ -69,13 +70,6 @@ def test_what_the_fused_kernel_does_not_take_runs_the_portable_path(monkeypatch)
     got, _, _ = _run(Rule.ADAM, _params(torch.float64), dtypes64, 3, False, 0, True)
     want, _ = _reference(Rule.ADAM, _params(torch.float64), dtypes64, 3, False, 0)
     assert calls == [] and _max_error(got, want) < 1e-12
-    # a non-contiguous value
-    w = torch.randn(6, 4).t()
-    g = torch.randn(4, 6)
-    m, v = optim_hyper.init_state(Rule.ADAM, torch.empty(4, 6))
-    hyper = optim_hyper.make_hyper("cpu", learning_rate=0.1)
-    optim.adam_update([w], [g], [w], [m], [v], None, hyper, optim_hyper.make_step("cpu"))
-    assert calls == []
     # beta2 = 1: lr_t divides by zero; the portable path's arithmetic (inf / NaN), not a
     # fused kernel with an infinite eps
     w, g = torch.randn(5), torch.randn(5)
@@ -84,3 +78,65 @@ def test_what_the_fused_kernel_does_not_take_runs_the_portable_path(monkeypatch)
     step = optim_hyper.make_step("cpu")
     optim.adam_update([w], [g], [w], [m], [v], None, hyper, step)
     assert calls == [] and step.tolist() == [1, 0] and not torch.isfinite(w).all()
+
+
+@pytest.mark.parametrize("rule", ADAMS, ids=lambda r: r.name)
+def test_a_layout_does_not_change_the_bits(rule, monkeypatch) -> None:
+    """Non-contiguous values and state vectors (a weights state's OIHW view of OHWI storage)
+    are updated through contiguous copies: the bits of contiguous tensors, and in place."""
+    calls = _spy(monkeypatch)
+    gen = torch.Generator().manual_seed(7)
+    ohwi = torch.randn(5, 3, 3, 4, generator=gen)
+    runs = []
+    for dense in (True, False):
+        w = ohwi.permute(0, 3, 1, 2)  # OIHW view: not contiguous
+        w = w.contiguous() if dense else w.clone(memory_format=torch.preserve_format)
+        states = [list(x) for x in zip(optim_hyper.init_state(rule, w), strict=True)]
+        if not dense:
+            states = [[s.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)] for [s] in states]
+        assert w.is_contiguous() is dense and all(s[0].is_contiguous() is dense for s in states)
+        hyper = optim_hyper.make_hyper("cpu", learning_rate=0.01, momentum_scale=0.9, beta2=0.99)
+        step = optim_hyper.make_step("cpu")
+        held = w
+        g_gen = torch.Generator().manual_seed(8)
+        for _ in range(4):
+            g = torch.randn(w.shape, generator=g_gen)
+            optim.apply_update(rule, [w], [g], [w], states, hyper, step)
+        assert w is held and w.is_contiguous() is dense  # updated in place, layout kept
+        runs.append([w.clone(), *(s[0].clone() for s in states)])
+    assert len(calls) == 8
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a.view(torch.int32), b.contiguous().view(torch.int32))
+
+
+@pytest.mark.parametrize("rule", ADAMS, ids=lambda r: r.name)
+def test_the_fused_update_stays_within_roundings_of_the_portable_one(rule, monkeypatch) -> None:
+    """The kernel reads the portable path's float32 betas: after six updates the weights and
+    the second moments (AMSGrad's maximum too) are within a few float32 roundings of the
+    portable path's, with some results written out of place and some in place in one list
+    (with float64 betas ``v`` drifted by about 1.3e-5 relative per update)."""
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(optim_portable, "_FUSED_ADAM", None)
+        gen = torch.Generator().manual_seed(0)
+        values = [torch.randn(1000, generator=gen), torch.randn(7, 3, generator=gen)]
+        states = [
+            list(x) for x in zip(*(optim_hyper.init_state(rule, v) for v in values), strict=True)
+        ]
+        hyper = optim_hyper.make_hyper(
+            "cpu", learning_rate=1e-3, momentum_scale=0.9, beta2=0.999, epsilon=1e-8
+        )
+        step = optim_hyper.make_step("cpu")
+        for k in range(6):
+            grads = [torch.randn(v.shape, generator=gen) * (0.1 if k % 2 else 1.0) for v in values]
+            results = [values[0], torch.empty_like(values[1])]  # in place, out of place
+            optim.apply_update(rule, values, grads, results, states, hyper, step)
+            values = results
+        runs.append((values, states))
+    (w_fused, s_fused), (w_port, s_port) = runs
+    for j in range(1, len(s_fused)):  # v, vmax
+        for a, b in zip(s_fused[j], s_port[j], strict=True):
+            assert torch.allclose(a, b, rtol=1e-6, atol=0)
+    for a, b in zip(w_fused, w_port, strict=True):
+        assert torch.allclose(a, b, rtol=1e-6, atol=0)

@@ -141,6 +141,20 @@ def test_tile_gradient_routes_any_bits_from_the_forward_argmax(shape, dtype) -> 
         assert torch.equal(bits(P._tile_max_backward(g, x, geom)), bits(want))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_tile_gradient_follows_the_argmax_it_is_given(dtype) -> None:
+    """The forward's argmax handed to the gradient is used, not found again: a (valid) argmax of
+    each window's last tap routes every gradient there."""
+    shape = (2, 3, 8, 8, 2, 2, 0, 0, 4, 4)
+    geom = _geometry(shape)
+    x, g = _source(shape, dtype, 5, nan=False), _gradient(shape, dtype, 6)
+    last = torch.full(g.shape, 3, dtype=torch.int64)  # tap 3 = (1, 1) of each 2x2 window
+    got = max_pool_backward(g, x, geom, last)
+    want = torch.zeros_like(got)
+    want[:, :, 1::2, 1::2] = 0 + g
+    assert torch.equal(bits(got), bits(want))
+
+
 def test_ties_go_to_the_first_maximum_in_raster_order() -> None:
     x = torch.tensor([[[[1.0, 5.0, -0.0, 0.0], [5.0, 2.0, 0.0, -1.0]]]])
     g = torch.tensor([[[[7.0, 9.0]]]])

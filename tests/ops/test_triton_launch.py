@@ -58,6 +58,14 @@ def test_key_separates_what_triton_specializes_on() -> None:
     assert _key((2, 64), {}, frozenset({1})) != _key((2, 128), {}, frozenset({1}))
 
 
+def test_keywords_never_read_as_positional_items() -> None:
+    """A keyword named like a positional tag (``f``, ``b``) followed by its type and value must
+    not give the key of a longer positional list (whose direct launch takes other arguments)."""
+    t = torch.zeros(4)
+    assert _key((t, 0.5, 1.0), {}, frozenset({2})) != _key((t,), {"f": 1.0}, frozenset({2}))
+    assert _key((t, True, 4), {}, frozenset({2})) != _key((t,), {"b": 4}, frozenset({2}))
+
+
 def test_key_refuses_what_it_cannot_key() -> None:
     assert _key(("text",), {}) is None
     assert _key((2,), {"T": torch.zeros(1)}) is None  # a tensor by keyword

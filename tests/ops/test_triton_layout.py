@@ -13,6 +13,7 @@ from mpsnn.ops.triton.layout import nchw_to_nhwc_triton
 from tests.helpers import TRITON_DEVICES
 
 SHAPES = [(2, 3, 5, 7), (3, 64, 7, 9), (1, 65, 4, 4), (2, 130, 3, 3), (2, 8, 16, 16), (1, 2, 1, 3)]
+SHAPES += [(1, 64, 9, 9), (2, 3, 40, 40)]  # several pixel blocks, the last one partial
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
@@ -45,9 +46,30 @@ def test_the_tensors_it_does_not_take_are_refused() -> None:
     assert nchw_to_nhwc_triton(t[0]) is None  # 3-D
     assert nchw_to_nhwc_triton(torch.randn(2, 1, 3, 3)) is None  # both layouts at once
     assert nchw_to_nhwc_triton(torch.randn(2, 4, 1, 1)) is None
-    assert nchw_to_nhwc_triton(torch.randn(0, 4, 3, 3)) is None  # both layouts at once
+    assert nchw_to_nhwc_triton(torch.randn(0, 4, 3, 3)) is None  # empty
+    assert nchw_to_nhwc_triton(torch.empty(65536, 2, 1, 2)) is None  # more images than a grid
     # the fast-path switch: CPU tensors and a disabled fast path take PyTorch's copy
     assert fast_paths.to_channels_last(t) is None
+
+
+def test_channels_last_operands_are_never_copied(monkeypatch) -> None:
+    """Where channels-last is the convolution's layout, a channels-last operand (a graph's
+    image) is passed through as it is, and an NCHW one goes through the transpose when the fast
+    paths take it; batch normalization's gradient does the same."""
+    from mpsnn.ops import convolution as C
+    from mpsnn.ops.triton import batch_norm_nhwc as B
+
+    calls = []
+    monkeypatch.setattr(C, "channels_last_preferred", lambda dtype, device: True)
+    monkeypatch.setattr(
+        fast_paths, "to_channels_last", lambda t: calls.append(t) or nchw_to_nhwc_triton(t)
+    )
+    t = torch.randn(2, 6, 5, 5)
+    cl = t.contiguous(memory_format=torch.channels_last)
+    assert C._channels_last(cl) is cl and B._nhwc(cl) is cl and calls == []
+    got = C._channels_last(t)
+    assert len(calls) == 1 and torch.equal(got, t) and got.stride() == cl.stride()
+    assert torch.equal(B._nhwc(t), t) and B._nhwc(t).stride() == cl.stride()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast paths run on CUDA only")

@@ -226,7 +226,7 @@ def _keyer(
         + (f"    {unpack_args}= args\n" if types else "")
         + unpack_kw
         + fallback
-        + f"    return ({''.join(x + ', ' for x in items)})\n"
+        + f"    return ({len(types)}, {''.join(x + ', ' for x in items)})\n"
     )
     exec(compile(src, f"<mpsnn launch key {types}>", "exec"), env)
     return env["keyer"]
@@ -238,11 +238,13 @@ def _key(
     """The properties of the arguments Triton specializes on (``constexpr``: positions keyed
     by type and value); None when one cannot be keyed.
 
-    One flat tuple: each argument adds a tag that fixes how many items follow (a tensor's
+    One flat tuple, the count of positional arguments first (so that keywords cannot read as
+    positional items: ``f=1.0`` against a float and a constexpr): each argument adds a tag that
+    fixes how many items follow (a tensor's
     dtype, then its 16-byte alignment; ``"i"`` and four properties of an int; ``"b"``, ``"f"``
     or None alone; a constexpr's type, then its value), so two argument lists with one key
     specialize alike. Flat, because a launch builds it on the host: no tuple per argument."""
-    key: list[Any] = []
+    key: list[Any] = [len(args)]  # the count first: the flat items then parse one way only
     add = key.append
     for i, a in enumerate(args):
         t = type(a)

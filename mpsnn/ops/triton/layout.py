@@ -24,7 +24,8 @@ from mpsnn.ops.triton.launch import cdiv, fast_kernel, next_power_of_2
 __all__ = ["nchw_to_nhwc_triton"]
 
 _TILE_ELEMENTS = 4096  # BC x BP: 8 KiB of bfloat16 a tile
-_MAX_GRID_Z = 65535  # the images are the grid's third dimension (CUDA's limit there)
+_MAX_GRID_YZ = 65535  # CUDA's limit on the grid's second and third dimensions
+_MAX_I32 = 2**31 - 1  # pixel indices within a plane are int32
 
 
 @fast_kernel
@@ -50,15 +51,16 @@ def _nchw_to_nhwc(x_ptr, y_ptr, C, HW, BC: tl.constexpr, BP: tl.constexpr):
 def nchw_to_nhwc_triton(t: torch.Tensor) -> torch.Tensor | None:
     """``t.contiguous(memory_format=torch.channels_last)`` for an NCHW-contiguous 4-D ``t``
     that is not also channels-last contiguous, in one Triton pass; None when ``t`` is not such
-    a tensor or has more images than the grid takes (the caller then makes PyTorch's copy)."""
+    a tensor, or one larger than the grid or the int32 pixel indices take (the caller then makes
+    PyTorch's copy)."""
     if t.dim() != 4 or not t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last):
         return None
     n, c, h, w = t.shape
-    if n > _MAX_GRID_Z or t.numel() == 0:
-        return None
-    out = torch.empty_like(t, memory_format=torch.channels_last)
     hw = h * w
     bc = min(64, next_power_of_2(c))
     bp = min(_TILE_ELEMENTS // bc, max(16, next_power_of_2(hw)))
+    if t.numel() == 0 or n > _MAX_GRID_YZ or cdiv(c, bc) > _MAX_GRID_YZ or hw + bp > _MAX_I32:
+        return None
+    out = torch.empty_like(t, memory_format=torch.channels_last)
     _nchw_to_nhwc[(cdiv(hw, bp), cdiv(c, bc), n)](t, out, c, hw, BC=bc, BP=bp, num_warps=4)
     return out
