@@ -57,6 +57,7 @@ TRITON_KERNELS: dict[str, str] = {
     "_channel_sums_partial": BIAS_SUMS,
     "_dropout_flat": DROPOUT,
     "_dropout_planes": DROPOUT,
+    "_nchw_to_nhwc": LAYOUT,
 }
 
 # older Triton versions append the argument specialization (``_forward_0d1d2d3de``)
