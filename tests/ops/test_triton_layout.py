@@ -52,7 +52,8 @@ def test_the_tensors_it_does_not_take_are_refused() -> None:
     assert fast_paths.to_channels_last(t) is None
 
 
-def test_channels_last_operands_are_never_copied(monkeypatch) -> None:
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_channels_last_operands_are_never_copied(device, monkeypatch) -> None:
     """Where channels-last is the convolution's layout, a channels-last operand (a graph's
     image) is passed through as it is, and an NCHW one goes through the transpose when the fast
     paths take it; batch normalization's gradient does the same."""
@@ -64,7 +65,7 @@ def test_channels_last_operands_are_never_copied(monkeypatch) -> None:
     monkeypatch.setattr(
         fast_paths, "to_channels_last", lambda t: calls.append(t) or nchw_to_nhwc_triton(t)
     )
-    t = torch.randn(2, 6, 5, 5)
+    t = torch.randn(2, 6, 5, 5).to(device)
     cl = t.contiguous(memory_format=torch.channels_last)
     assert C._channels_last(cl) is cl and B._nhwc(cl) is cl and calls == []
     got = C._channels_last(t)
