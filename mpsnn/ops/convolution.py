@@ -117,7 +117,8 @@ def _channels_last(t: torch.Tensor) -> torch.Tensor:
         return t
     if t.is_contiguous(memory_format=torch.channels_last):
         return t  # a graph's images: stored channels-last already
-    fast = fast_paths.to_channels_last(t)  # PyTorch's strided copy runs at a third of it
+    # a tiled Triton transpose: PyTorch's strided copy runs at about a third of the bandwidth
+    fast = fast_paths.to_channels_last(t)
     return fast if fast is not None else t.contiguous(memory_format=torch.channels_last)
 
 

@@ -239,11 +239,11 @@ def _key(
     by type and value); None when one cannot be keyed.
 
     One flat tuple, the count of positional arguments first (so that keywords cannot read as
-    positional items: ``f=1.0`` against a float and a constexpr): each argument adds a tag that
-    fixes how many items follow (a tensor's
-    dtype, then its 16-byte alignment; ``"i"`` and four properties of an int; ``"b"``, ``"f"``
-    or None alone; a constexpr's type, then its value), so two argument lists with one key
-    specialize alike. Flat, because a launch builds it on the host: no tuple per argument."""
+    positional items: ``f=1.0`` against a float and a constexpr). Each argument adds a tag that
+    fixes how many items follow (a tensor's dtype, then its 16-byte alignment; ``"i"`` and four
+    properties of an int; ``"b"``, ``"f"`` or None alone; a constexpr's type, then its value),
+    so two argument lists with one key specialize alike. Flat, because a launch builds it on
+    the host: no tuple per argument."""
     key: list[Any] = [len(args)]  # the count first: the flat items then parse one way only
     add = key.append
     for i, a in enumerate(args):
