@@ -5,6 +5,8 @@ the math, the order of the gradient's preparation and the dtypes."""
 
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Callable, Sequence
 
 import torch
@@ -161,6 +163,24 @@ def _adam(g: _TensorList, states, h, hyper, step) -> _Step:
     return m, den, lr_t
 
 
+def _results(results: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> _TensorList:
+    """``results`` holding the values, to be updated in place: copied there unless every result
+    is its value (also right where only some are)."""
+    target = list(results)
+    if not all(r is w for r, w in zip(results, values, strict=True)):
+        torch._foreach_copy_(target, list(values))
+    return target
+
+
+def _float32(x: float) -> float:
+    """``x`` rounded to float32 (to nearest even; beyond its range, an infinity), as a Python
+    float."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
 # PyTorch's fused Adam (``torch.optim.Adam(fused=True)``'s kernel), where this PyTorch has it
 _FUSED_ADAM: Callable[..., None] | None = getattr(torch, "_fused_adam_", None)
 
@@ -191,28 +211,24 @@ def cpu_fused_adam(
     updated as a lerp: NaN where that path keeps an infinity; AMSGrad's maximum drops NaN in the
     kernel's scalar tail only); the weights are NaN on both. Non-contiguous tensors are updated
     through contiguous copies, so that a parameter's layout never changes its bits."""
-    if _FUSED_ADAM is None or hyper.device.type != "cpu":
+    # `apply_update` checked the lists: results and states share the values' dtype, and the
+    # gradients are read in it (`_gradients`)
+    if _FUSED_ADAM is None or hyper.device.type != "cpu" or values[0].dtype is not torch.float32:
         return False
-    for ts in (values, grads, results, *states):
-        for x in ts:
-            if x.dtype is not torch.float32:
-                return False
     h64 = hyper.tolist()  # float64: lr_t as `_adam` computes it
     h32 = hyper.to(torch.float32).tolist()  # the portable path's arithmetic
     t = int(step[0]) + 1  # this update's (the CPU: no wait)
-    t32 = float(torch.tensor(float(t), dtype=torch.float32))  # the kernel reads it as float32
+    t32 = _float32(t)  # the kernel reads the step as float32
     b1, b2 = h32[Hyper.BETA1], h32[Hyper.BETA2]
     c1, c2 = 1.0 - b1**t32, 1.0 - b2**t32  # the kernel's bias corrections (in double)
     lr_t = h64[Hyper.LEARNING_RATE] * (1.0 - h64[Hyper.BETA2] ** t) ** 0.5
     lr_t /= 1.0 - h64[Hyper.BETA1] ** t
     if not (c2 > 0.0 and c1 != 0.0 and abs(lr_t) < float("inf")):
         return False  # beta1 or beta2 of 1 (in float32 or float64): the portable arithmetic
-    lr_t = float(torch.tensor(lr_t, dtype=torch.float32))  # rounded as `_adam`'s
+    lr_t = _float32(lr_t)  # rounded as `_adam`'s
     g = [x.contiguous() for x in _gradients(values, grads, h32, clip, regularization)]
-    if not all(r is w for r, w in zip(results, values, strict=True)):
-        torch._foreach_copy_(list(results), list(values))  # then update the copies
     # what the kernel updates in place: contiguous tensors as they are, others through copies
-    written = [list(results), *(list(s) for s in states)]
+    written = [_results(results, values), *(list(s) for s in states)]
     dense = [[x if x.is_contiguous() else x.contiguous() for x in xs] for xs in written]
     amsgrad = len(states) == 3
     _FUSED_ADAM(
@@ -256,10 +272,7 @@ def portable_update(
     h: list[_Scalar] = list(h_dt.unbind()) if h_dt.device.type != "cpu" else h_dt.tolist()
     g = _gradients(values, grads, h, clip, regularization)
     x, den, c = _PORTABLE_RULES[rule](g, [list(s) for s in states], h, hyper, step)
-    target = list(results)
-    if not all(r is w for r, w in zip(results, values, strict=True)):
-        # copy, then update the copy: also right where only some results are their values
-        torch._foreach_copy_(target, list(values))
+    target = _results(results, values)
     if c is None:
         torch._foreach_sub_(target, x)
     elif den is None:

@@ -48,8 +48,9 @@ def test_the_tensors_it_does_not_take_are_refused() -> None:
     assert nchw_to_nhwc_triton(torch.randn(2, 4, 1, 1)) is None
     assert nchw_to_nhwc_triton(torch.randn(0, 4, 3, 3)) is None  # empty
     assert nchw_to_nhwc_triton(torch.empty(65536, 2, 1, 2)) is None  # more images than a grid
-    # the fast-path switch: CPU tensors and a disabled fast path take PyTorch's copy
-    assert fast_paths.to_channels_last(t) is None
+    # the fast-path switch: a CPU tensor takes PyTorch's copy
+    copy = fast_paths.to_channels_last(t)
+    assert torch.equal(copy, t) and copy.is_contiguous(memory_format=torch.channels_last)
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
@@ -59,18 +60,21 @@ def test_channels_last_operands_are_never_copied(device, monkeypatch) -> None:
     paths take it; batch normalization's gradient does the same."""
     from mpsnn.ops import convolution as C
     from mpsnn.ops.triton import batch_norm_nhwc as B
+    from mpsnn.ops.triton import layout
 
     calls = []
     monkeypatch.setattr(C, "channels_last_preferred", lambda dtype, device: True)
+    monkeypatch.setattr(fast_paths, "_runs", lambda *ts: True)  # the interpreter's CPU too
     monkeypatch.setattr(
-        fast_paths, "to_channels_last", lambda t: calls.append(t) or nchw_to_nhwc_triton(t)
+        layout, "nchw_to_nhwc_triton", lambda t: calls.append(t) or nchw_to_nhwc_triton(t)
     )
     t = torch.randn(2, 6, 5, 5).to(device)
     cl = t.contiguous(memory_format=torch.channels_last)
     assert C._channels_last(cl) is cl and B._nhwc(cl) is cl and calls == []
     got = C._channels_last(t)
     assert len(calls) == 1 and torch.equal(got, t) and got.stride() == cl.stride()
-    assert torch.equal(B._nhwc(t), t) and B._nhwc(t).stride() == cl.stride()
+    got = B._nhwc(t)
+    assert len(calls) == 2 and torch.equal(got, t) and got.stride() == cl.stride()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast paths run on CUDA only")

@@ -321,15 +321,17 @@ def channel_sums(g: torch.Tensor) -> torch.Tensor | None:
     return nhwc.nhwc_channel_sums(g) if nhwc.is_nhwc(g) else None
 
 
-def to_channels_last(t: torch.Tensor) -> torch.Tensor | None:
-    """``t.contiguous(memory_format=torch.channels_last)`` in one Triton pass (a tiled
-    transpose, `mpsnn.ops.triton.layout`) for an NCHW-contiguous 4-D CUDA tensor in float16,
-    bfloat16 or float32 that is not channels-last already, else None."""
+def to_channels_last(t: torch.Tensor) -> torch.Tensor:
+    """``t.contiguous(memory_format=torch.channels_last)``, ``t`` itself when it is
+    channels-last already; an NCHW float16, bfloat16 or float32 CUDA tensor through the Triton
+    transpose (`mpsnn.ops.triton.layout`: PyTorch's strided copy runs at about a third of the
+    bandwidth), others through PyTorch's copy. Unlike the other fast paths it always returns
+    the tensor."""
     if not (_runs(t) and t.dtype in _PASS_DTYPES):
-        return None
-    from mpsnn.ops.triton.layout import nchw_to_nhwc_triton
+        return t.contiguous(memory_format=torch.channels_last)
+    from mpsnn.ops.triton.layout import channels_last_copy
 
-    return nchw_to_nhwc_triton(t)
+    return channels_last_copy(t)
 
 
 def optimizer_tables(

@@ -38,7 +38,7 @@ from mpsnn.ops.triton.batch_norm import (
     combine_statistics,
 )
 from mpsnn.ops.triton.launch import cdiv, fast_kernel, next_power_of_2
-from mpsnn.ops.triton.layout import nchw_to_nhwc_triton
+from mpsnn.ops.triton.layout import channels_last_copy
 
 __all__ = [
     "is_nhwc",
@@ -251,11 +251,7 @@ def _make_tile(
     return _Tile(bm, bc, rows, cdiv(m, rows))
 
 
-def _nhwc(t: torch.Tensor) -> torch.Tensor:
-    if t.is_contiguous(memory_format=torch.channels_last):
-        return t
-    fast = nchw_to_nhwc_triton(t)  # the tiled transpose (PyTorch's strided copy is slower)
-    return fast if fast is not None else t.contiguous(memory_format=torch.channels_last)
+_nhwc = channels_last_copy  # an incoming gradient in the layout of the passes
 
 
 def nhwc_statistics(

@@ -108,12 +108,11 @@ class FastKernel:
         if callable(grid):
             key = None
         else:
-            shape = (*map(type, args), *kwargs)  # C-level: the call's types and keywords
+            shape: tuple[Any, ...] = (*map(type, args), *kwargs)  # the types, the keywords
             keyer = self._keyers.get(shape, _MISSING)
             if keyer is _MISSING:
-                keyer = self._keyers[shape] = _keyer(
-                    tuple(map(type, args)), tuple(kwargs), self._constexpr
-                )
+                n = len(args)
+                keyer = self._keyers[shape] = _keyer(shape[:n], shape[n:], self._constexpr)
             key = _key(args, kwargs, self._constexpr) if keyer is None else keyer(args, kwargs)
         if key is not None:
             key = (device, key)

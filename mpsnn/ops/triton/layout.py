@@ -21,7 +21,7 @@ import triton.language as tl
 
 from mpsnn.ops.triton.launch import cdiv, fast_kernel, next_power_of_2
 
-__all__ = ["nchw_to_nhwc_triton"]
+__all__ = ["channels_last_copy", "nchw_to_nhwc_triton"]
 
 _TILE_ELEMENTS = 4096  # BC x BP: 8 KiB of bfloat16 a tile
 _MAX_GRID_YZ = 65535  # CUDA's limit on the grid's second and third dimensions
@@ -64,3 +64,12 @@ def nchw_to_nhwc_triton(t: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty_like(t, memory_format=torch.channels_last)
     _nchw_to_nhwc[(cdiv(hw, bp), cdiv(c, bc), n)](t, out, c, hw, BC=bc, BP=bp, num_warps=4)
     return out
+
+
+def channels_last_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t.contiguous(memory_format=torch.channels_last)``: ``t`` itself when it is
+    channels-last already, the transpose where it takes ``t``, else PyTorch's copy."""
+    if t.is_contiguous(memory_format=torch.channels_last):
+        return t
+    out = nchw_to_nhwc_triton(t)
+    return out if out is not None else t.contiguous(memory_format=torch.channels_last)
