@@ -58,6 +58,14 @@ class Graph:
             recomputed image equals the freed one bit for bit; the backward then holds one
             such image at a time instead of all of them (ResNet-18: every BN + ReLU result).
             It costs one elementwise pass per such result. False keeps them.
+        recompute_input_convolution_results: True frees the result of a convolution (or
+            fully connected layer) that reads one of the graph's source images (a network's
+            first layer) after its last forward reader and computes it again, by the same
+            kernel from the same source and weights, just before the first gradient that reads
+            it (a normalization's or a pooling's gradient, at the end of the backward). The
+            recomputed image equals the freed one bit for bit; the backward does not hold it.
+            It costs one more forward of that layer per step, and one more read of that source
+            (`read_count_for_source_image` counts it). False (default) keeps it.
         data_parallel: None (one process: no hook is called), or an object whose
             ``begin_step(step)`` returns the step's collectives (`StepCollectives`, in
             ``mpsnn.graph.step``), e.g. `mpsnn.DataParallel`: each process encodes its shard
@@ -116,6 +124,7 @@ class Graph:
         self.label: str | None = None
         self.data_parallel: Any = None
         self.recompute_normalization_results = True
+        self.recompute_input_convolution_results = False
         self.reuse_step = True
         self._output_state_is_temporary = False
         self._result_states: list[Any] = []
@@ -200,7 +209,10 @@ class Graph:
             raise ValueError(
                 f"[Graph] index must be in [0, {len(self._plan.sources)}), got {index}"
             )
-        return self._plan.liveness.source_reads[index]
+        reads = self._plan.liveness.source_reads[index]
+        if self.recompute_input_convolution_results is True:
+            reads += self._plan.recompute.source_reads(index)
+        return reads
 
     def read_count_for_source_state(self, index: int) -> int:
         if not 0 <= index < len(self._plan.state_sources):
@@ -231,7 +243,11 @@ class Graph:
         """``format`` of the graph and of every result image node (plain attributes a user
         may set) is a `FeatureChannelFormat`: checked before anything is encoded, since the
         allocator trusts them."""
-        for name in ("recompute_normalization_results", "reuse_step"):
+        for name in (
+            "recompute_normalization_results",
+            "recompute_input_convolution_results",
+            "reuse_step",
+        ):
             if type(getattr(self, name)) is not bool:
                 raise TypeError(f"[{who}] {name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.format, FeatureChannelFormat):
@@ -483,7 +499,9 @@ class Graph:
         memory against their total."""
         plan = self._plan
         lines = [f"Graph on {self._device} ({len(plan.order)} filters, format {self.format.name})"]
-        lines += plan.describe(self.recompute_normalization_results)
+        lines += plan.describe(
+            self.recompute_normalization_results, self.recompute_input_convolution_results
+        )
         updates = plan.updates_planned()
         if updates:
             lines.append(f"  updates after the gradients: {', '.join(updates)}")

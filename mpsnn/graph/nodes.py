@@ -193,6 +193,10 @@ class FilterNode:
     #: its training-mode result may be freed after the forward and computed again before
     #: the backward (`Graph.recompute_normalization_results`)
     recomputes_result: ClassVar[bool] = False
+    #: its result may be freed after the forward and computed again by its kernel from its
+    #: source and weights before the backward, when its source is one of the graph's source
+    #: images (`Graph.recompute_input_convolution_results`)
+    recomputes_result_from_source: ClassVar[bool] = False
 
     # -- traits the automatic training graph and the updates read --------------------------
     #: its result is the gradient of its source, where a training graph starts: what it is

@@ -1,10 +1,10 @@
 """`GraphPlan`: what a `Graph` decided about its node graph, once, when it was made.
 
 A frozen record built by separate passes (`mpsnn.graph.plan_passes`: order, modes, fusion,
-liveness, recompute) and a last one that binds the kernels (`kernels_pass`, here). A step
-(`mpsnn.graph.step._Step`) reads the plan and never changes it; `Graph.debug_description`
-prints it. The kernels are the only mutable things the plan refers to (their properties are
-the kernels' own), and the graph owns them.
+liveness; `mpsnn.graph.plan_recompute`: recompute) and a last one that binds the kernels
+(`kernels_pass`, here). A step (`mpsnn.graph.step._Step`) reads the plan and never changes
+it; `Graph.debug_description` prints it. The kernels are the only mutable things the plan
+refers to (their properties are the kernels' own), and the graph owns them.
 """
 
 from __future__ import annotations
@@ -21,14 +21,13 @@ from mpsnn.graph.plan_passes import (
     Fusion,
     Liveness,
     Modes,
-    RecomputePlan,
     Topology,
     fusion_pass,
     liveness_pass,
     modes_pass,
     order_pass,
-    recompute_pass,
 )
+from mpsnn.graph.plan_recompute import RecomputePlan, recompute_pass
 from mpsnn.graph.step import _NodeAllocator
 
 __all__ = ["GraphPlan", "build_plan"]
@@ -43,7 +42,7 @@ class GraphPlan:
         modes: training modes, kept images, result states, updates (`modes_pass`).
         fusion: fused neurons and gradients, aliases (`fusion_pass`).
         liveness: allocation nodes, readers and last readers (`liveness_pass`).
-        recompute: normalization results freed and recomputed (`recompute_pass`).
+        recompute: results freed and recomputed (`recompute_pass`).
         kernels: filter node id -> its kernel (a tuple for two-kernel nodes; `_Fused` or
             `_PassGradient` for a node that runs inside another).
         pre_gradient: layer-gradient node id -> (the ReLU gradient kernel it applies first,
@@ -78,12 +77,14 @@ class GraphPlan:
         """The forward classes of the layers updated after the gradients, in order."""
         return [type(n.inference_node).__name__ for n in self.modes.trainable]
 
-    def describe(self, recompute: bool) -> list[str]:
+    def describe(self, normalization: bool, inputs: bool = False) -> list[str]:
         """One line per filter: kernel, what it reads, training mode, fusion, what it frees
-        (``recompute``: the graph's ``recompute_normalization_results``)."""
+        (``normalization``, ``inputs``: the graph's ``recompute_normalization_results`` and
+        ``recompute_input_convolution_results``)."""
         liveness = self.liveness
+        selected = self.recompute.selected(normalization, inputs)
         freed_until: dict[int, list[Any]] = {}  # last forward reader's id -> results freed
-        for plans in self.recompute.before.values():
+        for plans in selected.values():
             for r in plans:
                 freed_until.setdefault(r.last_forward, []).append(r)
         names = {}
@@ -114,11 +115,10 @@ class GraphPlan:
             ]
             if last:
                 extra.append("frees " + ", ".join(last))
-            if recompute:
-                for r in self.recompute.before.get(node._id, ()):
-                    extra.insert(0, f"recomputes {names.get(r.key, '?')} first")
-                for r in freed_until.get(node._id, ()):
-                    extra.append(f"frees {names.get(r.key, '?')} until recomputed")
+            for r in reversed(selected.get(node._id, ())):
+                extra.insert(0, f"recomputes {names.get(r.key, '?')} first")
+            for r in freed_until.get(node._id, ()):
+                extra.append(f"frees {names.get(r.key, '?')} until recomputed")
             label = f" {node.label!r}" if node.label else ""
             lines.append(
                 f"  {i:3d} {type(node).__name__}{label} [{kname}] ({reads}) -> t{i}"

@@ -10,8 +10,8 @@ of the node graph and the earlier passes' records, returning one frozen record.
    show one image).
 4. `liveness_pass`: who allocates each image, who reads which key, the last reader of each
    (where it is freed), the sources' read counts.
-5. `recompute_pass`: batch-normalization results freed after the forward and computed again
-   before the backward.
+5. `recompute_pass` (`mpsnn.graph.plan_recompute`): results freed after the forward and
+   computed again before the backward.
 
 Fusion is decided from traits the node classes declare (`FilterNode.fuses_neuron` and its
 neighbours in `mpsnn.graph.nodes`), not from a list of classes here.
@@ -56,14 +56,11 @@ __all__ = [
     "Fusion",
     "Liveness",
     "Modes",
-    "Recompute",
-    "RecomputePlan",
     "Topology",
     "fusion_pass",
     "liveness_pass",
     "modes_pass",
     "order_pass",
-    "recompute_pass",
 ]
 
 # Whether a plain ReLU's gradient may run inside another node's command (the convolution
@@ -479,89 +476,3 @@ def liveness_pass(
     return Liveness(_frozen(alloc_nodes), _frozen(frozen_reads), _frozen(readers),
                     _frozen(last_reader), frozenset(update_states), source_reads,
                     state_source_reads)  # fmt: skip
-
-
-# -- 5. recompute --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Recompute:
-    """A normalization result freed after the forward and computed again before its first
-    gradient reader: ``node`` (the batch normalization), ``ids`` (the image nodes that show
-    the result: its own and a fused neuron's), ``key`` (their read-count key), ``reads`` (the
-    gradient readers) and ``last_forward`` (the id of its last forward reader)."""
-
-    node: FilterNode
-    ids: tuple[int, ...]
-    key: int
-    reads: int
-    last_forward: int
-
-
-@dataclass(frozen=True, slots=True)
-class RecomputePlan:
-    """``before``: first gradient reader's id -> the results recomputed just before it;
-    ``reads``: key -> the read count it starts with (its forward readers)."""
-
-    before: Mapping[int, tuple[Recompute, ...]]
-    reads: Mapping[int, int]
-
-
-def recompute_pass(
-    topology: Topology, modes: Modes, fusion: Fusion, liveness: Liveness
-) -> RecomputePlan:
-    """The training-mode normalization results the step frees after the forward and
-    recomputes before the backward reads them (see `Graph.recompute_normalization_results`).
-
-    A result ``y = f(gamma (x - mean)/sqrt(var + eps) + beta)`` of a node that
-    ``recomputes_result`` qualifies when every forward reader of it runs before every gradient
-    reader (a convolution's weight gradient reads its source), and the normalization's input
-    ``x`` and state (the batch's statistics) are still live at the first gradient reader: the
-    normalization gradient reads both later, and gamma and beta change only in the updates
-    after every gradient. Recomputing runs the same kernel on the same values, so the
-    recomputed image equals the freed one bit for bit."""
-    order, key = topology.order, fusion.key
-    index = {n._id: i for i, n in enumerate(order)}
-    # the readers of each read-count key, in order: what liveness counted (content reads
-    # after fusion, kept images and sources left out), not `_readers`' raw source images
-    readers: dict[int, list[FilterNode]] = {}
-    for n in order:
-        for k in liveness.reads_by[n._id]:
-            readers.setdefault(k, []).append(n)
-    plans: dict[int, list[Recompute]] = {}
-    reads: dict[int, int] = {}
-    for node in order:
-        if not node.recomputes_result or node._id not in modes.training:
-            continue
-        k = key(node.result_image._id)
-        shown = liveness.alloc_nodes[node.result_image._id]
-        if k not in liveness.readers or shown.image_allocator is not None:
-            continue  # kept (a result, an export, an allocator of its own) or never read
-        forward = [
-            index[r._id] for r in readers.get(k, []) if not isinstance(r, GradientFilterNode)
-        ]
-        backward = [r for r in readers.get(k, []) if isinstance(r, GradientFilterNode)]
-        if not forward or not backward:
-            continue
-        first = min(index[r._id] for r in backward)
-        if max(forward) >= first:
-            continue
-        # what the recompute reads must still be live at the first gradient reader
-        live = True
-        for dep in (node.source_images[0]._id, node.result_state._id):  # type: ignore[union-attr]
-            d = key(dep)
-            if d in topology.source_ids:
-                live = False  # a source's read count is the caller's: never read it again
-            elif d in reads:
-                live = False  # itself freed until recomputed (a normalization of one)
-            elif d in liveness.readers and index[liveness.last_reader[d]] < first:
-                live = False
-        if not live:
-            continue
-        # every image node that shows it (the normalization's, a fused neuron's, an inference
-        # dropout's): their step values are the freed image until recomputed
-        ids = tuple(n.result_image._id for n in order if key(n.result_image._id) == k)
-        last = order[max(forward)]._id
-        plans.setdefault(order[first]._id, []).append(Recompute(node, ids, k, len(backward), last))
-        reads[k] = len(forward)
-    return RecomputePlan(_frozen({i: tuple(p) for i, p in plans.items()}), _frozen(reads))

@@ -204,7 +204,8 @@ def _weights_signature(kernels: list[Any]) -> tuple[Any, ...]:
 def _settings(graph: Any) -> tuple[Any, ...]:
     """The graph's settings an encode reads, and the process-wide Triton switch."""
     hooks = graph.data_parallel
-    return (graph.format, graph.recompute_normalization_results, graph.destination_image_allocator,
+    return (graph.format, graph.recompute_normalization_results,
+            graph.recompute_input_convolution_results, graph.destination_image_allocator,
             hooks, hooks and hooks.program_settings(), graph.reuse_step,
             fast_paths.enabled())  # fmt: skip
 

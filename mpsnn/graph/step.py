@@ -85,12 +85,13 @@ class _Step:
         self.gamma_beta_reloads: list[tuple[Any, Any]] = []
         self.result_states: list[StateBatch] = []  # temporary result states made
         self.remaining = dict(graph._plan.liveness.readers)  # node id -> consumers still to run
-        # normalization results recomputed for the backward: freed after the forward readers
-        self.recompute = (
-            graph._plan.recompute.before if graph.recompute_normalization_results else {}
-        )
+        # results recomputed for the backward: freed after their forward readers
+        plan = graph._plan.recompute
+        norm = graph.recompute_normalization_results
+        inputs = graph.recompute_input_convolution_results
+        self.recompute = plan.selected(norm, inputs)
         if self.recompute:
-            self.remaining.update(graph._plan.recompute.reads)
+            self.remaining.update(plan.start_reads(norm, inputs))
         self.recomputed: list[Any] = []  # the freed first images (for the plan report)
         self.shared: dict[int, int] = {}  # id(root image) -> keys holding it, when > 1
         self.bytes = 0
@@ -174,14 +175,19 @@ class _Step:
         self.shared[id(root)] = self.shared.get(id(root), 1) + 1
 
     def recompute_before(self, node: _Node) -> None:
-        """Compute again the normalization results whose first gradient reader is ``node``
-        (freed after their last forward reader): the same kernel, input and state, so the
-        same values."""
+        """Compute again the results recomputed before ``node`` (freed after their last
+        forward reader, `mpsnn.graph.plan_recompute`): the same kernel, source and state, so
+        the same values."""
         for r in self.recompute.get(node._id, ()):
-            bn = r.node
-            kernel = self.graph._plan.kernels[bn._id][1]  # (statistics, normalization)
-            x = self.image(bn.source_images[0])
-            value = kernel.encode_batch(self.cb, x, self.state(bn.result_state)[0])
+            made = r.node
+            x = self.image(made.source_images[0])
+            if made.recomputes_result:  # a normalization
+                kernel = self.graph._plan.kernels[made._id][1]  # (statistics, normalization)
+                value = kernel.encode_batch(self.cb, x, self.state(made.result_state)[0])
+            else:  # an input convolution: its inference encode (no state)
+                kernel = self.graph._plan.kernels[made._id]
+                trusted = getattr(kernel, "_graph_encode_batch", None)
+                value = trusted(self.cb, x, None) if trusted else kernel.encode_batch(self.cb, x)
             self.recomputed.append(self.images[r.ids[0]])  # the freed one, for the report
             for i in r.ids:
                 self.images[i] = value

@@ -162,6 +162,9 @@ def _enc_graph(graph: Graph, enc: Encoder) -> dict[str, Any]:
         "recompute_normalization_results": attr(
             graph, "recompute_normalization_results", (bool,), enc
         ),
+        "recompute_input_convolution_results": attr(
+            graph, "recompute_input_convolution_results", (bool,), enc
+        ),
         "output_state_is_temporary": graph.output_state_is_temporary,
         "results": [enc.object(r) for r in graph._results],
         "results_are_needed": list(graph._needed),
@@ -195,6 +198,10 @@ def _dec_graph(f: Fields) -> Graph:
     # absent from files written before the option existed: its default
     if f.has("recompute_normalization_results"):
         graph.recompute_normalization_results = f.get_bool("recompute_normalization_results")
+    if f.has("recompute_input_convolution_results"):
+        graph.recompute_input_convolution_results = f.get_bool(
+            "recompute_input_convolution_results"
+        )
     if f.has("output_state_is_temporary"):
         graph.output_state_is_temporary = f.get_bool("output_state_is_temporary")
     order = graph._plan.order

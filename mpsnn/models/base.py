@@ -88,11 +88,14 @@ class Model:
         twin: the PyTorch module (its parameters are the initial weights; `torch_module`
             returns one holding the current weights).
         layers: ``[(twin module, data source), ...]`` in forward order.
+        recompute_input_convolution: the training graph's
+            ``recompute_input_convolution_results`` (False: the graph's default).
     """
 
     name = "model"
     input_shape: tuple[int, int, int] = (1, 28, 28)
     classes = 10
+    recompute_input_convolution = False
 
     def __init__(self, device: Device) -> None:
         self.device = device
@@ -140,6 +143,7 @@ class Model:
                                    [False] * len(exits))  # fmt: skip
         graph.format = storage
         graph.label = f"{self.name} training"
+        graph.recompute_input_convolution_results = self.recompute_input_convolution
         return graph
 
     def inference_graph(

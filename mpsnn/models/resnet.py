@@ -126,6 +126,11 @@ class ResNet18(Model):
 
     name = "resnet18"
     input_shape = (3, 32, 32)
+    # The stem convolution's result (64 channels at full resolution, 64 MiB in bfloat16 at
+    # batch 512) is kept for its normalization's gradient, the last of the backward: the
+    # training graph frees it after the forward and runs the stem again (3 input channels: a
+    # fraction of a block's convolution) just before the backward needs it.
+    recompute_input_convolution = True
 
     def __init__(
         self,

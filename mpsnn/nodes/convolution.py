@@ -48,6 +48,7 @@ class ConvolutionNode(_TrainableNode):
     records_fused_neuron = True
     gradient_fuses_relu_gradient = True
     makes_state_for_forward_readers = True
+    recomputes_result_from_source = True
     saved_fields = _CONVOLUTION_FIELDS
 
     def __init__(self, source: ImageNode, data_source: Any) -> None:

@@ -132,6 +132,61 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float()
 
 
+_PADDED_CHANNELS = 8  # the channel multiple cuDNN's half-precision tensor-core kernels take
+
+
+def _pads_channels(t: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
+    """Whether the forward pads its operands (``t``: the input as the convolution reads it,
+    ``weight``: OIHW) with zero channels up to `_PADDED_CHANNELS`: a bfloat16 CUDA input of 2
+    or 3 channels, one group, at least 64 filters of at most 3x3 (an image network's stem).
+
+    Why, and why only there: for bfloat16 inputs of 2 or 3 channels, cuDNN (9.x, through
+    PyTorch) pads the input to 4 channels itself and runs a slow tensor-core kernel; on
+    operands padded to 8 it runs its fast one, about 1.7x faster for a 3x3 RGB stem of 64
+    filters on an H200, the pad included. Padding does not pay for one channel (LeNet's first
+    layer: several times slower), four, fewer filters, larger filters or float16, which cuDNN
+    runs well unpadded: `benchmarks/RESULTS.md` has the table this rule follows. Other GPUs
+    or cuDNN versions may move these lines (the replayed ResNet-18 row of
+    `python -m benchmarks.suite` runs such a stem).
+
+    The padded convolution sums the same products plus exact zeros (a zero input channel
+    meets a zero weight channel: ``0 * 0 = +0``, which leaves a sum's value as it is), but
+    cuDNN's kernel for 8 channels may add the float32 products in another order than its
+    kernel for ``C`` does: the last place of a result may differ from the unpadded call's. The
+    gradients (`conv_backward`) run on the unpadded operands."""
+    # the channel count first: most convolutions have more, and it is the cheapest read
+    o, c, kh, kw = weight.shape
+    return (
+        2 <= c <= 3
+        and groups == 1
+        and t.dtype is torch.bfloat16
+        and o >= 64
+        and kh <= 3
+        and kw <= 3
+        and channels_last_preferred(t.dtype, t.device)
+    )
+
+
+def _padded_operands(t: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` (N, C, H, W) and OIHW ``weight`` (O, C, kH, kW) with zero channels appended up
+    to `_PADDED_CHANNELS`, both channels-last (the layout cuDNN gets them in)."""
+    xt = fast_paths.pad_channels(t, _PADDED_CHANNELS)
+    if xt is None:
+        n, c, h, w = t.shape
+        xt = torch.empty(
+            (n, _PADDED_CHANNELS, h, w),
+            dtype=t.dtype,
+            device=t.device,
+            memory_format=torch.channels_last,
+        ).zero_()
+        xt[:, :c] = t
+    # F.pad keeps a channels-last weight (the data source's half-precision casts) channels-last
+    wt = F.pad(weight, (0, 0, 0, 0, 0, _PADDED_CHANNELS - weight.shape[1]))
+    if not wt.is_contiguous(memory_format=torch.channels_last):
+        wt = wt.contiguous(memory_format=torch.channels_last)
+    return xt, wt
+
+
 def conv_forward(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geom: ConvGeometry
 ) -> torch.Tensor:
@@ -142,6 +197,8 @@ def conv_forward(
     # The identity test is apply_extract's first, made here: no call for the common case.
     t = x if plan.identity else apply_extract(x, plan)
     t = _channels_last(t)
+    if _pads_channels(t, weight, geom.groups):
+        t, weight = _padded_operands(t, weight)
     out = float32_conv_call(F.conv2d, t, t, weight, bias, *geom.conv_args)
     if geom.crop:
         out = out[:, :, : geom.y.count, : geom.x.count]

@@ -15,8 +15,8 @@ from mpsnn.graph.plan_passes import (
     liveness_pass,
     modes_pass,
     order_pass,
-    recompute_pass,
 )
+from mpsnn.graph.plan_recompute import recompute_pass
 from tests.graph._helpers import DEV, ce_loss, conv_ds, gen, sgd1
 
 

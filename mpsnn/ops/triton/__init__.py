@@ -31,6 +31,7 @@ __all__ = [
     "enabled",
     "max_pool_backward",
     "optimizer_tables",
+    "pad_channels",
     "pool_tiles",
     "relu_times",
     "set_enabled",
@@ -332,6 +333,18 @@ def to_channels_last(t: torch.Tensor) -> torch.Tensor:
     from mpsnn.ops.triton.layout import channels_last_copy
 
     return channels_last_copy(t)
+
+
+def pad_channels(t: torch.Tensor, channels: int) -> torch.Tensor | None:
+    """A channels-last ``(N, channels, H, W)`` tensor holding the ``C <= channels`` channels
+    of the 4-D float16, bfloat16 or float32 CUDA tensor ``t`` (any strides) and zeros after
+    them, in one Triton pass (`mpsnn.ops.triton.layout.pad_channels_triton`: PyTorch's pad of
+    a channels-last tensor runs its generic strided kernel); else None."""
+    if not (_runs(t) and t.dtype in _PASS_DTYPES):
+        return None
+    from mpsnn.ops.triton.layout import pad_channels_triton
+
+    return pad_channels_triton(t, channels)
 
 
 def optimizer_tables(
