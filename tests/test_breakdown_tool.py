@@ -4,6 +4,7 @@ PyTorch twin's layer shapes."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import pkgutil
@@ -144,6 +145,10 @@ def test_flops_per_pass_and_the_skipped_data_gradient() -> None:
         bc.CONV_FWD: 14400, bc.CONV_DGRAD: 0, bc.CONV_WGRAD: 14400, bc.GEMM: 3 * 320
     }  # fmt: skip
     assert w.traffic[bc.BN_FWD] == 3000 and w.notes[bc.BN_FWD] == ["read + write E", "recomputed"]
+    again = [dataclasses.replace(c, recomputed=True) for c in w.convs]  # a forward more each
+    assert bc.conv_flops(again) == {
+        bc.CONV_FWD: 2 * 14400, bc.CONV_DGRAD: 0, bc.CONV_WGRAD: 14400, bc.GEMM: 4 * 320
+    }  # fmt: skip
 
 
 def test_floors_are_flops_over_peak_and_bytes_over_bandwidth() -> None:
@@ -214,7 +219,7 @@ def test_cpu_smoke_run_counts_resnet18_as_its_twin(tmp_path, capsys) -> None:
     fc = sum(2 * s.numel() * m.in_features for m, s in seen if isinstance(m, nn.Linear))
     bn = sum(s.numel() for m, s in seen if isinstance(m, nn.BatchNorm2d))
     assert got["flops"] == {
-        bc.CONV_FWD: sum(conv),
+        bc.CONV_FWD: sum(conv) + conv[0],  # the stem runs again before the backward
         bc.CONV_DGRAD: sum(conv) - conv[0],  # the first layer's data gradient is skipped
         bc.CONV_WGRAD: sum(conv),
         bc.GEMM: 3 * fc,

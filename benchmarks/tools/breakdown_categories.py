@@ -58,6 +58,7 @@ TRITON_KERNELS: dict[str, str] = {
     "_dropout_flat": DROPOUT,
     "_dropout_planes": DROPOUT,
     "_nchw_to_nhwc": LAYOUT,
+    "_pad_channels": LAYOUT,
 }
 
 # older Triton versions append the argument specialization (``_forward_0d1d2d3de``)
@@ -139,6 +140,7 @@ class Conv:
     data_gradient: bool
     weight_gradient: bool
     fully_connected: bool = False
+    recomputed: bool = False  # its forward runs again before the backward
 
     @property
     def flops(self) -> int:
@@ -167,9 +169,9 @@ def conv_flops(convs: Sequence[Conv]) -> dict[str, int]:
     out = {CONV_FWD: 0, CONV_DGRAD: 0, CONV_WGRAD: 0, GEMM: 0}
     for c in convs:
         if c.fully_connected:
-            out[GEMM] += c.flops * (1 + c.data_gradient + c.weight_gradient)
+            out[GEMM] += c.flops * (1 + c.recomputed + c.data_gradient + c.weight_gradient)
             continue
-        out[CONV_FWD] += c.flops
+        out[CONV_FWD] += c.flops * (1 + c.recomputed)
         out[CONV_DGRAD] += c.flops if c.data_gradient else 0
         out[CONV_WGRAD] += c.flops if c.weight_gradient else 0
     return out

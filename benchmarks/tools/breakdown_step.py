@@ -131,8 +131,10 @@ def workload(
     gradients = {
         n.inference_node._id: n for n in plan.order if isinstance(n, _ConvolutionGradientNode)
     }
-    recomputed = {r.node._id for rs in plan.recompute.before.values() for r in rs}
-    recomputes = graph.recompute_normalization_results
+    selected = plan.recompute.selected(
+        graph.recompute_normalization_results, graph.recompute_input_convolution_results
+    )
+    recomputed = {r.node._id for rs in selected.values() for r in rs}
     for node in plan.order:
         kernel = plan.kernels[node._id]
         if isinstance(kernel, (_Fused, _PassGradient)):
@@ -151,6 +153,7 @@ def workload(
                 data_gradient=g is not None and not (first and plan.skips_data_gradient),
                 weight_gradient=g is not None,
                 fully_connected=fc,
+                recomputed=node._id in recomputed,
             ))  # fmt: skip
             bias = node.data_source.bias_terms()
             out.parameters += math.prod(d.weights_shape) + (0 if bias is None else bias.numel())
@@ -159,7 +162,7 @@ def workload(
             out.parameters += 2 * shape(node.result_image)[1]
             out.add(BN_STATS, e * s, f"read E={e}")
             out.add(BN_FWD, 2 * e * s, f"read + write E={e}")
-            if recomputes and node._id in recomputed:
+            if node._id in recomputed:
                 out.add(BN_FWD, 2 * e * s, f"recomputed result: read + write E={e}")
         elif isinstance(node, BatchNormalizationGradientNode):
             e = elements(node.result_image)

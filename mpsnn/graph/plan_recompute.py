@@ -98,7 +98,8 @@ def recompute_pass(
     every forward reader of it runs before every gradient reader, and the normalization's input
     ``x`` and state (the batch's statistics) are still live at the first gradient reader (the
     normalization gradient reads both later; gamma and beta change only in the updates after
-    every gradient), or ``x`` is itself a recomputed input convolution result. An input
+    every gradient); where ``x`` is a recomputed input convolution result freed by then, the
+    convolution runs again first (with both settings on). An input
     convolution result (a node that ``recomputes_result_from_source`` whose source is a graph
     source) qualifies under the same reader rule."""
     order, key = topology.order, fusion.key
@@ -138,6 +139,7 @@ def recompute_pass(
     input_reads: dict[int, int] = {}
     input_at: dict[int, int] = {}  # input recompute key -> index of its earliest point
     input_plans: dict[int, Recompute] = {}
+    input_freed: dict[int, int] = {}  # input recompute key -> index of its last forward reader
     for node in order:
         if node.recomputes_result_from_source:
             src = node.source_images[0]
@@ -150,6 +152,7 @@ def recompute_pass(
                 input_reads[k] = len(forward)
                 input_at[k] = first
                 input_plans[k] = r
+                input_freed[k] = max(forward)
             continue
         if not node.recomputes_result or node._id not in modes.training:
             continue
@@ -165,10 +168,12 @@ def recompute_pass(
                 live = False  # a source's read count is the caller's: never read it again
             elif d in reads:
                 live = False  # itself freed until recomputed (a normalization of one)
-            elif d in input_plans:
-                needs.append(d)  # freed until recomputed, by a convolution run first
             elif d in liveness.readers and index[liveness.last_reader[d]] < first:
                 live = False
+            elif d in input_plans and input_freed[d] < first:
+                # with both settings on it is freed by then: the convolution runs first (a
+                # forward reader after that point keeps the forward image live instead)
+                needs.append(d)
         if not live:
             continue
         norm.setdefault(order[first]._id, []).append(plan(node, k, forward, first))

@@ -85,6 +85,9 @@ class ConvolutionTransposeNode(ConvolutionNode):
 
     _kernel_class = conv.ConvolutionTranspose
     _gradient_class = conv.ConvolutionTransposeGradient
+    # its encode reads the paired convolution's state (the size it undoes), which the
+    # recompute's plain encode does not pass
+    recomputes_result_from_source = False
 
     def __init__(
         self, source: ImageNode, convolution_gradient_state: Any, data_source: Any

@@ -283,3 +283,56 @@ def test_resnet18_recomputes_its_stem_and_trains_the_same() -> None:
     on, off = run(True), run(False)
     assert len(on) == 21
     assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
+
+
+def test_a_forward_reader_after_the_normalization_recompute_keeps_the_first_result() -> None:
+    """A second result reads the first convolution's result after the backward has begun
+    (a graph of several results): when the normalization recompute needs that result, it is
+    still the forward image (its last forward reader has not run), so nothing runs early and
+    every combination of the settings gives the same values."""
+    from tests.graph._helpers import F64
+
+    def run(normalization: bool, inputs: bool) -> list[torch.Tensor]:
+        g = gen(89)
+        _, out, _, bns = _chain(g, blocks=1)
+        conv1 = bns[0].source_images[0].producer
+        (term,) = mse_loss(out).training_graph(None, None)
+        conv2_gradient = term
+        for _ in range(3):  # loss gradient -> ... -> the second convolution's gradient
+            conv2_gradient = conv2_gradient.source_images[0].producer
+        assert isinstance(conv2_gradient, m.ConvolutionGradientNode)
+        side = m.NeuronReLUNode(conv1.result_image)  # a forward reader of the first result
+        graph = m.Graph.from_results(
+            DEV, [conv2_gradient.result_image, side.result_image, term.result_image]
+        )
+        graph.format = F64
+        _set(graph, normalization, inputs)
+        data = gen(5)
+        xt, target = rand(data, 2, 4, 6, 6), rand(data, 2, 4, 6, 6)
+        result = encode(graph, [xt], [m.LossLabels(DEV, target)])
+        return [result.tensor.clone()] + [i.tensor.clone() for i in graph.intermediate_images]
+
+    reference = run(False, False)
+    for combo in _COMBOS[1:]:
+        got = run(*combo)
+        assert all(torch.equal(a, b) for a, b in zip(reference, got, strict=True)), combo
+
+
+def test_a_convolution_transpose_is_not_recomputed() -> None:
+    """A transpose's encode reads its paired convolution's state (the size it undoes), which a
+    recompute would not pass: it keeps its result."""
+    g = gen(90)
+    x, z = m.ImageNode("x"), m.ImageNode("z")
+    conv = m.ConvolutionNode(x, conv_ds(g, 3, 3, 2, 3, sgd1()))
+    conv.padding_policy = m.DefaultPadding(m.PaddingMethod.SIZE_VALID_ONLY)  # 7x7 -> 5x5
+    transpose = m.ConvolutionTransposeNode(z, conv.result_state, conv_ds(g, 3, 3, 3, 2, sgd1()))
+    last = m.ConvolutionNode(transpose.result_image, conv_ds(g, 3, 3, 2, 2, sgd1()))
+    graph, _ = training(mse_loss(last.result_image))
+    graph.recompute_input_convolution_results = True
+    planned = [r.node for rs in graph._plan.recompute.inputs.values() for r in rs]
+    assert transpose not in planned
+    data = gen(5)
+    by_handle = {"x": rand(data, 2, 2, 7, 7), "z": rand(data, 2, 3, 5, 5)}
+    images = [by_handle[h] for h in graph.source_image_handles]
+    out = encode(graph, images, [m.LossLabels(DEV, rand(data, 2, 2, 7, 7))])
+    assert torch.isfinite(out.tensor).all()  # ran: the transpose kept its size
