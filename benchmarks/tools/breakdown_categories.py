@@ -48,6 +48,7 @@ TRITON_KERNELS: dict[str, str] = {
     "_gradient_sums_partial_nhwc": BN_SUMS,
     "_backward": BN_BWD,
     "_backward_nhwc": BN_BWD,
+    "_forward_add_relu_nhwc": BN_FWD,
     "_add_relu": EW_TRITON,
     "_relu_times": EW_TRITON,
     "_sum_relu_gradient": EW_TRITON,

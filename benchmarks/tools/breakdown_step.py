@@ -161,13 +161,18 @@ def workload(
             e = elements(node.result_image)
             out.parameters += 2 * shape(node.result_image)[1]
             out.add(BN_STATS, e * s, f"read E={e}")
-            out.add(BN_FWD, 2 * e * s, f"read + write E={e}")
+            if node._id in plan.fusion.normalized_by:  # inside the addition: one pass for both
+                out.add(BN_FWD, 3 * e * s, f"with the residual addition: read 2, write 1 x E={e}")
+            else:
+                out.add(BN_FWD, 2 * e * s, f"read + write E={e}")
             if node._id in recomputed:
                 out.add(BN_FWD, 2 * e * s, f"recomputed result: read + write E={e}")
         elif isinstance(node, BatchNormalizationGradientNode):
             e = elements(node.result_image)
             out.add(BN_SUMS, 2 * e * s, f"read gradient + input E={e}")
             out.add(BN_BWD, 3 * e * s, f"read gradient + input, write E={e}")
+        elif isinstance(node, _ArithmeticNode) and node._id in plan.fusion.normalized_sums:
+            continue  # counted with the normalization it runs
         elif isinstance(node, _ArithmeticNode):
             e, k = elements(node.result_image), len(node.source_images)
             out.add("elementwise", (k + 1) * e * s,

@@ -36,10 +36,12 @@ from mpsnn.ops.arithmetic import (
     ReadGeometry,
     add_activation,
     add_relu_gradient_of_result,
+    normalized_add_activation,
     pack_bits,
     read_geometry,
     read_source,
 )
+from mpsnn.ops.batch_norm import bn_forward
 from mpsnn.ops.neuron import relu_backward_of_result
 
 __all__ = [
@@ -142,6 +144,11 @@ class Arithmetic(BinaryKernel):
         # by a graph around one encode of a gradient sum (`mpsnn.graph.plan_passes`), which
         # then writes that gradient, ``a + b`` where the result is > 0, in one command.
         self._gradient_mask: Image | None = None
+        # One operand is ``bn(x)``, normalized inside this command: ``(operand index, x, the
+        # normalization's state, its forward record)``, set by a graph around one encode of a
+        # residual sum (`mpsnn.graph.plan_passes._normalized_sums`); that operand's image is a
+        # stand-in of its shape, never read.
+        self._normalized: tuple[int, Image, Any, Any] | None = None
 
     @property
     def primary_stride_in_feature_channels(self) -> int:
@@ -378,7 +385,7 @@ class Arithmetic(BinaryKernel):
             (self._dco, channels, y0, ny, x0, nx), batch,
         )  # fmt: skip
         state = states[0] if states else None
-        run = _command(record, p, s, state, self._neuron, self._gradient_mask)
+        run = _command(record, p, s, state, self._neuron, self._gradient_mask, self._normalized)
         out = dst_write if dst_write is not None else desc
         enc = Encoding(run, (out,), (p, s), [(st, record) for st in states], None, batch)
         return self._apply(cb, enc)[0]  # type: ignore[return-value]
@@ -431,6 +438,7 @@ def _command(
     state: Any,
     neuron: FusedNeuron | None = None,
     mask: Image | None = None,
+    normalized: tuple[int, Image, Any, Any] | None = None,
 ) -> Callable[[Image], None]:
     pz, sz, dz, count = record.images
     c0, nc, y0, ny, x0, nx = record.out
@@ -444,15 +452,40 @@ def _command(
     # a gradient sum with a plain ReLU's gradient after it (``mask``: the ReLU's result)
     plain_sum = record.op == ADD and record.scales == (1.0, 1.0, 0.0) and not clamps
 
+    # the image whose layout the result takes (the primary's; bn(x) has x's)
+    layout = normalized[1] if normalized is not None and normalized[0] == 0 else p
+
     def run(out: Image) -> None:
-        x = read_source(p._read()[pz : pz + count], record.reads[0])
-        y = read_source(s._read()[sz : sz + count], record.reads[1])
+        fused = None
+        if normalized is None:
+            x = read_source(p._read()[pz : pz + count], record.reads[0])
+            y = read_source(s._read()[sz : sz + count], record.reads[1])
+        else:  # one operand is bn(t): normalized here, with the statistics of its state
+            i, t_image, bn_state, bn_record = normalized
+            zs = (pz, sz)
+            t = read_source(t_image._read()[zs[i] : zs[i] + count], record.reads[i])
+            o = read_source((s, p)[i]._read()[zs[1 - i] : zs[1 - i] + count], record.reads[1 - i])
+            params = bn_record.params(*bn_state._mean_variance())
+            if (
+                add_then
+                and t.shape == o.shape
+                and t.dtype is out._read_dtype
+                and o.dtype is t.dtype
+            ):
+                fused = normalized_add_activation(t, params, o, neuron.params)  # type: ignore[union-attr]
+            else:  # the two passes, as the unfused graph runs them
+                t = bn_forward(t, params)
+            x, y = (t, o) if i == 0 else (o, t)
         r = (
             None
             if mask is None
             else mask._read()[dz : dz + count, c0 : c0 + nc, y0 : y0 + ny, x0 : x0 + nx]
         )
-        if (
+        if fused is not None:  # f(bn(t) + o) in one pass: `add_activation`'s bits
+            z = fused
+            if state is not None:  # as below: only the shape to record
+                state._mask, state._mask_shape, state._divisor = None, tuple(z.shape), None
+        elif (
             r is not None
             and plain_sum
             and neuron is None
@@ -479,7 +512,7 @@ def _command(
             z = torch.broadcast_to(z, (count, nc, ny, nx)).contiguous()  # equal shape keeps
         if r is not None:  # the ReLU's gradient of the stored sum, as its own command reads it
             z = relu_backward_of_result(z.to(out._read_dtype), r)
-        out._write_block(z.to(out._read_dtype), dz, c0, y0, x0, p._data())  # its layout
+        out._write_block(z.to(out._read_dtype), dz, c0, y0, x0, layout._data())  # its layout
 
     return run
 

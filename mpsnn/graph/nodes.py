@@ -193,6 +193,12 @@ class FilterNode:
     #: its training-mode result may be freed after the forward and computed again before
     #: the backward (`Graph.recompute_normalization_results`)
     recomputes_result: ClassVar[bool] = False
+    #: its training-mode result, read by a plain sum alone, may be computed inside that sum's
+    #: command (batch normalization; `mpsnn.graph.plan_passes._normalized_sums`)
+    normalizes_inside_sum: ClassVar[bool] = False
+    #: as a plain sum with a neuron fused into it, it may run the normalization that makes one
+    #: of its operands inside its own command (the addition)
+    fuses_normalization_of_operand: ClassVar[bool] = False
     #: its result may be freed after the forward and computed again by its kernel from its
     #: source and weights before the backward, when its source is one of the graph's source
     #: images (`Graph.recompute_input_convolution_results`)

@@ -108,6 +108,12 @@ class GraphPlan:
                 extra.append(f"fused {self.fusion.fused[node._id]}")
             if node._id in self.fusion.gradient_fusions or node._id in self.fusion.sum_gradients:
                 extra.append("applies the ReLU gradient")
+            add = self.fusion.normalized_by.get(node._id)
+            if add is not None:
+                extra.append(f"normalized inside {names.get(add.result_image._id, '?')}")
+            bn = self.fusion.normalized_sums.get(node._id)
+            if bn is not None:
+                extra.append(f"normalizes {names.get(bn.result_image._id, '?')} inside")
             last = [
                 names.get(k, "state")
                 for k in liveness.reads_by[node._id]

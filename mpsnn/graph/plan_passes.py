@@ -67,6 +67,9 @@ __all__ = [
 # gradient after it, the gradient sum before it: see `fusion_pass`); tests turn it off to
 # compare the two plans bit for bit.
 FUSE_GRADIENTS = True
+# Whether a batch normalization may run inside the residual addition after it
+# (`_normalized_sums`); tests turn it off to compare the two plans bit for bit.
+FUSE_NORMALIZATIONS = True
 
 
 def _frozen(d: dict[Any, Any]) -> Mapping[Any, Any]:
@@ -196,6 +199,8 @@ class Fusion:
     fused: that node's id -> the fused neuron's type name (for reports).
     gradient_fusions: convolution-gradient node id -> the ReLU gradient node it runs inside.
     sum_gradients: gradient-sum node id -> the plain ReLU's gradient node it runs inside.
+    normalized_sums: addition node id -> the batch normalization whose normalization runs
+        inside its command (`_normalized_sums`); normalized_by: the reverse.
     passed: ids of gradient nodes that pass their incoming gradient on.
     canon: image/state id -> the id whose read-count key it shares (follow with `key`).
     """
@@ -204,6 +209,8 @@ class Fusion:
     fused: Mapping[int, str]
     gradient_fusions: Mapping[int, GradientFilterNode]
     sum_gradients: Mapping[int, GradientFilterNode]
+    normalized_sums: Mapping[int, FilterNode]
+    normalized_by: Mapping[int, FilterNode]
     passed: frozenset[int]
     canon: Mapping[int, int]
 
@@ -352,6 +359,61 @@ def _sum_gradients(
     return out
 
 
+def _normalized_sums(
+    order: tuple[FilterNode, ...], modes: Modes, fused_into: dict[int, FilterNode]
+) -> dict[int, FilterNode]:
+    """Additions that run the batch normalization making one of their operands inside their
+    own command: ``f(bn(x) + r)`` in one pass (`mpsnn.ops.arithmetic.normalized_add_activation`,
+    the same bits), so that ``bn(x)`` is never stored. A residual block's last normalization,
+    its shortcut addition and the ReLU after it.
+
+    The addition ``fuses_normalization_of_operand``, is a plain sum (`_plain_sum`) with a
+    neuron fused into it, in the graph's format; the operand is the result of a training-mode
+    node that ``normalizes_inside_sum`` with no neuron of its own, in the graph's format, read
+    by the addition alone (its gradient reads only its shape), not kept, with no allocator of
+    its own; the normalization's input is made by the graph (a source's read count is the
+    caller's: its reads are counted per node), in the graph's format and read again after the
+    addition (by the normalization's gradient), so it is live when the addition runs."""
+    out: dict[int, FilterNode] = {}
+    if not FUSE_NORMALIZATIONS:
+        return out
+    index = {n._id: i for i, n in enumerate(order)}
+    content: dict[int, list[FilterNode]] = {}
+    for n in order:
+        for img in n._content_sources():
+            content.setdefault(img._id, []).append(n)
+    targets = set(fused_into.values())
+    taken: set[int] = set()
+    for n in order:
+        if not n.fuses_normalization_of_operand or not n._plain_sum() or n not in targets:
+            continue
+        if n.result_image.format is not None or n.result_image._id in modes.kept:
+            continue
+        for operand in n.source_images:
+            bn = operand.producer
+            if (
+                bn is None
+                or not bn.normalizes_inside_sum
+                or bn._id not in modes.training
+                or bn in targets  # a neuron of its own
+                or bn._id in taken
+                or operand._id in modes.kept
+                or operand.format is not None
+                or operand.image_allocator is not None
+                or content.get(operand._id) != [n]
+                or sum(s is operand for s in n.source_images) != 1
+            ):
+                continue
+            x = bn.source_images[0]
+            later = [r for r in content.get(x._id, []) if index[r._id] > index[n._id]]
+            if x.producer is None or x.format is not None or not later:
+                continue  # a graph source (its read count is the caller's), or not live
+            out[n._id] = bn
+            taken.add(bn._id)
+            break
+    return out
+
+
 def fusion_pass(topology: Topology, modes: Modes) -> Fusion:
     order = topology.order
     keep = modes.kept
@@ -375,6 +437,9 @@ def fusion_pass(topology: Topology, modes: Modes) -> Fusion:
     }
     sum_gradients = _sum_gradients(order, readers, modes, passed)
     passed |= {n._id for n in sum_gradients.values()}
+    normalized_sums = _normalized_sums(order, modes, fused_into)
+    normalized_by = {bn._id: order_node for order_node in order
+                     if (bn := normalized_sums.get(order_node._id)) is not None}  # fmt: skip
     # fused neurons and passed-on gradients hold their input's value: one key for both
     canon: dict[int, int] = {}
     for n in order:
@@ -398,7 +463,8 @@ def fusion_pass(topology: Topology, modes: Modes) -> Fusion:
         if n.identity_in_inference and n._id not in modes.training:
             canon[n.result_image._id] = n.source_images[0]._id
     return Fusion(_frozen(fused_into), _frozen(fused), _frozen(gradient_fusions),
-                  _frozen(sum_gradients), frozenset(passed), _frozen(canon))  # fmt: skip
+                  _frozen(sum_gradients), _frozen(normalized_sums), _frozen(normalized_by),
+                  frozenset(passed), _frozen(canon))  # fmt: skip
 
 
 # -- 4. liveness ---------------------------------------------------------------------------
@@ -453,7 +519,12 @@ def liveness_pass(
             relu = fusion.gradient_fusions.get(n._id) or fusion.sum_gradients.get(n._id)
             if relu is not None:
                 content = [*content, relu.inference_node.result_image]
-        keys = [s._id for s in content] + [s._id for s in n.source_states]
+        states = list(n.source_states)
+        bn = fusion.normalized_sums.get(n._id)
+        if bn is not None:  # it normalizes the input with the statistics itself
+            content = [*content, bn.source_images[0]]
+            states.append(bn.result_state)
+        keys = [s._id for s in content] + [s._id for s in states]
         keys = list(dict.fromkeys(key(k) for k in keys))
         mine = [k for k in keys if k not in keep and k not in topology.source_ids]
         reads_by[n._id] = mine

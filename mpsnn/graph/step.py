@@ -1,4 +1,5 @@
-"""One encode of a graph (`_Step`) and the allocator a graph installs on its kernels.
+"""One encode of a graph (`_Step`), the allocator a graph installs on its kernels, and the
+shape-only stand-in of an image a step does not store.
 
 Kept apart from `mpsnn.graph.graph` so that node modules can name the step without importing
 the graph (imports point one way: nodes → step, graph → nodes).
@@ -7,6 +8,8 @@ the graph (imports point one way: nodes → step, graph → nodes).
 from __future__ import annotations
 
 from typing import Any, Protocol
+
+import torch
 
 from mpsnn.core.descriptor import FeatureChannelFormat, ImageDescriptor
 from mpsnn.core.device import CommandBuffer
@@ -93,6 +96,9 @@ class _Step:
         if self.recompute:
             self.remaining.update(plan.start_reads(norm, inputs))
         self.recomputed: list[Any] = []  # the freed first images (for the plan report)
+        # batch normalizations the addition after them runs: node id -> (its normalization
+        # kernel, source, state), taken by that addition (`mpsnn.nodes.arithmetic`)
+        self.deferred: dict[int, tuple[Any, Any, Any]] = {}
         self.shared: dict[int, int] = {}  # id(root image) -> keys holding it, when > 1
         self.bytes = 0
         self.peak = 0
@@ -240,3 +246,23 @@ def itemsize(fmt: FeatureChannelFormat) -> int:
 
 _ITEMSIZE = {FeatureChannelFormat.FLOAT64: 8, FeatureChannelFormat.FLOAT32: 4,
              FeatureChannelFormat.UNORM8: 1}  # fmt: skip
+
+
+class _ShapeOnly(Image):
+    """A stand-in with an image's shape and format and no storage: what the add/subtract
+    gradients get instead of an input image the graph may have released already. They read
+    only its shape; a command that read its contents would be a planning bug, and raises."""
+
+    def _data(self) -> torch.Tensor:
+        raise RuntimeError(
+            f"[Graph] internal error: the contents of a shape-only stand-in ({self._describe()}) "
+            "were read; please report this"
+        )
+
+
+def _shape_only(batch: ImageBatch | Image) -> ImageBatch | Image:
+    """`_ShapeOnly` of ``batch`` (an `ImageBatch` for a batch)."""
+    image = batch.image if isinstance(batch, ImageBatch) else batch
+    n, c, h, w = image._shape
+    stand_in = _ShapeOnly._make(image._device, ImageDescriptor._make(image._fmt, w, h, c, n))
+    return ImageBatch(stand_in) if isinstance(batch, ImageBatch) else stand_in

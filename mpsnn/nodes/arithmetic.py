@@ -7,13 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 import mpsnn.cnn.arithmetic as arith
 from mpsnn.cnn.arithmetic import Add, Subtract
-from mpsnn.core.descriptor import ImageDescriptor
 from mpsnn.core.device import Device
-from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.graph.nodes import (
     FilterNode,
@@ -22,7 +18,7 @@ from mpsnn.graph.nodes import (
     register_gradient_nodes,
     register_gradient_sum,
 )
-from mpsnn.graph.step import _Step
+from mpsnn.graph.step import _shape_only, _Step
 
 __all__ = [
     "AdditionNode",
@@ -90,27 +86,49 @@ class _ArithmeticNode(FilterNode):
         )
 
     def _run(self, step: _Step, kernel: Any) -> None:
+        fusion = step.graph._plan.fusion
         a, b = step.image(self._sources[0]), step.image(self._sources[1])
+        bn = fusion.normalized_sums.get(self._id)
+        normalized = None if bn is None else self._normalize(step, bn, a, b)
+        if normalized is not None and normalized[0] is None:  # normalized by its own command
+            a, b = normalized[1]
+            normalized = None
         states = kernel.result_state_batch(a, b) if step.training(self) else None
         # a gradient sum whose ReLU gradient runs in this command reads the ReLU's result
-        relu = step.graph._plan.fusion.sum_gradients.get(self._id)
+        relu = fusion.sum_gradients.get(self._id)
         mask = None if relu is None else step.image(relu.inference_node.result_image).image
-        if mask is not None:
-            kernel._gradient_mask = mask
+        kernel._gradient_mask = mask
+        kernel._normalized = normalized
         try:
             y = kernel.encode_batch(step.cb, a, b, destination_states=states)
         finally:
-            if mask is not None:
-                kernel._gradient_mask = None
+            kernel._gradient_mask = kernel._normalized = None
         step.set_image(self.result_image, y)
         if states is not None:
             step.set_state(self.result_state, states)
+
+    def _normalize(self, step: _Step, bn: Any, a: ImageBatch, b: ImageBatch) -> Any:
+        """The operand ``bn`` makes, planned to be normalized inside this command
+        (`mpsnn.graph.plan_passes._normalized_sums`): ``(operand index, its source, state,
+        forward record)`` for the command (the normalization's record written into its state
+        as its own encode would), or, where the operands do not allow it (another shape or
+        format than the source's), ``(None, (a, b))`` with the normalization encoded now."""
+        kernel, x, state = step.deferred.pop(bn._id)
+        i = 0 if self._sources[0] is bn.result_image else 1
+        other, source = (b, a)[i].image, x.image
+        if other._shape == source._shape and other._fmt is source._fmt:
+            kernel._record_only(source, [state])
+            return i, source, state, state._forward.params  # its BatchNormalizationRecord
+        y = kernel.encode_batch(step.cb, x, state)
+        step.set_image(bn.result_image, y)
+        return None, ((y, b) if i == 0 else (a, y))
 
 
 class AdditionNode(_ArithmeticNode):
     """``left + right`` (MPS ``MPSNNAdditionNode``)."""
 
     sums_gradients_with_relu_gradient = True
+    fuses_normalization_of_operand = True
 
     _kernel_class = arith.Add
 
@@ -185,26 +203,6 @@ class ArithmeticGradientNode(GradientFilterNode):
             and (result.format or graph.format) is g.image._fmt
             and passes(g.image, states)
         )
-
-
-class _ShapeOnly(Image):
-    """A stand-in with an image's shape and format and no storage: what the add/subtract
-    gradients get instead of an input image the graph may have released already. They read
-    only its shape; a command that read its contents would be a planning bug, and raises."""
-
-    def _data(self) -> torch.Tensor:
-        raise RuntimeError(
-            f"[Graph] internal error: the contents of a shape-only stand-in ({self._describe()}) "
-            "were read; please report this"
-        )
-
-
-def _shape_only(batch: ImageBatch | Image) -> ImageBatch | Image:
-    """`_ShapeOnly` of ``batch`` (an `ImageBatch` for a batch)."""
-    image = batch.image if isinstance(batch, ImageBatch) else batch
-    n, c, h, w = image._shape
-    stand_in = _ShapeOnly._make(image._device, ImageDescriptor._make(image._fmt, w, h, c, n))
-    return ImageBatch(stand_in) if isinstance(batch, ImageBatch) else stand_in
 
 
 register_gradient_nodes(

@@ -22,7 +22,7 @@ from mpsnn.graph.nodes import (
     UnaryNode,
     _TrainableNode,
 )
-from mpsnn.graph.step import _Step
+from mpsnn.graph.step import _shape_only, _Step
 
 __all__ = [
     "BatchNormalizationGradientNode",
@@ -50,6 +50,7 @@ class BatchNormalizationNode(_TrainableNode):
     records_fused_neuron = True
     gradient_applies_fused_neuron = True
     recomputes_result = True
+    normalizes_inside_sum = True
     updates_running_statistics = True
     saved_fields = (
         Field("data_source", BatchNormalizationDataSource),
@@ -92,7 +93,13 @@ class BatchNormalizationNode(_TrainableNode):
         stats.encode_batch(step.cb, x, state)
         if step.collectives is not None:  # data parallel: the statistics of every process
             step.collectives.batch_norm_statistics(self, state)
-        step.set_image(self.result_image, bn.encode_batch(step.cb, x, state))
+        if self._id in step.graph._plan.fusion.normalized_by:
+            # the addition after it normalizes inside its own command (`_normalized_sums`);
+            # until then the result is a stand-in of its shape (its gradient reads only that)
+            step.deferred[self._id] = (bn, x, state)
+            step.set_image(self.result_image, _shape_only(x))
+        else:
+            step.set_image(self.result_image, bn.encode_batch(step.cb, x, state))
         step.set_state(self.result_state, [state] * len(x))
 
     def _gradient_kernel(self, device: Device) -> Any:

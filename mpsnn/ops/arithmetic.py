@@ -22,6 +22,8 @@ import torch
 
 from mpsnn.core.geometry import AxisWindow, EdgeMode
 from mpsnn.ops import triton as fast_paths
+from mpsnn.ops.batch_norm import bn_forward
+from mpsnn.ops.batch_norm_params import BatchNormParams
 from mpsnn.ops.neuron import NeuronParams, activation, plain_relu, relu_backward_of_result
 from mpsnn.ops.window import ExtractPlan, apply_extract, apply_extract_adjoint, plan_extract
 
@@ -115,3 +117,19 @@ def add_activation(x: torch.Tensor, y: torch.Tensor, neuron: NeuronParams) -> to
         if fast is not None:
             return fast
     return activation(neuron, x + y)
+
+
+def normalized_add_activation(
+    x: torch.Tensor, p: BatchNormParams, y: torch.Tensor, neuron: NeuronParams
+) -> torch.Tensor:
+    """``f(bn(x) + y)``: a residual block's last normalization, its addition and the ReLU
+    after it, with the bits of `add_activation` applied to `mpsnn.ops.batch_norm.bn_forward`'s
+    result (``bn(x)`` rounded to ``x``'s dtype, then the sum rounded, then ``f``). On CUDA, for
+    channels-last ``x`` and ``y`` of one layout and the plain ReLU, one Triton pass that never
+    writes ``bn(x)``: it reads two tensors and writes one, where the two passes read three and
+    write two."""
+    if p.neuron is None and plain_relu(neuron, x):
+        fast = fast_paths.batch_norm_add_relu(x, p, y)
+        if fast is not None:
+            return fast
+    return add_activation(bn_forward(x, p), y, neuron)

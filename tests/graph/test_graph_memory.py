@@ -158,7 +158,7 @@ def test_a_relu_with_a_narrower_result_reads_its_source() -> None:
 
 
 def test_a_shape_only_stand_in_refuses_to_be_read() -> None:
-    from mpsnn.nodes.arithmetic import _shape_only
+    from mpsnn.graph.step import _shape_only
 
     stand_in = _shape_only(m.ImageBatch.from_tensor(torch.zeros(2, 3, 4, 5)))
     assert stand_in.image._shape == (2, 3, 4, 5) and stand_in.image._storage is None

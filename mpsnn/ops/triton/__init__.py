@@ -19,6 +19,7 @@ from mpsnn.ops.batch_norm_params import BatchNormParams, BatchNormSums
 __all__ = [
     "add_relu",
     "available",
+    "batch_norm_add_relu",
     "batch_norm_backward",
     "batch_norm_eligible",
     "batch_norm_forward",
@@ -258,6 +259,21 @@ def batch_norm_forward(x: torch.Tensor, p: BatchNormParams) -> torch.Tensor | No
     if nhwc.is_nhwc(x):  # channels-last storage (half-precision convolution outputs)
         return nhwc.nhwc_forward(x, p)
     return bn_forward_triton(x, p)
+
+
+def batch_norm_add_relu(
+    x: torch.Tensor, p: BatchNormParams, r: torch.Tensor
+) -> torch.Tensor | None:
+    """``relu(bn(x) + r)`` in one Triton pass (`batch_norm_nhwc.nhwc_forward_add_relu`) for
+    channels-last CUDA ``x`` and ``r`` of one shape, strides and dtype and no neuron in ``p``,
+    else None."""
+    if p.neuron is not None or not batch_norm_eligible(x, None, r):
+        return None
+    from mpsnn.ops.triton import batch_norm_nhwc as nhwc
+
+    if not nhwc.is_nhwc(x) or r.stride() != x.stride():
+        return None
+    return nhwc.nhwc_forward_add_relu(x, p, r)
 
 
 def batch_norm_gradient_sums(

@@ -45,6 +45,7 @@ __all__ = [
     "nhwc_backward",
     "nhwc_channel_sums",
     "nhwc_forward",
+    "nhwc_forward_add_relu",
     "nhwc_gradient_sums",
     "nhwc_statistics",
 ]
@@ -111,6 +112,43 @@ def _forward_nhwc(
     xc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32) - mu[None, :]
     z = _neuron(xc * a[None, :] + beta[None, :], slope, RELU)
     _store(y_ptr + idx, z, mask)
+
+
+@fast_kernel
+@triton.jit
+def _forward_add_relu_nhwc(
+    x_ptr, r_ptr, y_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, M, C, eps,
+    BM: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    # `_forward_nhwc` without a neuron, its result rounded to the storage dtype as `_store`
+    # writes it, then `mpsnn.ops.triton.elementwise._add_relu` on that value and the residual
+    r = (tl.num_programs(0) - 1 - tl.program_id(0)) * BM + tl.arange(0, BM)
+    cs = tl.program_id(1) * BC + tl.arange(0, BC)
+    cmask = cs < C
+    c = tl.where(cmask, cs, 0)
+    mu, _, a, beta = _coefficients(mean_ptr, var_ptr, gamma_ptr, beta_ptr, c, eps)
+    mask = (r < M)[:, None] & cmask[None, :]
+    idx = r.to(tl.int64)[:, None] * C + cs[None, :]
+    xc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32) - mu[None, :]
+    v = _stored(xc * a[None, :] + beta[None, :], y_ptr.dtype.element_ty)
+    s = tl.load(r_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    z = (v + s).to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+    out = tl.where(z >= 0, 1.0, 0.0) * z
+    tl.store(y_ptr + idx, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _stored(v, dtype: tl.constexpr):
+    """The float32 value `_store` writes for ``v`` in ``dtype`` (bfloat16: rounded to nearest
+    even in integer arithmetic, a NaN made 0x7FC0), read back as float32."""
+    if dtype == tl.bfloat16:
+        b = v.to(tl.uint32, bitcast=True)
+        rounded = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        rounded = tl.where(v != v, 0x7FC0, rounded)
+        out = (rounded << 16).to(tl.float32, bitcast=True)
+    else:
+        out = v.to(dtype).to(tl.float32)
+    return out
 
 
 @fast_kernel
@@ -281,6 +319,24 @@ def nhwc_forward(
     m = n * h * w
     _forward_nhwc[(cdiv(m, t.bm), cdiv(c, t.bc))](
         x, y, *_channel_params(p, x), m, c, float(p.eps), slope, RELU=relu, BM=t.bm, BC=t.bc,
+        num_warps=_warps(t.bm * t.bc), enable_fp_fusion=False,
+    )  # fmt: skip
+    return y
+
+
+def nhwc_forward_add_relu(
+    x: torch.Tensor, p: BatchNormParams, r: torch.Tensor, *, tile: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """``relu(bn(x) + r)`` of channels-last ``x`` and ``r`` (one shape, strides and dtype; no
+    neuron in ``p``) in one pass: the bits of `nhwc_forward` followed by the residual addition
+    and ReLU (`mpsnn.ops.triton.elementwise.add_relu_triton`), without writing and reading
+    ``bn(x)``. The result is channels-last."""
+    n, c, h, w = x.shape
+    y = torch.empty_like(x)
+    t = _tile(x, _EW_TILE_BYTES, tile, 1)
+    m = n * h * w
+    _forward_add_relu_nhwc[(cdiv(m, t.bm), cdiv(c, t.bc))](
+        x, r, y, *_channel_params(p, x), m, c, float(p.eps), BM=t.bm, BC=t.bc,
         num_warps=_warps(t.bm * t.bc), enable_fp_fusion=False,
     )  # fmt: skip
     return y
