@@ -472,7 +472,7 @@ def _command(
                 and t.dtype is out._read_dtype
                 and o.dtype is t.dtype
             ):
-                fused = normalized_add_activation(t, params, o, neuron.params)  # type: ignore[union-attr]
+                fused = normalized_add_activation(t, params, o, neuron.params, i == 0)  # type: ignore[union-attr]
             else:  # the two passes, as the unfused graph runs them
                 t = bn_forward(t, params)
             x, y = (t, o) if i == 0 else (o, t)

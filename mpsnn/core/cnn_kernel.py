@@ -499,6 +499,19 @@ class CNNKernel(SharedProperties, Kernel):
         if "_geometry_attrs" in cls.__dict__:  # a family that saves more (a tuple: 2+ names)
             cls._read_geometry = staticmethod(attrgetter(*cls._geometry_attrs))
 
+    def _whole_images(self) -> bool:
+        """Whether an encode reads the whole source and writes the whole destination: offset,
+        clip rect and feature-channel offsets and count at their defaults (no tap then reads
+        past an edge, so the edge mode does not matter). What a graph's fused command that
+        reads this kernel's source itself needs (`mpsnn.graph.plan_passes._normalized_sums`)."""
+        return (
+            self._offset == Offset()
+            and self._clip == RECT_NO_CLIP
+            and self._dco == 0
+            and self._sco == 0
+            and self._smax == _HUGE
+        )
+
     def _save_geometry(self) -> tuple[Any, ...]:
         """``(config, values of _geometry_attrs)``: what `_restore_geometry` puts back, and
         the kernel's part of the plan-cache key."""

@@ -28,7 +28,7 @@ from mpsnn.core.state import State, StateBatch
 from mpsnn.graph import program
 from mpsnn.graph.nodes import ImageNode
 from mpsnn.graph.plan import GraphPlan, build_plan
-from mpsnn.graph.step import _HELD, _Step, nbytes
+from mpsnn.graph.step import _HELD, _ShapeOnly, _Step, nbytes
 from mpsnn.graph.updates import encode_updates
 
 if TYPE_CHECKING:
@@ -485,9 +485,12 @@ class Graph:
     _current: _Step | None = None
 
     def _total(self, step_images: list[Any]) -> int:
-        """Bytes of the intermediates of an encode (its images but the sources)."""
+        """Bytes of the intermediates of an encode (its images but the sources; a stand-in
+        for an image never stored, a normalization run inside the sum after it, is none)."""
         images = {  # fused and passed-on nodes share their image: count it once
-            id(v.image._root()): v.image._root() for v in step_images if isinstance(v, ImageBatch)
+            id(v.image._root()): v.image._root()
+            for v in step_images
+            if isinstance(v, ImageBatch) and not isinstance(v.image._root(), _ShapeOnly)
         }
         return sum(nbytes(im) for im in images.values())
 

@@ -6,8 +6,8 @@ of the node graph and the earlier passes' records, returning one frozen record.
    result states); which layers are updated on the CPU.
 3. `fusion_pass`: neurons that run inside the filter before them, ReLU gradients that run
    inside the convolution gradient after them or inside the sum of gradients before them,
-   gradients passed on, and the aliases these make (one read-count key for the nodes that
-   show one image).
+   batch normalizations that run inside the residual sum after them, gradients passed on, and
+   the aliases these make (one read-count key for the nodes that show one image).
 4. `liveness_pass`: who allocates each image, who reads which key, the last reader of each
    (where it is freed), the sources' read counts.
 5. `recompute_pass` (`mpsnn.graph.plan_recompute`): results freed after the forward and
@@ -369,7 +369,8 @@ def _normalized_sums(
 
     The addition ``fuses_normalization_of_operand``, is a plain sum (`_plain_sum`) with a
     neuron fused into it, in the graph's format; the operand is the result of a training-mode
-    node that ``normalizes_inside_sum`` with no neuron of its own, in the graph's format, read
+    node that ``normalizes_inside_sum`` (its `_plain_normalization`: no padding policy, no
+    subclass running it otherwise) with no neuron of its own, in the graph's format, read
     by the addition alone (its gradient reads only its shape), not kept, with no allocator of
     its own; the normalization's input is made by the graph (a source's read count is the
     caller's: its reads are counted per node), in the graph's format and read again after the
@@ -394,6 +395,7 @@ def _normalized_sums(
             if (
                 bn is None
                 or not bn.normalizes_inside_sum
+                or not bn._plain_normalization()
                 or bn._id not in modes.training
                 or bn in targets  # a neuron of its own
                 or bn._id in taken

@@ -250,8 +250,9 @@ _ITEMSIZE = {FeatureChannelFormat.FLOAT64: 8, FeatureChannelFormat.FLOAT32: 4,
 
 class _ShapeOnly(Image):
     """A stand-in with an image's shape and format and no storage: what the add/subtract
-    gradients get instead of an input image the graph may have released already. They read
-    only its shape; a command that read its contents would be a planning bug, and raises."""
+    gradients get instead of an input image the graph may have released already, and the
+    value of a batch normalization run inside the sum after it (never stored). They read only
+    its shape; a command that read its contents would be a planning bug, and raises."""
 
     def _data(self) -> torch.Tensor:
         raise RuntimeError(

@@ -9,6 +9,7 @@ from typing import Any
 
 import mpsnn.cnn.arithmetic as arith
 from mpsnn.cnn.arithmetic import Add, Subtract
+from mpsnn.cnn.normalization import BatchNormalization
 from mpsnn.core.device import Device
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.graph.nodes import (
@@ -111,12 +112,22 @@ class _ArithmeticNode(FilterNode):
         """The operand ``bn`` makes, planned to be normalized inside this command
         (`mpsnn.graph.plan_passes._normalized_sums`): ``(operand index, its source, state,
         forward record)`` for the command (the normalization's record written into its state
-        as its own encode would), or, where the operands do not allow it (another shape or
-        format than the source's), ``(None, (a, b))`` with the normalization encoded now."""
+        as its own encode would), or ``(None, (a, b))`` with the normalization encoded now
+        where the command could not give its encode's values: the other operand or the
+        source in another shape or format than the graph's result, a kernel that is not the
+        plain `BatchNormalization` (a subclass encodes its own way) or one that reads or
+        writes part of an image."""
         kernel, x, state = step.deferred.pop(bn._id)
         i = 0 if self._sources[0] is bn.result_image else 1
         other, source = (b, a)[i].image, x.image
-        if other._shape == source._shape and other._fmt is source._fmt:
+        fmt = step.graph.format  # the normalization's result, the addition's and its operands'
+        if (
+            other._shape == source._shape
+            and other._fmt is fmt
+            and source._fmt is fmt
+            and type(kernel) is BatchNormalization
+            and kernel._whole_images()
+        ):
             kernel._record_only(source, [state])
             return i, source, state, state._forward.params  # its BatchNormalizationRecord
         y = kernel.encode_batch(step.cb, x, state)

@@ -83,6 +83,17 @@ class BatchNormalizationNode(_TrainableNode):
     def _reads(self) -> list[tuple[ImageNode, int]]:
         return [(self._sources[0], 2)]  # statistics and normalization
 
+    def _plain_normalization(self) -> bool:
+        """Whether a residual sum may run this node's normalization inside its command: this
+        class's `_run` and `_make_kernel` (a subclass may run or make its kernel otherwise)
+        and no padding policy (which may move what the normalization reads)."""
+        own = type(self)
+        return (
+            own._run is BatchNormalizationNode._run
+            and own._make_kernel is BatchNormalizationNode._make_kernel
+            and self.padding_policy is None
+        )
+
     def _run(self, step: _Step, kernels: Any) -> None:
         stats, bn = kernels
         x = step.image(self._sources[0])

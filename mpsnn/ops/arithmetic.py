@@ -120,16 +120,18 @@ def add_activation(x: torch.Tensor, y: torch.Tensor, neuron: NeuronParams) -> to
 
 
 def normalized_add_activation(
-    x: torch.Tensor, p: BatchNormParams, y: torch.Tensor, neuron: NeuronParams
+    x: torch.Tensor, p: BatchNormParams, y: torch.Tensor, neuron: NeuronParams, first: bool = True
 ) -> torch.Tensor:
     """``f(bn(x) + y)``: a residual block's last normalization, its addition and the ReLU
     after it, with the bits of `add_activation` applied to `mpsnn.ops.batch_norm.bn_forward`'s
     result (``bn(x)`` rounded to ``x``'s dtype, then the sum rounded, then ``f``). On CUDA, for
     channels-last ``x`` and ``y`` of one layout and the plain ReLU, one Triton pass that never
     writes ``bn(x)``: it reads two tensors and writes one, where the two passes read three and
-    write two."""
+    write two. ``first``: ``bn(x)`` is the sum's first operand (else ``f(y + bn(x))``, in
+    that order: the layout and a NaN's payload follow the first)."""
     if p.neuron is None and plain_relu(neuron, x):
-        fast = fast_paths.batch_norm_add_relu(x, p, y)
+        fast = fast_paths.batch_norm_add_relu(x, p, y, first)
         if fast is not None:
             return fast
-    return add_activation(bn_forward(x, p), y, neuron)
+    z = bn_forward(x, p)
+    return add_activation(z, y, neuron) if first else add_activation(y, z, neuron)

@@ -120,6 +120,7 @@ def _steps(fused: bool, fmt: m.FeatureChannelFormat, other_format=None) -> list[
     for _ in range(3):  # the later steps run the step program the first one lowered
         xt, target = rand(g, 4, 8, 9, 9).float(), rand(g, 4, 8, 9, 9).float()
         out.append(encode(graph, [xt], [m.LossLabels(DEV, target)]).tensor.clone())
+    assert graph._programs[0].uses == 2  # steps 2 and 3 ran the lowered program
     for n in graph._plan.order:
         ds = getattr(n, "data_source", None)
         for name in ("weights", "gamma", "beta", "mean", "variance"):
@@ -179,3 +180,141 @@ def test_resnet18_fuses_its_eight_residual_additions_and_trains_the_same() -> No
     (n_on, on), (n_off, off) = run(True), run(False)
     assert (n_on, n_off) == (8, 0)
     assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
+
+
+def _compare(build, steps: int = 2, setup=None) -> None:
+    """``build(g)`` -> the last image node: trained with the fusion on and off (``setup(graph,
+    fused)`` before the steps), equal bit for bit."""
+    results = []
+    for fused in (True, False):
+        g = gen(4)
+        with normalization_fusion(fused):
+            graph = _training(build(g), F32)
+        if setup is not None:
+            setup(graph, fused)
+        out = []
+        for _ in range(steps):
+            xt, target = rand(g, 4, 8, 9, 9).float(), rand(g, 4, 8, 9, 9).float()
+            out.append(encode(graph, [xt], [m.LossLabels(DEV, target)]).tensor.clone())
+        results.append(out)
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def _conv(g: torch.Generator, source: m.ImageNode, c: int = 8) -> m.ConvolutionNode:
+    return m.ConvolutionNode(source, conv_ds(g, 3, 3, c, c, _small(), dtype=torch.float32))
+
+
+def test_an_input_stored_in_another_format_gets_the_normalizations_own_command() -> None:
+    """The normalization's input is a ReLU fused into a convolution whose result is stored in
+    float16 (the node itself names no format), and so is the shortcut: the encode sees the
+    formats and runs the normalization as its own command."""
+
+    def build(g: torch.Generator) -> m.ImageNode:
+        h = m.NeuronReLUNode(m.BatchNormalizationNode(_conv(g, m.ImageNode("x")).result_image,
+                                                      _bn(g, 8)).result_image)  # fmt: skip
+        tanh = m.NeuronTanHNode(h.result_image)
+        tanh.result_image.format = m.FeatureChannelFormat.FLOAT16
+        c2 = _conv(g, h.result_image)
+        c2.result_image.format = m.FeatureChannelFormat.FLOAT16
+        b = m.BatchNormalizationNode(m.NeuronReLUNode(c2.result_image).result_image, _bn(g, 8))
+        add = m.AdditionNode(b.result_image, tanh.result_image)
+        return _conv(g, m.NeuronReLUNode(add.result_image).result_image).result_image
+
+    _compare(build)
+
+
+def test_the_normalization_as_the_second_operand() -> None:
+    def build(g: torch.Generator) -> m.ImageNode:
+        h = m.NeuronReLUNode(m.BatchNormalizationNode(_conv(g, m.ImageNode("x")).result_image,
+                                                      _bn(g, 8)).result_image)  # fmt: skip
+        b = m.BatchNormalizationNode(_conv(g, h.result_image).result_image, _bn(g, 8))
+        add = m.AdditionNode(h.result_image, b.result_image)  # the shortcut first
+        return _conv(g, m.NeuronReLUNode(add.result_image).result_image).result_image
+
+    _compare(build)
+
+
+def test_padding_policies_and_subclasses_keep_the_normalizations_own_command(monkeypatch) -> None:
+    from mpsnn.cnn.normalization import BatchNormalization
+    from mpsnn.core.geometry import PaddingMethod
+
+    class Shift:
+        """Same size, read one pixel to the right with clamped edges."""
+
+        label = None
+        padding_method = PaddingMethod.SIZE_SAME | PaddingMethod.CUSTOM
+
+        def destination_image_descriptor(self, images, states, kernel, descriptor):
+            kernel.offset = m.Offset(1, 0, 0)
+            kernel.edge_mode = m.EdgeMode.CLAMP
+            return descriptor
+
+    b, _, c3 = _block(gen(5))
+    b.padding_policy = Shift()
+    assert not _training(c3.result_image, F32)._plan.fusion.normalized_sums
+
+    class Subclass(m.BatchNormalizationNode):
+        def _make_kernel(self, device):
+            return super()._make_kernel(device)
+
+    def build(g: torch.Generator) -> m.ImageNode:
+        h = m.NeuronReLUNode(m.BatchNormalizationNode(_conv(g, m.ImageNode("x")).result_image,
+                                                      _bn(g, 8)).result_image)  # fmt: skip
+        b = Subclass(_conv(g, h.result_image).result_image, _bn(g, 8))
+        add = m.AdditionNode(b.result_image, h.result_image)
+        return _conv(g, m.NeuronReLUNode(add.result_image).result_image).result_image
+
+    assert not _training(build(gen(5)), F32)._plan.fusion.normalized_sums
+
+    # a kernel that is not the plain BatchNormalization, or one with an offset, at encode time
+    class Counted(BatchNormalization):
+        calls = 0
+
+        def encode_batch(self, *args, **kwargs):
+            type(self).calls += 1
+            return super().encode_batch(*args, **kwargs)
+
+    def swap(graph: m.Graph, fused: bool) -> None:
+        (bn,) = graph._plan.fusion.normalized_sums.values() if fused else [None]
+        if bn is not None:
+            graph._plan.kernels[bn._id][1].__class__ = Counted
+
+    _compare(lambda g: _block(g, c=8)[2].result_image, setup=swap)
+    assert Counted.calls == 1  # the first step encoded the normalization itself (and lowered)
+
+    def offset(graph: m.Graph, fused: bool) -> None:
+        for n in graph._plan.order:
+            if isinstance(n, m.BatchNormalizationNode):
+                graph._plan.kernels[n._id][1].offset = m.Offset(1, 0, 0)
+
+    _compare(lambda g: _block(g, c=8)[2].result_image, setup=offset)
+
+
+def test_the_reported_memory_does_not_count_the_normalization_never_stored() -> None:
+    totals = []
+    for fused in (True, False):
+        g = gen(6)
+        with normalization_fusion(fused):
+            graph = _training(_block(g, c=8)[2].result_image, F32)
+        encode(graph, [rand(g, 4, 8, 9, 9).float()], [m.LossLabels(DEV, rand(g, 4, 8, 9, 9))])
+        report = graph._last_plan_report
+        totals.append(graph._total(report["images"]))
+    assert totals[1] - totals[0] == 4 * 8 * 9 * 9 * 4  # one float32 image fewer
+
+
+def test_with_the_input_convolution_recompute() -> None:
+    """The normalization's input is the first layer's result, recomputed for the backward:
+    it must stay live for the addition that normalizes it."""
+
+    def build(g: torch.Generator) -> m.ImageNode:
+        x = m.ImageNode("x")
+        b = m.BatchNormalizationNode(_conv(g, x).result_image, _bn(g, 8))
+        add = m.AdditionNode(b.result_image, x)
+        return _conv(g, m.NeuronReLUNode(add.result_image).result_image).result_image
+
+    def inputs(graph: m.Graph, fused: bool) -> None:
+        graph.recompute_input_convolution_results = True
+        assert bool(graph._plan.fusion.normalized_sums) is fused
+
+    _compare(build, steps=3, setup=inputs)

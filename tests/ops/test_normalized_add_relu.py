@@ -51,7 +51,9 @@ def _inputs(shape, dtype, device, seed=5):
 def _counting(monkeypatch) -> list[torch.Tensor]:
     calls: list[torch.Tensor] = []
     real = nhwc.nhwc_forward_add_relu
-    monkeypatch.setattr(nhwc, "nhwc_forward_add_relu", lambda x, *a: calls.append(x) or real(x, *a))
+    monkeypatch.setattr(
+        nhwc, "nhwc_forward_add_relu", lambda x, *a, **k: calls.append(x) or real(x, *a, **k)
+    )
     return calls
 
 
@@ -72,6 +74,10 @@ def test_the_fused_pass_equals_the_normalization_then_the_addition(
     assert bool(got.isnan().any()) and bool((got == 0).any())  # the specials reached the output
     if device == "cuda" or dtype is not torch.bfloat16:  # the portable passes round too
         assert_same_bits(got, activation(RELU0, bn_forward_portable(x, p) + r))
+    # bn(x) as the second operand: r + bn(x), in that order
+    second = normalized_add_activation(x, p, r, RELU0, first=False)
+    assert len(calls) == 2
+    assert_same_bits(second, add_activation(r, bn_forward(x, p), RELU0))
 
 
 def test_what_the_pass_does_not_take_runs_the_two_passes(monkeypatch) -> None:
@@ -90,6 +96,8 @@ def test_what_the_pass_does_not_take_runs_the_two_passes(monkeypatch) -> None:
         got = normalized_add_activation(xs, ps, rs, neuron)
         want = add_activation(bn_forward(xs, ps), rs, neuron)
         assert_same_bits(got, want)
+        got = normalized_add_activation(xs, ps, rs, neuron, first=False)
+        assert_same_bits(got, add_activation(rs, bn_forward(xs, ps), neuron))
     assert calls == []
     # and off the fast paths (the CPU as it is): the portable passes
     monkeypatch.undo()

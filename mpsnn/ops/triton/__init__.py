@@ -262,7 +262,7 @@ def batch_norm_forward(x: torch.Tensor, p: BatchNormParams) -> torch.Tensor | No
 
 
 def batch_norm_add_relu(
-    x: torch.Tensor, p: BatchNormParams, r: torch.Tensor
+    x: torch.Tensor, p: BatchNormParams, r: torch.Tensor, first: bool = True
 ) -> torch.Tensor | None:
     """``relu(bn(x) + r)`` in one Triton pass (`batch_norm_nhwc.nhwc_forward_add_relu`) for
     channels-last CUDA ``x`` and ``r`` of one shape, strides and dtype and no neuron in ``p``,
@@ -273,7 +273,7 @@ def batch_norm_add_relu(
 
     if not nhwc.is_nhwc(x) or r.stride() != x.stride():
         return None
-    return nhwc.nhwc_forward_add_relu(x, p, r)
+    return nhwc.nhwc_forward_add_relu(x, p, r, first=first)
 
 
 def batch_norm_gradient_sums(

@@ -118,7 +118,7 @@ def _forward_nhwc(
 @triton.jit
 def _forward_add_relu_nhwc(
     x_ptr, r_ptr, y_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, M, C, eps,
-    BM: tl.constexpr, BC: tl.constexpr,
+    FIRST: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
     # `_forward_nhwc` without a neuron, its result rounded to the storage dtype as `_store`
     # writes it, then `mpsnn.ops.triton.elementwise._add_relu` on that value and the residual
@@ -132,7 +132,8 @@ def _forward_add_relu_nhwc(
     xc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32) - mu[None, :]
     v = _stored(xc * a[None, :] + beta[None, :], y_ptr.dtype.element_ty)
     s = tl.load(r_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    z = (v + s).to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+    z = v + s if FIRST else s + v  # the unfused sum's operand order
+    z = z.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
     out = tl.where(z >= 0, 1.0, 0.0) * z
     tl.store(y_ptr + idx, out.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -325,18 +326,19 @@ def nhwc_forward(
 
 
 def nhwc_forward_add_relu(
-    x: torch.Tensor, p: BatchNormParams, r: torch.Tensor, *, tile: tuple[int, int] | None = None
-) -> torch.Tensor:
+    x: torch.Tensor, p: BatchNormParams, r: torch.Tensor, *, first: bool = True,
+    tile: tuple[int, int] | None = None,
+) -> torch.Tensor:  # fmt: skip
     """``relu(bn(x) + r)`` of channels-last ``x`` and ``r`` (one shape, strides and dtype; no
     neuron in ``p``) in one pass: the bits of `nhwc_forward` followed by the residual addition
     and ReLU (`mpsnn.ops.triton.elementwise.add_relu_triton`), without writing and reading
-    ``bn(x)``. The result is channels-last."""
+    ``bn(x)``. ``first``: ``bn(x)`` is the sum's first operand. The result is channels-last."""
     n, c, h, w = x.shape
     y = torch.empty_like(x)
     t = _tile(x, _EW_TILE_BYTES, tile, 1)
     m = n * h * w
     _forward_add_relu_nhwc[(cdiv(m, t.bm), cdiv(c, t.bc))](
-        x, r, y, *_channel_params(p, x), m, c, float(p.eps), BM=t.bm, BC=t.bc,
+        x, r, y, *_channel_params(p, x), m, c, float(p.eps), FIRST=bool(first), BM=t.bm, BC=t.bc,
         num_warps=_warps(t.bm * t.bc), enable_fp_fusion=False,
     )  # fmt: skip
     return y
