@@ -230,3 +230,26 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """The same dtype and the same bytes, element by element."""
     a, b = a.contiguous().view(-1), b.contiguous().view(-1)
     return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def resnet18_two_steps(
+    configure: Callable[[m.Graph], None] | None = None,
+) -> tuple[m.Graph, list[torch.Tensor]]:
+    """A small ResNet-18 (width 4, 12x12 images, bfloat16 storage) trained two SGD steps on
+    fixed data (``configure(graph)`` first): the graph and its 21 layers' weights after."""
+    from mpsnn.models import ResNet18
+
+    net = ResNet18(DEV, m.SGD(DEV, descriptor=m.OptimizerDescriptor(learning_rate=0.1)),
+                   seed=3, width=4, input_shape=(3, 12, 12))  # fmt: skip
+    graph = net.training_graph(4, storage=m.FeatureChannelFormat.BFLOAT16)
+    if configure is not None:
+        configure(graph)
+    data = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        x = torch.randn(4, 3, 12, 12, generator=data)
+        labels = torch.randint(0, 10, (4,), generator=data)
+        onehot = F.one_hot(labels, 10).double().reshape(4, 10, 1, 1)
+        encode(graph, [x], [[m.LossLabels(DEV, onehot[i : i + 1]) for i in range(4)]])
+    weights = [ds.weights().clone() for ds in net.data_sources if hasattr(ds, "weights")]
+    assert len(weights) == 21
+    return graph, weights

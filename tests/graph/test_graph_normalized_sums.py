@@ -14,7 +14,17 @@ import torch
 
 import mpsnn as m
 import mpsnn.graph.plan_passes as plan_passes
-from tests.graph._helpers import DEV, F32, conv_ds, encode, gen, mse_loss, rand, sgd1
+from tests.graph._helpers import (
+    DEV,
+    F32,
+    conv_ds,
+    encode,
+    gen,
+    mse_loss,
+    rand,
+    resnet18_two_steps,
+    sgd1,
+)
 
 
 @contextlib.contextmanager
@@ -161,24 +171,12 @@ def test_an_operand_in_another_format_is_normalized_by_its_own_command(monkeypat
 
 
 def test_resnet18_fuses_its_eight_residual_additions_and_trains_the_same() -> None:
-    from mpsnn.models import ResNet18
-
-    def run(fused: bool) -> tuple[int, list[torch.Tensor]]:
-        opt = m.SGD(DEV, descriptor=m.OptimizerDescriptor(learning_rate=0.1))
-        with normalization_fusion(fused):
-            net = ResNet18(DEV, opt, seed=3, width=4, input_shape=(3, 12, 12))
-            graph = net.training_graph(4, storage=m.FeatureChannelFormat.BFLOAT16)
-        data = torch.Generator().manual_seed(5)
-        for _ in range(2):
-            x = torch.randn(4, 3, 12, 12, generator=data)
-            labels = torch.randint(0, 10, (4,), generator=data)
-            onehot = torch.nn.functional.one_hot(labels, 10).double().reshape(4, 10, 1, 1)
-            encode(graph, [x], [[m.LossLabels(DEV, onehot[i : i + 1]) for i in range(4)]])
-        weights = [ds.weights().clone() for ds in net.data_sources if hasattr(ds, "weights")]
-        return len(graph._plan.fusion.normalized_sums), weights
-
-    (n_on, on), (n_off, off) = run(True), run(False)
-    assert (n_on, n_off) == (8, 0)
+    with normalization_fusion(True):
+        graph, on = resnet18_two_steps()
+    assert len(graph._plan.fusion.normalized_sums) == 8
+    with normalization_fusion(False):
+        graph, off = resnet18_two_steps()
+    assert not graph._plan.fusion.normalized_sums
     assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
 
 

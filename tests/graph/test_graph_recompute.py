@@ -26,6 +26,7 @@ from tests.graph._helpers import (
     new_cb,
     peak_and_total,
     rand,
+    resnet18_two_steps,
     sgd1,
     training,
 )
@@ -218,23 +219,10 @@ def test_the_option_must_be_a_bool() -> None:
 
 
 def test_resnet18_steps_are_the_same_with_and_without_recomputing() -> None:
-    from mpsnn.models import ResNet18
+    def flag(value: bool):
+        return lambda graph: setattr(graph, "recompute_normalization_results", value)
 
-    def run(recompute: bool) -> list[torch.Tensor]:
-        net = ResNet18(DEV, m.SGD(DEV, descriptor=m.OptimizerDescriptor(learning_rate=0.1)),
-                       seed=3, width=4, input_shape=(3, 12, 12))  # fmt: skip
-        graph = net.training_graph(4, storage=m.FeatureChannelFormat.BFLOAT16)
-        graph.recompute_normalization_results = recompute
-        data = torch.Generator().manual_seed(5)
-        for _ in range(2):
-            x = torch.randn(4, 3, 12, 12, generator=data)
-            labels = torch.randint(0, 10, (4,), generator=data)
-            onehot = F.one_hot(labels, 10).double().reshape(4, 10, 1, 1)
-            encode(graph, [x], [[m.LossLabels(DEV, onehot[i : i + 1]) for i in range(4)]])
-        return [ds.weights().clone() for ds in net.data_sources if hasattr(ds, "weights")]
-
-    on, off = run(True), run(False)
-    assert len(on) == 21
+    (_, on), (_, off) = resnet18_two_steps(flag(True)), resnet18_two_steps(flag(False))
     assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
 
 

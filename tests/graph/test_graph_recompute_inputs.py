@@ -26,6 +26,7 @@ from tests.graph._helpers import (
     mse_reference,
     new_cb,
     rand,
+    resnet18_two_steps,
     sgd1,
     training,
 )
@@ -262,26 +263,16 @@ def test_the_option_must_be_a_bool() -> None:
 
 
 def test_resnet18_recomputes_its_stem_and_trains_the_same() -> None:
-    from mpsnn.models import ResNet18
+    def configure(inputs: bool):
+        def apply(graph: m.Graph) -> None:
+            assert graph.recompute_input_convolution_results is True  # the model's choice
+            (r,) = [r for rs in graph._plan.recompute.inputs.values() for r in rs]
+            assert r.node is graph._plan.order[0]  # the stem
+            graph.recompute_input_convolution_results = inputs
 
-    def run(inputs: bool) -> list[torch.Tensor]:
-        net = ResNet18(DEV, m.SGD(DEV, descriptor=m.OptimizerDescriptor(learning_rate=0.1)),
-                       seed=3, width=4, input_shape=(3, 12, 12))  # fmt: skip
-        graph = net.training_graph(4, storage=m.FeatureChannelFormat.BFLOAT16)
-        assert graph.recompute_input_convolution_results is True  # the model's choice
-        (r,) = [r for rs in graph._plan.recompute.inputs.values() for r in rs]
-        assert r.node is graph._plan.order[0]  # the stem
-        graph.recompute_input_convolution_results = inputs
-        data = torch.Generator().manual_seed(5)
-        for _ in range(2):
-            x = torch.randn(4, 3, 12, 12, generator=data)
-            labels = torch.randint(0, 10, (4,), generator=data)
-            onehot = F.one_hot(labels, 10).double().reshape(4, 10, 1, 1)
-            encode(graph, [x], [[m.LossLabels(DEV, onehot[i : i + 1]) for i in range(4)]])
-        return [ds.weights().clone() for ds in net.data_sources if hasattr(ds, "weights")]
+        return apply
 
-    on, off = run(True), run(False)
-    assert len(on) == 21
+    (_, on), (_, off) = resnet18_two_steps(configure(True)), resnet18_two_steps(configure(False))
     assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
 
 

@@ -366,44 +366,29 @@ def test_every_node_type_is_registered() -> None:
     assert names["TrainingGraph"].__name__ == "TrainingCall"
 
 
-def test_the_recompute_option_round_trips_and_defaults_for_older_files(tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("name", "default", "bad"),
+    [("recompute_normalization_results", True, "yes"),
+     ("recompute_input_convolution_results", False, 1)],
+)  # fmt: skip
+def test_the_recompute_options_round_trip_and_default_for_older_files(
+    tmp_path, name, default, bad
+) -> None:
     from tests.io._helpers import _parts, _write
 
     net = cnn(7, torch.float32, batch_norm=True)
     graph = training(net.loss, torch.float32)
-    graph.recompute_normalization_results = False
+    assert getattr(graph, name) is default
+    setattr(graph, name, not default)
     path = tmp_path / "graph.safetensors"
     m.save(graph, path)
-    assert m.load(path).recompute_normalization_results is False
+    assert getattr(m.load(path), name) is not default
     structure, tensors = _parts(path)
     (entry,) = [o for o in structure["objects"] if o["type"] == "Graph"]
-    assert entry["fields"].pop("recompute_normalization_results") is False
+    assert entry["fields"].pop(name) is not default
     _write(path, structure, tensors)  # as written before the option existed
-    assert m.load(path).recompute_normalization_results is True
-    entry["fields"]["recompute_normalization_results"] = "yes"
+    assert getattr(m.load(path), name) is default
+    entry["fields"][name] = bad
     _write(path, structure, tensors)
-    with pytest.raises(m.CheckpointError, match="field 'recompute_normalization_results' must be"):
-        m.load(path)
-
-
-def test_the_input_convolution_recompute_option_round_trips_and_defaults_off(tmp_path) -> None:
-    from tests.io._helpers import _parts, _write
-
-    net = cnn(7, torch.float32, batch_norm=True)
-    graph = training(net.loss, torch.float32)
-    assert graph.recompute_input_convolution_results is False
-    graph.recompute_input_convolution_results = True
-    path = tmp_path / "graph.safetensors"
-    m.save(graph, path)
-    assert m.load(path).recompute_input_convolution_results is True
-    structure, tensors = _parts(path)
-    (entry,) = [o for o in structure["objects"] if o["type"] == "Graph"]
-    assert entry["fields"].pop("recompute_input_convolution_results") is True
-    _write(path, structure, tensors)  # as written before the option existed
-    assert m.load(path).recompute_input_convolution_results is False
-    entry["fields"]["recompute_input_convolution_results"] = 1
-    _write(path, structure, tensors)
-    with pytest.raises(
-        m.CheckpointError, match="field 'recompute_input_convolution_results' must be"
-    ):
+    with pytest.raises(m.CheckpointError, match=f"field '{name}' must be"):
         m.load(path)

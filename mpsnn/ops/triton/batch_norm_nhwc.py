@@ -95,13 +95,14 @@ def _stats_partial_nhwc(
     tl.store(part_ptr + 2 * plane + p, m2, mask=cmask)
 
 
-@fast_kernel
 @triton.jit
-def _forward_nhwc(
-    x_ptr, y_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, M, C, eps, slope,
-    RELU: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
+def _normalized_tile(
+    x_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, M, C, eps,
+    BM: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
-    # grid (pixel blocks, channel blocks); the last pixels first (see the NCHW module)
+    """This program's tile of the grid (pixel blocks, channel blocks), the last pixels first
+    (see the NCHW module): its element offsets, its mask and ``(x - mean) a + beta`` in
+    float32 (the normalization before the neuron)."""
     r = (tl.num_programs(0) - 1 - tl.program_id(0)) * BM + tl.arange(0, BM)
     cs = tl.program_id(1) * BC + tl.arange(0, BC)
     cmask = cs < C
@@ -110,8 +111,18 @@ def _forward_nhwc(
     mask = (r < M)[:, None] & cmask[None, :]
     idx = r.to(tl.int64)[:, None] * C + cs[None, :]
     xc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32) - mu[None, :]
-    z = _neuron(xc * a[None, :] + beta[None, :], slope, RELU)
-    _store(y_ptr + idx, z, mask)
+    return idx, mask, xc * a[None, :] + beta[None, :]
+
+
+@fast_kernel
+@triton.jit
+def _forward_nhwc(
+    x_ptr, y_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, M, C, eps, slope,
+    RELU: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    idx, mask, v = _normalized_tile(x_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, M, C, eps,
+                                    BM, BC)  # fmt: skip
+    _store(y_ptr + idx, _neuron(v, slope, RELU), mask)
 
 
 @fast_kernel
@@ -122,15 +133,9 @@ def _forward_add_relu_nhwc(
 ):  # fmt: skip
     # `_forward_nhwc` without a neuron, its result rounded to the storage dtype as `_store`
     # writes it, then `mpsnn.ops.triton.elementwise._add_relu` on that value and the residual
-    r = (tl.num_programs(0) - 1 - tl.program_id(0)) * BM + tl.arange(0, BM)
-    cs = tl.program_id(1) * BC + tl.arange(0, BC)
-    cmask = cs < C
-    c = tl.where(cmask, cs, 0)
-    mu, _, a, beta = _coefficients(mean_ptr, var_ptr, gamma_ptr, beta_ptr, c, eps)
-    mask = (r < M)[:, None] & cmask[None, :]
-    idx = r.to(tl.int64)[:, None] * C + cs[None, :]
-    xc = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32) - mu[None, :]
-    v = _stored(xc * a[None, :] + beta[None, :], y_ptr.dtype.element_ty)
+    idx, mask, v = _normalized_tile(x_ptr, mean_ptr, var_ptr, gamma_ptr, beta_ptr, M, C, eps,
+                                    BM, BC)  # fmt: skip
+    v = _stored(v, y_ptr.dtype.element_ty)
     s = tl.load(r_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     z = v + s if FIRST else s + v  # the unfused sum's operand order
     z = z.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
