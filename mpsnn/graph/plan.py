@@ -121,8 +121,8 @@ class GraphPlan:
             ]
             if last:
                 extra.append("frees " + ", ".join(last))
-            for r in reversed(selected.get(node._id, ())):
-                extra.insert(0, f"recomputes {names.get(r.key, '?')} first")
+            first = selected.get(node._id, ())
+            extra[:0] = [f"recomputes {names.get(r.key, '?')} first" for r in first]
             for r in freed_until.get(node._id, ()):
                 extra.append(f"frees {names.get(r.key, '?')} until recomputed")
             label = f" {node.label!r}" if node.label else ""

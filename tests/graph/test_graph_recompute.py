@@ -65,19 +65,9 @@ def _consumers(out: m.ImageNode) -> list:
     return nodes[::-1]
 
 
-def _planned(graph: m.Graph) -> list[m.BatchNormalizationNode]:
-    return [r.node for plans in graph._plan.recompute.before.values() for r in plans]
-
-
-def test_the_chain_recomputes_every_normalization_result_and_matches_autograd() -> None:
-    g = gen(71)
-    _, out, convs, bns = _chain(g)
-    graph, _ = training(mse_loss(out))
-    assert graph.recompute_normalization_results is True  # the default
-    assert _planned(graph) == bns
-    listing = graph.debug_description()
-    assert listing.count("until recomputed") == 2 and listing.count("first;") == 2
-
+def check_step_against_autograd(g: torch.Generator, graph: m.Graph, convs, bns) -> None:
+    """One step of `_chain`'s training ``graph`` on random data equals PyTorch autograd in
+    float64: the input gradient, every convolution's step and gamma/beta's gradients."""
     twins = [TorchConv(ds) for ds in convs]
     affine = [
         tuple(
@@ -102,6 +92,22 @@ def test_the_chain_recomputes_every_normalization_result_and_matches_autograd() 
         ds = bn.data_source
         assert_close(gamma.detach() - ds.gamma(), gamma.grad, f"gamma {i}", TOL)
         assert_close(beta.detach() - ds.beta(), beta.grad, f"beta {i}", TOL)
+
+
+def _planned(graph: m.Graph) -> list[m.BatchNormalizationNode]:
+    return [r.node for plans in graph._plan.recompute.before.values() for r in plans]
+
+
+def test_the_chain_recomputes_every_normalization_result_and_matches_autograd() -> None:
+    g = gen(71)
+    _, out, convs, bns = _chain(g)
+    graph, _ = training(mse_loss(out))
+    assert graph.recompute_normalization_results is True  # the default
+    assert _planned(graph) == bns
+    listing = graph.debug_description()
+    assert listing.count("until recomputed") == 2 and listing.count("first;") == 2
+
+    check_step_against_autograd(g, graph, convs, bns)
 
 
 def _small_sgd() -> m.SGD:

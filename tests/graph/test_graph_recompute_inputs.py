@@ -9,28 +9,28 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import mpsnn as m
 from mpsnn.graph.plan_recompute import INPUT_CONVOLUTION, NORMALIZATION
 from tests.graph._helpers import (
     DEV,
     F32,
-    TOL,
-    TorchConv,
-    assert_close,
     conv_ds,
     encode,
     gen,
     mse_loss,
-    mse_reference,
     new_cb,
     rand,
     resnet18_two_steps,
     sgd1,
     training,
 )
-from tests.graph.test_graph_recompute import _chain, _consumers, _small_sgd
+from tests.graph.test_graph_recompute import (
+    _chain,
+    _consumers,
+    _small_sgd,
+    check_step_against_autograd,
+)
 
 _COMBOS = [(False, False), (True, False), (False, True), (True, True)]
 
@@ -82,31 +82,7 @@ def test_the_step_matches_autograd_with_both_recomputes() -> None:
     _, out, convs, bns = _chain(g)
     graph, _ = training(mse_loss(out))
     _set(graph, True, True)
-    twins = [TorchConv(ds) for ds in convs]
-    affine = [
-        tuple(
-            t.detach().clone().requires_grad_()
-            for t in (bn.data_source.gamma(), bn.data_source.beta())
-        )
-        for bn in bns
-    ]
-    xt, target = rand(g, 2, 4, 7, 6), rand(g, 2, 4, 7, 6)
-    dx = encode(graph, [xt], [m.LossLabels(DEV, target)])
-    xr = xt.clone().requires_grad_()
-    h = xr
-    for tconv, bn, (gamma, beta) in zip(twins[:-1], bns, affine, strict=True):
-        z = F.batch_norm(
-            tconv(h), None, None, gamma, beta, training=True, eps=bn.data_source.epsilon
-        )
-        h = F.relu(z)
-    mse_reference(twins[-1](h), target).backward()
-    assert_close(dx.tensor, xr.grad, "dL/dx", TOL)
-    for i, tconv in enumerate(twins):
-        tconv.check_step(f"convolution {i}")
-    for i, (bn, (gamma, beta)) in enumerate(zip(bns, affine, strict=True)):
-        ds = bn.data_source
-        assert_close(gamma.detach() - ds.gamma(), gamma.grad, f"gamma {i}", TOL)
-        assert_close(beta.detach() - ds.beta(), beta.grad, f"beta {i}", TOL)
+    check_step_against_autograd(g, graph, convs, bns)
 
 
 def _run_steps(normalization: bool, inputs: bool, fmt: m.FeatureChannelFormat, steps: int = 3):

@@ -96,14 +96,21 @@ def _through_neuron(gy, z, slope, RELU: tl.constexpr):
 
 
 @triton.jit
+def _bfloat16_bits(v):
+    """The bits of float32 ``v`` rounded to bfloat16 (nearest even), in a uint32's low half:
+    rounded in integer arithmetic (Triton's interpreter truncates in its own conversion); a
+    NaN becomes 0x7FC0."""
+    b = v.to(tl.uint32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return tl.where(v != v, 0x7FC0, r)
+
+
+@triton.jit
 def _store(ptr, v, mask):
-    """Store float32 ``v`` in ``ptr``'s dtype, rounded to nearest even. bfloat16 is rounded in
-    integer arithmetic (Triton's interpreter truncates in its own conversion); a NaN stays a
-    NaN (0x7FC0)."""
+    """Store float32 ``v`` in ``ptr``'s dtype, rounded to nearest even (bfloat16:
+    `_bfloat16_bits`)."""
     if ptr.dtype.element_ty == tl.bfloat16:
-        b = v.to(tl.uint32, bitcast=True)
-        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        r = tl.where(v != v, 0x7FC0, r)
+        r = _bfloat16_bits(v)
         tl.store(ptr, r.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
     else:
         tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)

@@ -24,6 +24,7 @@ import triton.language as tl
 from mpsnn.ops.batch_norm_params import BatchNormParams, BatchNormSums
 from mpsnn.ops.triton.batch_norm import (
     _MAX_PARTS,
+    _bfloat16_bits,
     _chan_merge,
     _channel_params,
     _channel_sums,
@@ -145,13 +146,9 @@ def _forward_add_relu_nhwc(
 
 @triton.jit
 def _stored(v, dtype: tl.constexpr):
-    """The float32 value `_store` writes for ``v`` in ``dtype`` (bfloat16: rounded to nearest
-    even in integer arithmetic, a NaN made 0x7FC0), read back as float32."""
+    """The float32 value `_store` writes for ``v`` in ``dtype``, read back as float32."""
     if dtype == tl.bfloat16:
-        b = v.to(tl.uint32, bitcast=True)
-        rounded = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        rounded = tl.where(v != v, 0x7FC0, rounded)
-        out = (rounded << 16).to(tl.float32, bitcast=True)
+        out = (_bfloat16_bits(v) << 16).to(tl.float32, bitcast=True)
     else:
         out = v.to(dtype).to(tl.float32)
     return out
