@@ -43,7 +43,12 @@ from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.kernel import image_sequences, resolve_images
 from mpsnn.core.saved import Field
 from mpsnn.errors import CommandBufferError, UnsupportedError
-from mpsnn.ops.loss import LossParams, loss_forward_backward, read_index_bounds
+from mpsnn.ops.loss import (
+    LossParams,
+    loss_forward_backward,
+    new_index_bounds,
+    read_index_bounds,
+)
 
 __all__ = [
     "Loss",
@@ -79,6 +84,7 @@ class ReductionType(enum.IntEnum):
 
 _INDEX_LABELS = (LossType.SOFTMAX_CROSS_ENTROPY, LossType.CATEGORICAL_CROSS_ENTROPY)
 _PER_PIXEL = (*_INDEX_LABELS, LossType.COSINE_DISTANCE)
+_EMPTY_RANGE = -(2**63)  # what `new_index_bounds` holds: the identity of the running maxima
 
 #: a loss's math: ``(predictions, labels, weights) -> (loss image, gradient)``
 _Compute = Callable[
@@ -428,27 +434,30 @@ class Loss(_LabelsLoss):
         params = self._params
         if not index:
             return lshape, lambda y, t, wt: loss_forward_backward(y, t, wt, params), None
-        # class indices: their range, written by the command on the device and read by the
-        # command buffer's completion check (`_index_check`). On CUDA the command copies it
-        # into pinned host memory made here (outside any capture) on its own stream, so the
-        # check reads host memory once the work completed: no device read, no wait (a capture
+        # class indices: their range, folded by every run of the command into `bounds` (made
+        # here, outside any capture) and read by the command buffer's completion check
+        # (`_index_check`). Runs of one command (a step program's eager steps, a captured
+        # step's replays) may overlap the check of an earlier one, so the range is a running
+        # one, reset by the check when it reports. On CUDA each run copies it into pinned host
+        # memory made here, so the check reads host memory: no device read, no wait (a capture
         # records the copy, and each replay writes the same host buffer)
-        written: list[torch.Tensor | None] = [None]
-        cuda = self._device.torch_device.type == "cuda"
-        host = torch.empty(2, dtype=torch.int64, pin_memory=True) if cuda else None
+        bounds = new_index_bounds(self._device.torch_device)
+        host = (
+            torch.empty(2, dtype=torch.int64, pin_memory=True).fill_(_EMPTY_RANGE)
+            if bounds.is_cuda
+            else None
+        )
 
         def compute(
             y: torch.Tensor, t: torch.Tensor, wt: torch.Tensor | None
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            bounds = torch.empty(2, dtype=torch.int64, device=t.device)
-            written[0] = bounds
             value, g = loss_forward_backward(y, t, wt, params, index_bounds=bounds)
-            if host is not None and bounds.is_cuda:
+            if host is not None:
                 host.copy_(bounds, non_blocking=True)
-                written[0] = host
             return value, g
 
-        return lshape, compute, lambda cb: cb._check_after_last(_index_check(written, c))
+        check = _index_check(bounds, host, c)
+        return lshape, compute, lambda cb: cb._check_after_last(check)
 
 
 def _check_loss_size(
@@ -464,17 +473,24 @@ def _check_loss_size(
             )
 
 
-def _index_check(written: list[torch.Tensor | None], classes: int) -> Any:
-    """The completion check of a loss command with class indices: the range the command wrote
-    (read once the work completed) must lie in ``[0, classes)``."""
+def _index_check(bounds: torch.Tensor, host: torch.Tensor | None, classes: int) -> Any:
+    """The completion check of a loss command with class indices: the range its runs folded
+    into ``bounds`` (on CUDA read from ``host``, the copy each run makes) must lie in
+    ``[0, classes)``. A bad range is reported once: the check waits for the device (runs still
+    in flight fold into the range it reports), then resets both tensors to the empty range."""
 
     def check() -> CommandBufferError | None:
-        bounds = written[0]
-        if bounds is None:
-            return None
-        lo, hi = read_index_bounds(bounds)
+        lo, hi = read_index_bounds(bounds if host is None else host)
         if lo >= 0 and hi < classes:
             return None
+        if host is not None:  # every run launched so far has folded and copied its range
+            torch.cuda.synchronize(bounds.device)
+            lo, hi = read_index_bounds(host)
+            bounds.fill_(_EMPTY_RANGE)
+            torch.cuda.synchronize(bounds.device)
+            host.fill_(_EMPTY_RANGE)
+        else:
+            bounds.fill_(_EMPTY_RANGE)
         return CommandBufferError(
             f"[Loss] class indices must lie in [0, {classes}) (the predictions' channels), "
             f"got {lo} to {hi}"

@@ -47,6 +47,8 @@ class _Capturable(Protocol):
 
     def _wait_if_committed(self) -> None: ...
 
+    def _wait_for_prior(self) -> None: ...
+
 
 def allocated_before_capture(buffer: _Capturable) -> list[torch.Tensor]:
     """The storage of the temporaries ``buffer`` releases that exists already (made at encode
@@ -160,9 +162,20 @@ class CapturedCommandBuffer:
         return self._buffer
 
     def replay(self) -> None:
-        """Run the recorded work once more (asynchronously on CUDA)."""
+        """Run the recorded work once more (asynchronously on CUDA).
+
+        Replays run two deep: this call returns once replay ``n + 1`` is launched, replay
+        ``n`` may still run, and replay ``n - 1`` has completed (an error it or the device
+        reported is raised here, before the launch). So the host prepares the next step while
+        the device runs this one, and an error surfaces at the latest two calls after the
+        replay that made it, or at `wait_until_completed`."""
         self._buffer._replay(self._graph)
         self.replays += 1
+
+    def wait_for_earlier(self) -> None:
+        """Wait for the replays before the last one (the last may still run) and raise the
+        error found: what `replay` does before its launch."""
+        self._buffer._wait_for_prior()
 
     def wait_until_completed(self) -> None:
         """Wait for the last replay; re-raise its error."""

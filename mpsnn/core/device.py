@@ -20,6 +20,7 @@ storage.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import threading
 import weakref
@@ -251,6 +252,7 @@ class CommandBuffer:
         "_handlers",
         "_hooks",
         "_pending_releases",
+        "_prior",
         "_queue",
         "_status",
         "error",
@@ -270,6 +272,7 @@ class CommandBuffer:
         self._pending_releases: list[Any] = []  # released before the first command runs
         self._done: threading.Event | None = None  # only when a worker runs the handlers
         self._event: torch.cuda.Event | None = None
+        self._prior: torch.cuda.Event | None = None  # a replay before the last, not waited for
         self._captured = False
         self._checks: list[_Command] | None = None  # commands that ran and have a check
 
@@ -352,7 +355,12 @@ class CommandBuffer:
     def _check_after_last(self, check: Callable[[], BaseException | None]) -> None:
         """Once the work completed (before the completed handlers), ``check()`` reads what the
         last recorded command wrote on the device (an error flag) and returns the exception to
-        record as its error, or None; after every run of the command (replays too)."""
+        record as its error, or None; after every run of the command (replays too).
+
+        Replays run two deep (`_replay`): the check of a captured buffer runs once the replay
+        before the last completed, while the last may still run, and not after every replay.
+        So what it reads must be folded by every run (a running maximum, say) rather than
+        overwritten, and reset by the check once it reported an error."""
         self._commands[-1].check = check
 
     def _mark(self) -> tuple[Any, ...]:
@@ -449,12 +457,47 @@ class CommandBuffer:
 
     def _replay(self, graph: torch.cuda.CUDAGraph) -> None:
         """Launch the captured ``graph`` of this buffer's work once more
-        (`CapturedCommandBuffer.replay`)."""
-        self._wait_if_committed()  # one replay at a time: outputs are shared
+        (`CapturedCommandBuffer.replay`).
+
+        Replays run two deep, as Metal command buffers committed back to back do: the host
+        launches replay ``n + 1`` while replay ``n`` runs (stream order keeps them apart on
+        the device), after waiting for replay ``n - 1`` and raising the error its checks found
+        (`_wait_for_prior`). A buffer with completed handlers waits for the last replay
+        instead: its handlers run once per replay, in order."""
+        if self._handlers:
+            self._wait_if_committed()
+        else:
+            self._wait_for_prior()
         self.error = None
         self.failed_command = None
-
+        running = self._event if self._status is _COMMITTED else None
         self._launch(graph.replay)
+        self._prior = running
+
+    def _wait_for_prior(self) -> None:
+        """Wait for the replay launched before the last one, if it was not waited for, then
+        run the checks (what they read covers at least that replay: see `_check_after_last`)
+        and raise the error they or the device report. The last replay may still run."""
+        prior = self._prior
+        if prior is None:
+            return
+        self._prior = None
+        try:
+            prior.synchronize()
+        except Exception as exc:  # a device fault (illegal address, ...)
+            self._record_error(exc, "(device)")
+        else:
+            self._queue._spare_events.append(prior)
+        if self._checks is not None and self.error is None:
+            self._run_checks()
+        if self.error is not None:  # the last replay runs out first: the status says ERROR
+            last = self._event
+            if last is not None:
+                with contextlib.suppress(Exception):  # reported already: the first error wins
+                    last.synchronize()
+            self._recycle_event()
+            self._status = _ERROR
+            raise self.error
 
     def _wait_if_committed(self) -> None:
         """Wait for the work launched last (a replay's), if it has not been waited for."""
@@ -492,11 +535,15 @@ class CommandBuffer:
 
     def _recycle_event(self) -> None:
         """The caller's thread saw the completion event fire: hand it back to the queue for a
-        later commit (a completed buffer never reads its event again). Buffers whose handlers
-        a completion thread runs keep theirs."""
+        later commit (a completed buffer never reads its event again), with the event of an
+        earlier replay (complete too: stream order). Buffers whose handlers a completion
+        thread runs keep theirs."""
         event, self._event = self._event, None
         if event is not None:  # another thread that saw it fire may have handed it back
             self._queue._spare_events.append(event)
+        prior, self._prior = self._prior, None
+        if prior is not None:
+            self._queue._spare_events.append(prior)
 
     def _complete(self) -> None:
         """The device work is done: run the checks, set the status, run the handlers."""

@@ -13,7 +13,10 @@ How a call runs:
    compiled graph, the step is encoded on a command buffer that is *captured*
    (`CommandBuffer.capture`) instead of committed, and the recording is replayed once.
 3. Later calls: the new batch is copied into the static inputs in place (on the queue's
-   stream) and the recording is replayed.
+   stream) and the recording is replayed. A call does not wait for the step before it: the
+   host prepares step ``n + 1`` while the device runs step ``n`` (replays run two deep, see
+   `CapturedCommandBuffer.replay`), and an error of a replay is raised by a later call or by
+   `wait_until_completed`.
 
 Every call is exactly one training step, so eager and compiled training give the same weights:
 everything that changes between steps is kept on the device — dropout keys, the optimizers'
@@ -231,7 +234,9 @@ class CompiledGraph:
 
     def _copy(self, batches: list[ImageBatch], states: list[list[State]]) -> None:
         if self._captured is not None:
-            self._captured.wait_until_completed()  # the last replay read the static inputs
+            # Errors of earlier replays first. The last replay may still run: the copies are
+            # queued after it on the queue's stream, so it reads its own batch.
+            self._captured.wait_for_earlier()
         for new, old in zip(batches, self._images, strict=True):
             if new.image is not old.image:
                 old.tensor.copy_(new.tensor, non_blocking=True)

@@ -59,10 +59,11 @@ scatter into the (N, C, H, W) class-term tensor ``a`` (no int64 one-hot). Indice
 ``[0, C)`` (there is no "ignore" index); a check on the host would wait for the device, so
 they are checked on the device instead: an index is never used as an address outside the
 tensors (the scatter takes it clamped into ``[0, C)``; the Triton pass only compares it), and
-with ``index_bounds`` the call writes the indices' range into a small int64 tensor, which
-`read_index_bounds` decodes once the work has completed (`mpsnn.cnn.loss.Loss` turns a bad
-range into an error of its command buffer). A pixel with a bad index gets meaningless values
-(those of the clamped index on the portable path, NaN on the Triton pass).
+with ``index_bounds`` the call folds the indices' range into a small int64 tensor (made by
+`new_index_bounds`; a running minimum and maximum, so one tensor can gather the range of many
+calls), which `read_index_bounds` decodes once the work has completed (`mpsnn.cnn.loss.Loss`
+turns a bad range into an error of its command buffer). A pixel with a bad index gets
+meaningless values (those of the clamped index on the portable path, NaN on the Triton pass).
 
 **CUDA fast path.** SOFTMAX_CROSS_ENTROPY with class indices, no weights, no label smoothing
 and ``0 < weight <= float32 max`` on float16/bfloat16/float32 CUDA predictions runs as one
@@ -107,6 +108,7 @@ from mpsnn.ops._dtypes import acc_dtype
 __all__ = [
     "LossParams",
     "loss_forward_backward",
+    "new_index_bounds",
     "read_index_bounds",
     "MEAN_ABSOLUTE_ERROR",
     "MEAN_SQUARED_ERROR",
@@ -162,8 +164,9 @@ def loss_forward_backward(
     indices (N, H, W). ``weights``: None, or float with the labels' shape; with index labels
     (N, H, W) (one weight per pixel) or (N, Cw, H, W) with Cw >= C (one per class). Returns the
     loss image in the accumulation dtype and ``d sum(loss image) / dy`` in ``y``'s dtype.
-    ``index_bounds``: with class-index labels, an int64 tensor of 2 elements on the labels'
-    device that receives their range (decoded by `read_index_bounds` after the work ran).
+    ``index_bounds``: with class-index labels, a `new_index_bounds` tensor on the labels'
+    device into which their range is folded (decoded by `read_index_bounds` after the work
+    ran: the range of every call that folded into it since it was made or reset).
     """
     kind, reduction = int(params.kind), int(params.reduction)
     _check(y, labels, weights, kind, reduction)
@@ -216,14 +219,20 @@ _I64_MIN = -(2**63)
 
 
 def _index_range(labels: torch.Tensor, out: torch.Tensor) -> None:
-    """Write ``(~min, max)`` of the class indices into ``out`` (on the device, no wait); the
-    first is stored complemented so that both are maxima, as the Triton pass computes them
-    (``~k = -1 - k`` never overflows)."""
+    """Fold ``(~min, max)`` of the class indices into ``out`` (running maxima, on the device,
+    no wait); the first is stored complemented so that both are maxima, as the Triton pass
+    computes them (``~k = -1 - k`` never overflows)."""
     if labels.numel() == 0:
-        out.fill_(_I64_MIN)  # decodes to an empty range
-        return
-    torch.aminmax(labels, out=(out[0], out[1]))
-    out[0].bitwise_not_()
+        return  # an empty range changes nothing
+    pair = torch.stack(torch.aminmax(labels))
+    pair[0].bitwise_not_()
+    torch.maximum(out, pair, out=out)
+
+
+def new_index_bounds(device: torch.device | str) -> torch.Tensor:
+    """An ``index_bounds`` tensor holding the empty range (both entries the int64 minimum, the
+    identity of the running maxima), on ``device``. Refill it with that value to reset it."""
+    return torch.full((2,), _I64_MIN, dtype=torch.int64, device=device)
 
 
 def read_index_bounds(bounds: torch.Tensor) -> tuple[int, int]:

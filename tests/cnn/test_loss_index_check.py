@@ -156,7 +156,7 @@ def test_ops_report_the_index_range_without_reading_out_of_bounds() -> None:
     idx = torch.randint(0, 4, (2, 3, 3), generator=torch.Generator().manual_seed(1))
     idx[1, 2, 2], idx[0, 0, 1] = 1000, -5
     for kind in (L.SOFTMAX_CROSS_ENTROPY, L.CATEGORICAL_CROSS_ENTROPY):
-        bounds = torch.empty(2, dtype=torch.int64)
+        bounds = L.new_index_bounds("cpu")
         p = LossParams(kind, L.NONE)
         loss, grad = loss_forward_backward(y.abs(), idx, None, p, index_bounds=bounds)
         assert L.read_index_bounds(bounds) == (-5, 1000)
@@ -171,7 +171,7 @@ def test_ops_report_the_index_range_without_reading_out_of_bounds() -> None:
 def test_triton_pass_reports_the_index_range(triton_pass, device) -> None:
     y = torch.randn(2, 4, 3, 3, device=device)
     idx = torch.randint(0, 4, (2, 3, 3), generator=torch.Generator().manual_seed(1)).to(device)
-    bounds = torch.empty(2, dtype=torch.int64, device=device)
+    bounds = L.new_index_bounds(device)
     p = LossParams(L.SOFTMAX_CROSS_ENTROPY, L.SUM)
     loss_forward_backward(y, idx, None, p, index_bounds=bounds)
     assert L.read_index_bounds(bounds) == (int(idx.min()), int(idx.max()))
@@ -179,6 +179,30 @@ def test_triton_pass_reports_the_index_range(triton_pass, device) -> None:
     loss_forward_backward(y, idx, None, p, index_bounds=bounds)
     assert L.read_index_bounds(bounds) == (-(2**62), int(idx.max()))
     assert len(triton_pass) == 2
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["triton", "portable"])
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_index_bounds_fold_the_range_of_every_call(fused, device, triton_pass) -> None:
+    """`new_index_bounds` starts empty; each call folds its labels' range in (running minimum
+    and maximum), so one tensor holds the range of several calls until it is refilled."""
+    fast_paths.set_enabled(fused)
+    try:
+        bounds = L.new_index_bounds(device)
+        assert L.read_index_bounds(bounds) == (2**63 - 1, -(2**63))  # the empty range
+        y = torch.randn(2, 4, 3, 3, device=device)
+        p = LossParams(L.SOFTMAX_CROSS_ENTROPY, L.SUM)
+        for low, high in ((1, 2), (0, 1), (2, 3), (1, 1)):
+            idx = torch.full((2, 3, 3), low, dtype=torch.int64)
+            idx[1, 2, 0] = high
+            loss_forward_backward(y, idx.to(device), None, p, index_bounds=bounds)
+        assert L.read_index_bounds(bounds) == (0, 3)
+        assert len(triton_pass) == (4 if fused else 0)
+        bounds.fill_(-(2**63))
+        loss_forward_backward(y, torch.full((2, 3, 3), 2).to(device), None, p, index_bounds=bounds)
+        assert L.read_index_bounds(bounds) == (2, 2)
+    finally:
+        fast_paths.set_enabled(True)
 
 
 def test_completed_handlers_see_the_failed_check() -> None:

@@ -30,8 +30,9 @@ A class index outside ``[0, C)`` (possible when `mpsnn.cnn.loss.LossLabels` trus
 are NaN. The index is never used as an address, so no memory outside the tensors is read. With
 ``bounds``, every program also folds its pixels' indices into ``bounds = (max ~k, max k)`` by
 two atomic maxima (``~k = -1 - k``, so that the lowest index is a maximum too and no value
-overflows), after one fill of ``bounds`` with the int64 minimum; `mpsnn.ops.loss.
-read_index_bounds` decodes it after the work completed.
+overflows): running maxima, so ``bounds`` (made by `mpsnn.ops.loss.new_index_bounds`) can
+gather the range of many launches; `mpsnn.ops.loss.read_index_bounds` decodes it after the
+work completed.
 
 Layouts: any strides of ``y`` and of the labels (passed to the kernel, with the gradient's,
 which has ``y``'s layout where ``y`` is dense); the loss is a new contiguous (N, 1, H, W) float32
@@ -151,7 +152,7 @@ def softmax_cross_entropy_triton(
     softmax_cross_entropy`) checked the case: CUDA (or the interpreter), float16/bfloat16/
     float32, int64 labels of that shape on ``y``'s device, ``0 < weight <= float32 max``,
     ``1 <= C <= MAX_CLASSES``, at least one pixel. ``bounds``: None, or an int64 tensor of 2
-    elements on ``y``'s device that receives the labels' ``(max ~k, max k)``."""
+    elements on ``y``'s device into which the labels' ``(max ~k, max k)`` are folded."""
     n, c, h, w = y.shape
     npix = n * h * w
     loss = torch.empty((n, 1, h, w), dtype=torch.float32, device=y.device)
@@ -160,8 +161,6 @@ def softmax_cross_entropy_triton(
     block_p = max(1, min(_TILE // block_c, next_power_of_2(npix)))
     # classes innermost when they are adjacent in memory, else pixels (NCHW planes)
     cls_axis = 1 if y.stride(1) == 1 else 0
-    if bounds is not None:
-        bounds.fill_(_I64_MIN)  # the identity of the maxima
     _softmax_cross_entropy[(cdiv(npix, block_p),)](
         y, labels, loss, grad, loss if bounds is None else bounds,
         npix, c, h * w, w, *y.stride(), *labels.stride(), *grad.stride(),
