@@ -9,7 +9,8 @@ Each world size runs in fresh processes (``torch.multiprocessing`` spawn, one pe
 ResNet-18 (``mpsnn.models.ResNet18``) on synthetic 32×32×3 images, ``--batch-per-gpu`` images
 per GPU (the global batch grows with the GPUs: weak scaling), SGD with momentum 0.9:
 
-* mpsnn: the training graph in bfloat16 storage (float32 master weights), ``graph.data_parallel
+* mpsnn: the training graph in bfloat16 storage (float32 master weights; the images cast to
+  bfloat16 first, as ``mpsnn train`` feeds them), ``graph.data_parallel
   = DataParallel()`` on N GPUs (gradients bucketed and all-reduced while the backward runs,
   batch-norm statistics and gradient sums combined across GPUs: synchronized batch norm);
   one GPU runs the plain graph. ``--mpsnn-modes``: ``replay`` (`Graph.compile`: the step,
@@ -86,6 +87,7 @@ def _timed(step: Any, sync: Any, world: int, args: argparse.Namespace) -> float:
 def _mpsnn(rank: int, world: int, args: argparse.Namespace, x: torch.Tensor,
            y: torch.Tensor, mode: str) -> dict[str, Any]:  # fmt: skip
     import mpsnn as m
+    from mpsnn.cli.bench import _batch
 
     dev = m.Device(f"cuda:{rank}" if args.device == "cuda" else "cpu")
     sgd = m.SGD(dev, momentum_scale=0.9, descriptor=m.OptimizerDescriptor(learning_rate=0.05))
@@ -101,7 +103,7 @@ def _mpsnn(rank: int, world: int, args: argparse.Namespace, x: torch.Tensor,
         graph.data_parallel = m.DataParallel(bucket_mib=args.bucket_mib,
                                              sync_batch_norm=not local)  # fmt: skip
     queue = dev.new_command_queue()
-    images = [m.ImageBatch.from_tensor(x)]
+    images = [_batch(x, storage)]  # in the graph's format, as `mpsnn train` feeds it
     labels = [m.LossLabels(dev, y.view(-1, 1, 1), max_index=9)]
     last: list[Any] = [None]
     compiled = graph.compile(queue) if mode.startswith("replay") else None

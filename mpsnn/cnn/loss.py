@@ -35,7 +35,7 @@ from mpsnn.cnn.loss_labels import LossLabels
 from mpsnn.core._checks import check_enum, check_type
 from mpsnn.core.cnn_kernel import CNNKernel
 from mpsnn.core.descriptor import FeatureChannelFormat, ImageDescriptor, _result_format
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.device import CommandBuffer, Device, running_buffer
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import Size
 from mpsnn.core.image import Image
@@ -434,29 +434,38 @@ class Loss(_LabelsLoss):
         params = self._params
         if not index:
             return lshape, lambda y, t, wt: loss_forward_backward(y, t, wt, params), None
-        # class indices: their range, folded by every run of the command into `bounds` (made
-        # here, outside any capture) and read by the command buffer's completion check
-        # (`_index_check`). Runs of one command (a step program's eager steps, a captured
-        # step's replays) may overlap the check of an earlier one, so the range is a running
-        # one, reset by the check when it reports. On CUDA each run copies it into pinned host
-        # memory made here, so the check reads host memory: no device read, no wait (a capture
-        # records the copy, and each replay writes the same host buffer)
-        bounds = new_index_bounds(self._device.torch_device)
-        host = (
-            torch.empty(2, dtype=torch.int64, pin_memory=True).fill_(_EMPTY_RANGE)
-            if bounds.is_cuda
-            else None
-        )
+        # class indices: their range, folded by the command into a small int64 tensor and read
+        # by the command buffer's completion check (`_index_check`). Each run keeps its own for
+        # its buffer (`running_buffer`): runs of one command in several buffers (a step
+        # program's eager steps) overlap, and each buffer checks its own. On CUDA the range is
+        # copied into pinned host memory on the queue's stream, so the check reads host memory:
+        # no device read, no wait. A captured step's replays all run the recorded copy into one
+        # host buffer, and replays run two deep: they fold into one device range made here
+        # (outside any capture), which the check resets when it reports.
+        cuda = self._device.torch_device.type == "cuda"
+        replayed = new_index_bounds(self._device.torch_device) if cuda else None
+        replayed_host = _pinned_range() if cuda else None
+        spare: list[torch.Tensor] = []  # pinned ranges that checks have read
+        key = object()  # this command's value in a buffer's run values
 
         def compute(
             y: torch.Tensor, t: torch.Tensor, wt: torch.Tensor | None
         ) -> tuple[torch.Tensor, torch.Tensor]:
+            if replayed is not None and torch.cuda.is_current_stream_capturing():
+                value, g = loss_forward_backward(y, t, wt, params, index_bounds=replayed)
+                replayed_host.copy_(replayed, non_blocking=True)  # type: ignore[union-attr]
+                return value, g
+            bounds = new_index_bounds(t.device)
             value, g = loss_forward_backward(y, t, wt, params, index_bounds=bounds)
-            if host is not None:
-                host.copy_(bounds, non_blocking=True)
+            if bounds.is_cuda:
+                host = spare.pop() if spare else _pinned_range()
+                bounds = host.copy_(bounds, non_blocking=True)
+            buffer = running_buffer()
+            if buffer is not None:
+                buffer._keep_run_value(key, bounds)
             return value, g
 
-        check = _index_check(bounds, host, c)
+        check = _index_check(key, replayed, replayed_host, spare, c)
         return lshape, compute, lambda cb: cb._check_after_last(check)
 
 
@@ -473,30 +482,50 @@ def _check_loss_size(
             )
 
 
-def _index_check(bounds: torch.Tensor, host: torch.Tensor | None, classes: int) -> Any:
-    """The completion check of a loss command with class indices: the range its runs folded
-    into ``bounds`` (on CUDA read from ``host``, the copy each run makes) must lie in
-    ``[0, classes)``. A bad range is reported once: the check waits for the device (runs still
-    in flight fold into the range it reports), then resets both tensors to the empty range."""
+def _index_check(
+    key: object,
+    replayed: torch.Tensor | None,
+    replayed_host: torch.Tensor | None,
+    spare: list[torch.Tensor],
+    classes: int,
+) -> Any:
+    """The completion check of a loss command with class indices: the range must lie in
+    ``[0, classes)``. An eager run's range is the one it kept for its buffer (``key``); its
+    pinned copy goes back to ``spare`` once read. A captured step's replays fold into
+    ``replayed`` (read from its copy ``replayed_host``): a bad range is reported once, after
+    waiting for the device (replays still in flight fold into the range it reports), and both
+    are then reset to the empty range."""
 
-    def check() -> CommandBufferError | None:
-        lo, hi = read_index_bounds(bounds if host is None else host)
+    def check(buffer: Any) -> CommandBufferError | None:
+        own = buffer._run_value(key)
+        if own is not None:
+            lo, hi = read_index_bounds(own)
+            if own.is_pinned():
+                spare.append(own)
+                buffer._run_values.pop(key)
+        elif replayed is not None and replayed_host is not None:
+            lo, hi = read_index_bounds(replayed_host)
+            if lo < 0 or hi >= classes:  # every replay launched so far folds and copies first
+                torch.cuda.synchronize(replayed.device)
+                lo, hi = read_index_bounds(replayed_host)
+                replayed.fill_(_EMPTY_RANGE)
+                torch.cuda.synchronize(replayed.device)
+                replayed_host.fill_(_EMPTY_RANGE)
+        else:
+            return None
         if lo >= 0 and hi < classes:
             return None
-        if host is not None:  # every run launched so far has folded and copied its range
-            torch.cuda.synchronize(bounds.device)
-            lo, hi = read_index_bounds(host)
-            bounds.fill_(_EMPTY_RANGE)
-            torch.cuda.synchronize(bounds.device)
-            host.fill_(_EMPTY_RANGE)
-        else:
-            bounds.fill_(_EMPTY_RANGE)
         return CommandBufferError(
             f"[Loss] class indices must lie in [0, {classes}) (the predictions' channels), "
             f"got {lo} to {hi}"
         )
 
     return check
+
+
+def _pinned_range() -> torch.Tensor:
+    """Pinned host memory for a copy of an ``index_bounds`` range, holding the empty range."""
+    return torch.empty(2, dtype=torch.int64, pin_memory=True).fill_(_EMPTY_RANGE)
 
 
 def _split(image: Image, counts: list[int]) -> list[Image]:

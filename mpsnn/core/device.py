@@ -224,6 +224,16 @@ class CommandQueue:
         return torch.cuda.stream(self._stream)
 
 
+# The buffer whose commands run in this thread (`running_buffer`), None outside a run.
+_running = threading.local()
+
+
+def running_buffer() -> CommandBuffer | None:
+    """The command buffer whose commands run now in this thread (its commit, or a capture's
+    recording), or None: for a command that keeps a value for its buffer's check."""
+    return getattr(_running, "buffer", None)
+
+
 class _Command:
     __slots__ = ("check", "fn", "name", "releases")
 
@@ -231,7 +241,7 @@ class _Command:
         self.name = name
         self.fn = fn
         self.releases: list[Any] | None = None
-        self.check: Callable[[], BaseException | None] | None = None
+        self.check: Callable[[CommandBuffer], BaseException | None] | None = None
 
 
 class CommandBuffer:
@@ -254,6 +264,7 @@ class CommandBuffer:
         "_pending_releases",
         "_prior",
         "_queue",
+        "_run_values",
         "_status",
         "error",
         "failed_command",
@@ -275,6 +286,7 @@ class CommandBuffer:
         self._prior: torch.cuda.Event | None = None  # a replay before the last, not waited for
         self._captured = False
         self._checks: list[_Command] | None = None  # commands that ran and have a check
+        self._run_values: dict[Any, Any] | None = None  # what a run kept for its check
 
     @property
     def command_queue(self) -> CommandQueue:
@@ -352,15 +364,18 @@ class CommandBuffer:
         else:
             self._pending_releases.append(resource)
 
-    def _check_after_last(self, check: Callable[[], BaseException | None]) -> None:
-        """Once the work completed (before the completed handlers), ``check()`` reads what the
-        last recorded command wrote on the device (an error flag) and returns the exception to
-        record as its error, or None; after every run of the command (replays too).
+    def _check_after_last(self, check: Callable[[CommandBuffer], BaseException | None]) -> None:
+        """Once the work completed (before the completed handlers), ``check(buffer)`` reads what
+        the last recorded command wrote on the device (an error flag) and returns the exception
+        to record as the buffer's error, or None; after every run of the command (replays too).
 
-        Replays run two deep (`_replay`): the check of a captured buffer runs once the replay
-        before the last completed, while the last may still run, and not after every replay.
-        So what it reads must be folded by every run (a running maximum, say) rather than
-        overwritten, and reset by the check once it reported an error."""
+        A command that runs in several buffers (a step program's) keeps what one run wrote for
+        its check with ``running_buffer()._keep_run_value(key, value)`` and the check reads it
+        back with ``buffer._run_value(key)``: each buffer then checks its own run, whatever the
+        order in which the buffers complete. Replays run two deep (`_replay`): the check of a
+        captured buffer runs once the replay before the last completed, while the last may
+        still run, and not after every replay; what it reads must be folded by every replay (a
+        running maximum, say) rather than overwritten, and reset once it reported an error."""
         self._commands[-1].check = check
 
     def _mark(self) -> tuple[Any, ...]:
@@ -505,6 +520,14 @@ class CommandBuffer:
             self.wait_until_completed()
 
     def _run(self) -> None:
+        outer = getattr(_running, "buffer", None)
+        _running.buffer = self
+        try:
+            self._run_commands()
+        finally:
+            _running.buffer = outer
+
+    def _run_commands(self) -> None:
         # The `if`s skip the empty lists most buffers have (this runs at every commit).
         if self._pending_releases:
             for res in self._pending_releases:
@@ -560,6 +583,17 @@ class CommandBuffer:
                     self.failed_command = "(completed handler)"
                 self._status = _ERROR
 
+    def _keep_run_value(self, key: Any, value: Any) -> None:
+        """Keep ``value`` for this buffer's checks (see `_check_after_last`)."""
+        if self._run_values is None:
+            self._run_values = {}
+        self._run_values[key] = value
+
+    def _run_value(self, key: Any) -> Any:
+        """What a command's run kept for this buffer's checks under ``key``, or None."""
+        values = self._run_values
+        return None if values is None else values.get(key)
+
     def _run_checks(self) -> None:
         """`_check_after_last`'s checks of the commands that ran; the first error wins."""
         checks = self._checks or []
@@ -567,7 +601,7 @@ class CommandBuffer:
             self._checks = None
         for cmd in checks:
             try:
-                exc = cmd.check() if self.error is None else None  # type: ignore[misc]
+                exc = cmd.check(self) if self.error is None else None  # type: ignore[misc]
             except Exception as raised:
                 exc = raised
             if exc is not None:

@@ -88,7 +88,7 @@ from mpsnn.cnn.normalization.batch_norm_state import BatchNormalizationState
 from mpsnn.core.state import AccumulatorState, StateBatch
 from mpsnn.distributed.runtime import current_monitor
 from mpsnn.errors import DistributedError
-from mpsnn.ops.batch_norm import bn_merge_all, bn_merge_rows
+from mpsnn.ops.batch_norm import bn_merge_all, bn_merge_rows, bn_variance
 
 __all__ = ["DataParallel"]
 
@@ -426,14 +426,26 @@ class _StepCollectives:
             total = sum(sizes)
             n, mean, m2 = bn_merge_all(rows[:, :total], rows[:, total : 2 * total],
                                        rows[:, 2 * total :])  # fmt: skip
+            # the sums change, and with them their variances (`bn_variance`, the same formula
+            # per channel): every layer's at once, written by the same copy where a layer's
+            # variance storage can take it
+            var = bn_variance(n, m2)
             dst: list[torch.Tensor] = []
             src: list[torch.Tensor] = []
-            for (count, mu, q), ns, ms, qs in zip(triples, n.split(sizes), mean.split(sizes),
-                                                  m2.split(sizes), strict=True):  # fmt: skip
+            unwritten = []
+            for st, (count, mu, q), ns, ms, qs, vs in zip(
+                states, triples, n.split(sizes), mean.split(sizes), m2.split(sizes),
+                var.split(sizes), strict=True,
+            ):  # fmt: skip
                 dst += [count, mu, q]
                 src += [ns[: count.numel()].view_as(count), ms.view_as(mu), qs.view_as(q)]
+                if _writable_like(st._var, vs):
+                    dst.append(st._var)
+                    src.append(vs.view_as(st._var))
+                else:
+                    unwritten.append(st)
             torch._foreach_copy_(dst, src)
-            for st in states:  # the sums changed: their variances, in the same work
+            for st in unwritten:  # no storage yet (the first step), or another dtype or shape
                 st._write_variance()
 
         self.cb.record(f"merge {what}", merge)
@@ -449,6 +461,17 @@ class _StepCollectives:
 
 
 # -- helpers --------------------------------------------------------------------------------
+
+
+def _writable_like(var: torch.Tensor | None, new: torch.Tensor) -> bool:
+    """Whether ``new`` may be copied into the variance storage ``var`` as it is (what
+    `BatchNormalizationState._write_variance` would do with it)."""
+    return (
+        var is not None
+        and var.dtype == new.dtype
+        and var.numel() == new.numel()
+        and not (var.is_inference() and not torch.is_inference_mode_enabled())
+    )
 
 
 def _name(node: Any) -> str:
