@@ -23,11 +23,13 @@ records its collective as a command (``cb.record``), so it runs in command order
   sums and count, and so do the gamma/beta updates;
 * **weight gradients** (each trainable layer's gradient node, in backward order): the layer's
   gradient sums (``dL/dW``, ``dL/db``; gamma/beta of instance and group normalization) join a
-  **bucket**; a bucket of ``bucket_mib`` MiB or more is flattened and its asynchronous
-  all-reduce (sum) launched right after the gradient node that filled it, so it overlaps the
-  gradients that follow (on CUDA the collective runs on NCCL's stream while the queue's stream
-  computes; on the CPU in Gloo's threads). With per-image losses weighted ``1 / B``,
-  ``Σ_r Σ_{i ∈ shard r} dL_i/dW = dL/dW`` of the global batch;
+  **bucket**; for a bucket of ``bucket_mib`` MiB or more, one asynchronous collective (sum)
+  is launched right after the gradient node that filled it: the sums all-reduced in place, as
+  one coalesced group (a bucket with a non-contiguous sum is flattened into one tensor and
+  copied back instead). It overlaps the gradients that follow (on CUDA the collective runs on
+  NCCL's stream while the queue's stream computes; on the CPU in Gloo's threads). With
+  per-image losses weighted ``1 / B``, ``Σ_r Σ_{i ∈ shard r} dL_i/dW = dL/dW`` of the global
+  batch;
 * **before the updates**: the last bucket is launched, every bucket waited for (CUDA: a stream
   dependency, no host wait) and its sums copied back into the gradient states; the data
   sources' updates then read the global gradients, so every rank applies the same update.
@@ -93,6 +95,9 @@ from mpsnn.ops.batch_norm import bn_merge_all, bn_merge_rows, bn_variance
 __all__ = ["DataParallel"]
 
 _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# Several all-reduces as one collective: what DistributedDataParallel's buckets avoid copying
+# for (PyTorch's own context manager; private, present since torch 2.1)
+_coalescing = dist.distributed_c10d._coalescing_manager
 
 
 class DataParallel:
@@ -256,6 +261,20 @@ class DataParallel:
         group = self.process_group
         return self._collective(what, lambda: dist.all_reduce(flat, group=group, async_op=True))
 
+    def _all_reduce_each(self, what: str, tensors: list[torch.Tensor]) -> Any:
+        """Sum each of ``tensors`` (contiguous, one dtype) over the ranks, in place, in one
+        coalesced collective (NCCL: one group of all-reduces, one launch; Gloo: flattened by
+        the backend); returns what to ``wait()`` for."""
+        group = self.process_group
+
+        def run() -> Any:
+            with _coalescing(group, async_ops=True) as coalesced:
+                for t in tensors:
+                    dist.all_reduce(t, group=group)
+            return coalesced
+
+        return self._collective(what, run)
+
     def _all_gather(self, what: str, values: torch.Tensor) -> torch.Tensor:
         """``(world_size, len(values))``: every rank's ``values``, in rank order (waited)."""
         out = values.new_empty(self.world_size * values.numel())
@@ -377,6 +396,9 @@ class _StepCollectives:
                 for t in _sums(st, slot):
                     by_dtype.setdefault(t.dtype, []).append(t)
             for tensors in by_dtype.values():
+                if all(t.is_contiguous() for t in tensors):  # in place: no flat copy and back
+                    bucket.pending.append((dp._all_reduce_each(what, tensors), None, tensors))
+                    continue
                 flat = torch.cat([t.reshape(-1) for t in tensors])
                 bucket.pending.append((dp._all_reduce(what, flat), flat, tensors))
 
@@ -398,7 +420,8 @@ class _StepCollectives:
                 what = f"the gradient all-reduce of bucket {bucket.index}"
                 for work, flat, tensors in bucket.pending:
                     dp._collective(what, work.wait)
-                    _copy_back(tensors, flat)
+                    if flat is not None:
+                        _copy_back(tensors, flat)
                 bucket.pending = []
 
         self.cb.record(f"wait for the gradient all-reduces ({len(buckets)} buckets)", wait)
