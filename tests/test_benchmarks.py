@@ -305,3 +305,19 @@ def test_dp_host_time_reports_every_variant_on_the_cpu(capfd) -> None:
             for bn in ("synchronized", "local")} | {"# rank 0, one process: CPU"}  # fmt: skip
     assert {ln.split(";")[0] for ln in lines} == want, out
     assert all("ms back to back; wall per step" in ln for ln in lines)
+
+
+def test_replay_time_prints_one_line_per_case_on_the_cpu(capsys, monkeypatch) -> None:
+    from benchmarks.tools import replay_time
+
+    args = ["replay_time", "--device", "cpu", "--batch", "2", "--steps", "2", "--trials", "3",
+            "--tag", "t"]  # fmt: skip
+    monkeypatch.setattr("sys.argv", args)
+    replay_time.main()
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split()[:3] for line in lines] == [["t", "lenet", "replay"],
+                                                     ["t", "resnet18", "replay"]]  # fmt: skip
+    for line in lines:
+        trials = line.split("(")[1].rstrip(")").split(", ")
+        assert len(trials) == 3 and all(float(t) > 0 for t in trials)
+        assert float(line.split()[3]) == sorted(float(t) for t in trials)[1]  # the median
