@@ -435,13 +435,14 @@ class Loss(_LabelsLoss):
         if not index:
             return lshape, lambda y, t, wt: loss_forward_backward(y, t, wt, params), None
         # class indices: their range, folded by the command into a small int64 tensor and read
-        # by the command buffer's completion check (`_index_check`). Each run keeps its own for
-        # its buffer (`running_buffer`): runs of one command in several buffers (a step
-        # program's eager steps) overlap, and each buffer checks its own. On CUDA the range is
-        # copied into pinned host memory on the queue's stream, so the check reads host memory:
-        # no device read, no wait. A captured step's replays all run the recorded copy into one
-        # host buffer, and replays run two deep: they fold into one device range made here
-        # (outside any capture), which the check resets when it reports.
+        # by the command buffer's completion check (`_index_check`). Each buffer keeps its own
+        # (`running_buffer`): runs of one command in several buffers (a step program's eager
+        # steps) overlap, and each buffer checks its own runs (two in one buffer fold into one
+        # range). On CUDA the range is copied into pinned host memory on the queue's stream, so
+        # the check reads host memory: no device read, no wait. A captured step's replays all
+        # run the recorded copy into one host buffer, and replays run two deep: they fold into
+        # one device range made here (outside any capture), which the check resets when it
+        # reports.
         cuda = self._device.torch_device.type == "cuda"
         replayed = new_index_bounds(self._device.torch_device) if cuda else None
         replayed_host = _pinned_range() if cuda else None
@@ -455,14 +456,16 @@ class Loss(_LabelsLoss):
                 value, g = loss_forward_backward(y, t, wt, params, index_bounds=replayed)
                 replayed_host.copy_(replayed, non_blocking=True)  # type: ignore[union-attr]
                 return value, g
-            bounds = new_index_bounds(t.device)
-            value, g = loss_forward_backward(y, t, wt, params, index_bounds=bounds)
-            if bounds.is_cuda:
-                host = spare.pop() if spare else _pinned_range()
-                bounds = host.copy_(bounds, non_blocking=True)
             buffer = running_buffer()
-            if buffer is not None:
-                buffer._keep_run_value(key, bounds)
+            kept = None if buffer is None else buffer._run_value(key)
+            bounds = new_index_bounds(t.device) if kept is None else kept[0]
+            value, g = loss_forward_backward(y, t, wt, params, index_bounds=bounds)
+            host = None
+            if bounds.is_cuda:
+                host = (spare.pop() if spare else _pinned_range()) if kept is None else kept[1]
+                host.copy_(bounds, non_blocking=True)
+            if buffer is not None and kept is None:
+                buffer._keep_run_value(key, (bounds, host))
             return value, g
 
         check = _index_check(key, replayed, replayed_host, spare, c)
@@ -490,20 +493,16 @@ def _index_check(
     classes: int,
 ) -> Any:
     """The completion check of a loss command with class indices: the range must lie in
-    ``[0, classes)``. An eager run's range is the one it kept for its buffer (``key``); its
-    pinned copy goes back to ``spare`` once read. A captured step's replays fold into
-    ``replayed`` (read from its copy ``replayed_host``): a bad range is reported once, after
-    waiting for the device (replays still in flight fold into the range it reports), and both
-    are then reset to the empty range."""
+    ``[0, classes)``. An eager buffer's range is the one its runs kept for it (``key``: the
+    device range and, on CUDA, its pinned copy, which goes back to ``spare`` once read). A
+    captured step's replays fold into ``replayed`` (read from its copy ``replayed_host``): a
+    bad range is reported once, after waiting for the device (replays still in flight fold
+    into the range it reports), and both are then reset to the empty range."""
 
     def check(buffer: Any) -> CommandBufferError | None:
-        own = buffer._run_value(key)
-        if own is not None:
-            lo, hi = read_index_bounds(own)
-            if own.is_pinned():
-                spare.append(own)
-                buffer._run_values.pop(key)
-        elif replayed is not None and replayed_host is not None:
+        if buffer._captured:
+            if replayed is None or replayed_host is None:
+                return None
             lo, hi = read_index_bounds(replayed_host)
             if lo < 0 or hi >= classes:  # every replay launched so far folds and copies first
                 torch.cuda.synchronize(replayed.device)
@@ -512,7 +511,14 @@ def _index_check(
                 torch.cuda.synchronize(replayed.device)
                 replayed_host.fill_(_EMPTY_RANGE)
         else:
-            return None
+            kept = buffer._run_value(key)
+            if kept is None:  # read already (the command ran twice in this buffer)
+                return None
+            bounds, host = kept
+            lo, hi = read_index_bounds(bounds if host is None else host)
+            if host is not None:  # the buffer completed: its pinned range may serve again
+                buffer._run_values.pop(key)
+                spare.append(host)
         if lo >= 0 and hi < classes:
             return None
         return CommandBufferError(

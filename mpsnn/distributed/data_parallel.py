@@ -25,14 +25,15 @@ records its collective as a command (``cb.record``), so it runs in command order
   gradient sums (``dL/dW``, ``dL/db``; gamma/beta of instance and group normalization) join a
   **bucket**; for a bucket of ``bucket_mib`` MiB or more, one asynchronous collective (sum)
   is launched right after the gradient node that filled it: the sums all-reduced in place, as
-  one coalesced group (a bucket with a non-contiguous sum is flattened into one tensor and
-  copied back instead). It overlaps the gradients that follow (on CUDA the collective runs on
-  NCCL's stream while the queue's stream computes; on the CPU in Gloo's threads). With
-  per-image losses weighted ``1 / B``, ``Σ_r Σ_{i ∈ shard r} dL_i/dW = dL/dW`` of the global
-  batch;
+  one coalesced group (flattened into one tensor and copied back instead where a sum is not
+  contiguous, or with Gloo on CUDA tensors). It overlaps the gradients that follow (on CUDA
+  the collective runs on NCCL's stream while the queue's stream computes; on the CPU in Gloo's
+  threads). With per-image losses weighted ``1 / B``, ``Σ_r Σ_{i ∈ shard r} dL_i/dW = dL/dW``
+  of the global batch;
 * **before the updates**: the last bucket is launched, every bucket waited for (CUDA: a stream
-  dependency, no host wait) and its sums copied back into the gradient states; the data
-  sources' updates then read the global gradients, so every rank applies the same update.
+  dependency, no host wait; a flattened bucket's sums copied back into the gradient states);
+  the data sources' updates then read the global gradients, so every rank applies the same
+  update.
 
 A collective that fails raises `DistributedError` from its command (``cb.error``, re-raised by
 ``wait_until_completed``), naming the rank that died or hung where the rank's `RankMonitor`
@@ -261,6 +262,14 @@ class DataParallel:
         group = self.process_group
         return self._collective(what, lambda: dist.all_reduce(flat, group=group, async_op=True))
 
+    def _coalesces(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether ``tensors`` can be all-reduced in place as one coalesced collective:
+        contiguous, with NCCL, or on the CPU (Gloo's coalesced all-reduce takes CPU tensors
+        only; Gloo with CUDA tensors takes the flat path)."""
+        if not all(t.is_contiguous() for t in tensors):
+            return False
+        return self.backend == "nccl" or all(t.device.type == "cpu" for t in tensors)
+
     def _all_reduce_each(self, what: str, tensors: list[torch.Tensor]) -> Any:
         """Sum each of ``tensors`` (contiguous, one dtype) over the ranks, in place, in one
         coalesced collective (NCCL: one group of all-reduces, one launch; Gloo: flattened by
@@ -294,7 +303,7 @@ class DataParallel:
 
 
 class _Bucket:
-    """Gradient states whose sums are all-reduced together (one flat tensor per dtype)."""
+    """Gradient states whose sums are all-reduced together (one collective per dtype)."""
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -302,7 +311,8 @@ class _Bucket:
         self.states: list[tuple[AccumulatorState, int, list[AccumulatorState]]] = []
         self.labels: list[str] = []
         self.nbytes = 0
-        self.pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
+        # (the collective to wait for, its flat tensor to copy back or None: in place, sums)
+        self.pending: list[tuple[Any, torch.Tensor | None, list[torch.Tensor]]] = []
 
 
 class _StepCollectives:
@@ -396,7 +406,7 @@ class _StepCollectives:
                 for t in _sums(st, slot):
                     by_dtype.setdefault(t.dtype, []).append(t)
             for tensors in by_dtype.values():
-                if all(t.is_contiguous() for t in tensors):  # in place: no flat copy and back
+                if dp._coalesces(tensors):  # in place: no flat copy and back
                     bucket.pending.append((dp._all_reduce_each(what, tensors), None, tensors))
                     continue
                 flat = torch.cat([t.reshape(-1) for t in tensors])

@@ -46,6 +46,8 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from mpsnn.core.capture import CapturedCommandBuffer
 from mpsnn.core.device import CommandQueue
 from mpsnn.core.image import Image
@@ -230,20 +232,33 @@ class CompiledGraph:
                 b._check_refill(who, a)
         ctx = self._queue._enter_stream()
         with ctx if ctx is not None else contextlib.nullcontext():
-            self._copy(batches, states)
+            sources = self._copy(batches, states)
+        if ctx is not None:
+            # The caller's tensors were made on its own stream and the copies wait on the
+            # queue's stream behind the running replay: their memory must not be reused for
+            # the caller's next allocations before the copies read it.
+            stream = self._queue.stream
+            for t in sources:
+                if t.is_cuda:
+                    t.record_stream(stream)  # type: ignore[arg-type]
 
-    def _copy(self, batches: list[ImageBatch], states: list[list[State]]) -> None:
+    def _copy(self, batches: list[ImageBatch], states: list[list[State]]) -> list[torch.Tensor]:
+        """Queue the copies of the new batch into the static inputs; returns their sources."""
         if self._captured is not None:
             # Errors of earlier replays first. The last replay may still run: the copies are
             # queued after it on the queue's stream, so it reads its own batch.
             self._captured.wait_for_earlier()
+        sources = []
         for new, old in zip(batches, self._images, strict=True):
             if new.image is not old.image:
                 old.tensor.copy_(new.tensor, non_blocking=True)
+                sources.append(new.tensor)
         for new, old in zip(states, self._states, strict=True):
             for a, b in zip(new, old, strict=True):
                 if a is not b:
                     b._refill(a)
+                    sources += a.resources()
+        return sources
 
     def __repr__(self) -> str:
         mode = f"captured, {self.replays} replays" if self._captured else "not captured"

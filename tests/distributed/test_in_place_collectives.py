@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mpsnn as m
-from mpsnn.distributed.data_parallel import _adjacent, _StepCollectives
+from mpsnn.distributed.data_parallel import DataParallel, _adjacent, _StepCollectives
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops.batch_norm import bn_statistics_portable
 from tests.helpers import assert_close, run
@@ -115,3 +115,19 @@ def test_the_gradient_sums_are_all_reduced_in_their_own_buffer(fast_device) -> N
     assert flat.data_ptr() in {t.data_ptr() for t in state._slots[1]} and flat.numel() == 6
     for a, b in zip(sums[0], sums[1], strict=True):
         assert torch.equal(2.0 * a, b)
+
+
+def test_buckets_coalesce_with_nccl_or_on_the_cpu_only() -> None:
+    """A bucket is all-reduced in place as one coalesced collective with NCCL, or with Gloo on
+    CPU tensors (Gloo's coalesced all-reduce takes CPU tensors only); otherwise, and for a
+    non-contiguous sum, it is flattened and copied back."""
+    dp = DataParallel.__new__(DataParallel)  # only the backend matters here
+    sums = [torch.zeros(3, 2), torch.zeros(4)]
+    device = [torch.zeros(3, 2, device="meta")]
+    strided = [torch.zeros(4, 4)[:, ::2]]
+    dp.backend = "gloo"
+    assert dp._coalesces(sums)
+    assert not dp._coalesces(device) and not dp._coalesces(strided)
+    dp.backend = "nccl"
+    assert dp._coalesces(sums) and dp._coalesces(device)
+    assert not dp._coalesces(strided)

@@ -197,3 +197,60 @@ def test_a_program_step_with_a_bad_index_fails_alone(device: str) -> None:
             cb.wait_until_completed()
             assert cb.status is m.CommandBufferStatus.COMPLETED
     assert len(graph._programs) == 1
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=needs_cuda)], ids=["cpu", "cuda"]
+)
+def test_two_program_steps_in_one_buffer_fold_their_ranges(device: str) -> None:
+    """Two steps of one step program encoded on one buffer (the loss command runs twice in it):
+    a bad first step and a good second one still fail the buffer."""
+    dev = m.Device(device)
+    graph, _ = _net(dev)
+    queue = dev.new_command_queue()
+    data = _batches(4, device)
+    for x, y in data[:2]:  # lower the program, then run it once
+        cb = queue.command_buffer()
+        labels = m.LossLabels(dev, y, max_index=4)
+        graph.encode_batch(cb, [m.ImageBatch.from_tensor(x.clone())], [labels])
+        cb.commit()
+        cb.wait_until_completed()
+    bad = data[2][1].clone()
+    bad[0] = 9
+    cb = queue.command_buffer()
+    for x, y in ((data[2][0], bad), (data[3][0], data[3][1])):
+        labels = m.LossLabels(dev, y, max_index=4)
+        graph.encode_batch(cb, [m.ImageBatch.from_tensor(x.clone())], [labels])
+    assert graph._programs[0].uses == 3  # both steps ran the program's commands
+    cb.commit()
+    with pytest.raises(m.CommandBufferError, match=r"\[0, 5\).*to 9"):
+        cb.wait_until_completed()
+
+
+@needs_cuda
+def test_sources_made_on_another_stream_are_kept_for_the_queues_copies(monkeypatch) -> None:
+    """With a queue on a private stream, the copies of a new batch wait on that stream behind
+    the running replay: the caller's source tensors are recorded on it (`record_stream`), so
+    the caching allocator does not hand their memory to the caller's next allocations first."""
+    dev = m.Device("cuda")
+    graph, _ = _net(dev)
+    queue = dev.new_command_queue(stream=torch.cuda.Stream())
+    compiled = graph.compile(queue)
+    data = _batches(4, "cuda")
+    for x, y in data[:2]:  # eager, recorded
+        _step(dev, compiled, x, y, max_index=4)
+    recorded = []
+    real = torch.Tensor.record_stream
+
+    def spy(self, stream):  # type: ignore[no-untyped-def]
+        recorded.append((self.data_ptr(), stream))
+        return real(self, stream)
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", spy)
+    x, y = data[2]
+    batch = m.ImageBatch.from_tensor(x.clone())
+    labels = m.LossLabels(dev, y.clone(), max_index=4)
+    compiled([batch], [labels])
+    compiled.wait_until_completed()
+    kept = {ptr for ptr, stream in recorded if stream == queue.stream}
+    assert batch.tensor.data_ptr() in kept and labels._labels.data_ptr() in kept, recorded
