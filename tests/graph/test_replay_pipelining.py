@@ -64,6 +64,14 @@ def _step(dev: m.Device, compiled, x: torch.Tensor, y: torch.Tensor, max_index=N
     return compiled([m.ImageBatch.from_tensor(x.clone())], [labels])
 
 
+def _encode(graph: m.Graph, dev: m.Device, cb: m.CommandBuffer, x: torch.Tensor,
+            y: torch.Tensor) -> m.LossLabels:  # fmt: skip
+    """One eager training step encoded on ``cb`` (labels trusted to be < 5); its labels."""
+    labels = m.LossLabels(dev, y, max_index=4)
+    graph.encode_batch(cb, [m.ImageBatch.from_tensor(x.clone())], [labels])
+    return labels
+
+
 @needs_cuda
 def test_a_call_returns_while_the_step_before_runs() -> None:
     """With the queue's stream busy (a long sleep kernel queued first), two calls return at
@@ -101,8 +109,7 @@ def test_back_to_back_replays_equal_eager_steps_bit_for_bit(storage: str) -> Non
     queue = dev.new_command_queue()
     for x, y in data:
         cb = queue.command_buffer()
-        eager_labels = m.LossLabels(dev, y, max_index=4)
-        eager.encode_batch(cb, [m.ImageBatch.from_tensor(x.clone())], [eager_labels])
+        eager_labels = _encode(eager, dev, cb, x, y)
         cb.commit()
     cb.wait_until_completed()
     replayed, replay_sources = _net(dev)
@@ -161,8 +168,7 @@ def test_overlapping_eager_steps_each_see_their_bad_index() -> None:
     buffers = []
     for k, (x, y) in enumerate(data):
         cb = queue.command_buffer()
-        labels = m.LossLabels(dev, bad_y if k == 1 else y, max_index=4)
-        graph.encode_batch(cb, [m.ImageBatch.from_tensor(x.clone())], [labels])
+        _encode(graph, dev, cb, x, bad_y if k == 1 else y)
         cb.commit()
         buffers.append(cb)
     assert len(graph._programs) == 1  # the later steps ran the program
@@ -187,8 +193,7 @@ def test_a_program_step_with_a_bad_index_fails_alone(device: str) -> None:
     bad_y[5] = -1
     for k, (x, y) in enumerate(data):
         cb = queue.command_buffer()
-        labels = m.LossLabels(dev, bad_y if k == 2 else y, max_index=4)
-        graph.encode_batch(cb, [m.ImageBatch.from_tensor(x.clone())], [labels])
+        _encode(graph, dev, cb, x, bad_y if k == 2 else y)
         cb.commit()
         if k == 2:
             with pytest.raises(m.CommandBufferError, match=r"got -1 to \d"):
@@ -211,16 +216,14 @@ def test_two_program_steps_in_one_buffer_fold_their_ranges(device: str) -> None:
     data = _batches(4, device)
     for x, y in data[:2]:  # lower the program, then run it once
         cb = queue.command_buffer()
-        labels = m.LossLabels(dev, y, max_index=4)
-        graph.encode_batch(cb, [m.ImageBatch.from_tensor(x.clone())], [labels])
+        _encode(graph, dev, cb, x, y)
         cb.commit()
         cb.wait_until_completed()
     bad = data[2][1].clone()
     bad[0] = 9
     cb = queue.command_buffer()
     for x, y in ((data[2][0], bad), (data[3][0], data[3][1])):
-        labels = m.LossLabels(dev, y, max_index=4)
-        graph.encode_batch(cb, [m.ImageBatch.from_tensor(x.clone())], [labels])
+        _encode(graph, dev, cb, x, y)
     assert graph._programs[0].uses == 3  # both steps ran the program's commands
     cb.commit()
     with pytest.raises(m.CommandBufferError, match=r"\[0, 5\).*to 9"):
