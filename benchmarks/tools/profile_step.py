@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.tools.twin import mpsnn_graph_step, torch_twin_step
 from mpsnn.cli.common import model_class, parse_device
-from mpsnn.core import device as device_module
+from mpsnn.core import command_buffer as command_buffer_module
 
 
 def _kernels(fn, steps: int, top: int, title: str) -> None:
@@ -46,7 +46,7 @@ def _kernels(fn, steps: int, top: int, title: str) -> None:
 def _wrapped_commands(wrap: Callable[[Callable[[], Any], str], Callable[[], Any]]):
     """Within the block, every committed command runs as ``wrap(fn, name)()``; the commands
     get their own functions back after each commit (a step program reuses them)."""
-    cls = device_module.CommandBuffer
+    cls = command_buffer_module.CommandBuffer
     plain = cls._run
 
     def run(self: Any) -> None:

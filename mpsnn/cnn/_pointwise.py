@@ -17,7 +17,7 @@ import torch
 
 from mpsnn.core.binary import GradientKernel
 from mpsnn.core.cnn_kernel import CNNKernel, Forward, Records
-from mpsnn.core.device import CommandBuffer
+from mpsnn.core.command_buffer import CommandBuffer
 from mpsnn.core.geometry import Window
 from mpsnn.core.gradient_command import Backward
 from mpsnn.core.state import ForwardRecord

@@ -20,8 +20,9 @@ import torch
 from mpsnn.cnn.neuron_descriptor import FusedNeuron
 from mpsnn.core._checks import check_int
 from mpsnn.core.binary import BinaryKernel
+from mpsnn.core.command_buffer import CommandBuffer
 from mpsnn.core.descriptor import ImageDescriptor, _result_format
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.device import Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import AxisWindow
 from mpsnn.core.image import Image

@@ -33,8 +33,9 @@ from mpsnn.cnn.arithmetic import (
 )
 from mpsnn.core._checks import check_type
 from mpsnn.core.binary import GradientKernel
+from mpsnn.core.command_buffer import CommandBuffer
 from mpsnn.core.descriptor import ImageDescriptor, _result_format
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.device import Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.image import Image
 from mpsnn.core.registry import gradient_of

@@ -37,7 +37,8 @@ import torch
 from mpsnn.cnn.arithmetic import Arithmetic
 from mpsnn.core._checks import check_enum
 from mpsnn.core.binary import BinaryKernel
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.command_buffer import CommandBuffer
+from mpsnn.core.device import Device
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.saved import Field

@@ -60,7 +60,8 @@ from mpsnn.cnn._pointwise import (
 from mpsnn.core._checks import check_positive
 from mpsnn.core.binary import GradientKernel
 from mpsnn.core.cnn_kernel import CNNKernel, Forward, Records
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.command_buffer import CommandBuffer
+from mpsnn.core.device import Device
 from mpsnn.core.geometry import EdgeMode, Window
 from mpsnn.core.gradient_command import Backward
 from mpsnn.core.registry import gradient_of

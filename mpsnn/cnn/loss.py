@@ -34,8 +34,9 @@ import torch
 from mpsnn.cnn.loss_labels import LossLabels
 from mpsnn.core._checks import check_enum, check_type
 from mpsnn.core.cnn_kernel import CNNKernel
+from mpsnn.core.command_buffer import CommandBuffer, running_buffer
 from mpsnn.core.descriptor import FeatureChannelFormat, ImageDescriptor, _result_format
-from mpsnn.core.device import CommandBuffer, Device, running_buffer
+from mpsnn.core.device import Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import Size
 from mpsnn.core.image import Image

@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from mpsnn.core._checks import check_int, check_type
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.command_buffer import CommandBuffer
+from mpsnn.core.device import Device
 from mpsnn.core.geometry import Size
 from mpsnn.core.image import Image
 from mpsnn.core.state import State

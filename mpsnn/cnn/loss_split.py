@@ -48,8 +48,9 @@ from mpsnn.cnn.loss import _PER_PIXEL, LossDescriptor, LossType, ReductionType, 
 from mpsnn.core._checks import check_type
 from mpsnn.core.binary import BinaryKernel
 from mpsnn.core.cnn_kernel import CNNKernel, Forward, Records
+from mpsnn.core.command_buffer import CommandBuffer
 from mpsnn.core.descriptor import FeatureChannelFormat, ImageDescriptor, _result_format
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.device import Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import RECT_NO_CLIP, Offset, Window
 from mpsnn.core.image import Image

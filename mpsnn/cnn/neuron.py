@@ -30,8 +30,9 @@ from mpsnn.cnn._pointwise import (
 )
 from mpsnn.cnn.neuron_descriptor import FusedNeuron, NeuronDescriptor, NeuronType
 from mpsnn.core.cnn_kernel import Records
+from mpsnn.core.command_buffer import CommandBuffer
 from mpsnn.core.descriptor import ImageDescriptor, _result_format
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.device import Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import Window
 from mpsnn.core.image import Image

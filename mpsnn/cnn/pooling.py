@@ -23,7 +23,8 @@ import torch
 from mpsnn.core._checks import check_int, check_positive, check_type
 from mpsnn.core.binary import GradientKernel
 from mpsnn.core.cnn_kernel import CNNKernel, Forward, Records
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.command_buffer import CommandBuffer
+from mpsnn.core.device import Device
 from mpsnn.core.geometry import (
     _HUGE,
     EdgeMode,

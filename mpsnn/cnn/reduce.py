@@ -41,8 +41,9 @@ import torch
 from mpsnn.core._checks import check_type
 from mpsnn.core.binary import BinaryKernel
 from mpsnn.core.cnn_kernel import CNNKernel, Forward, Records
+from mpsnn.core.command_buffer import CommandBuffer
 from mpsnn.core.descriptor import ImageDescriptor, _result_format
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.device import Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import (
     RECT_NO_CLIP,

@@ -27,7 +27,7 @@ from typing import Any
 from mpsnn.cnn.reduce import _CHANNELS, _UNARY_FIELDS, ReduceUnary
 from mpsnn.core.binary import GradientKernel
 from mpsnn.core.cnn_kernel import Forward, Records
-from mpsnn.core.device import CommandBuffer
+from mpsnn.core.command_buffer import CommandBuffer
 from mpsnn.core.geometry import Window
 from mpsnn.core.gradient_command import Backward
 from mpsnn.core.registry import gradient_of

@@ -35,8 +35,9 @@ from typing import Any
 from mpsnn.core._checks import check_positive, check_type
 from mpsnn.core.binary import GradientKernel
 from mpsnn.core.cnn_kernel import CNNKernel, Forward, Records
+from mpsnn.core.command_buffer import CommandBuffer
 from mpsnn.core.descriptor import ImageDescriptor
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.device import Device
 from mpsnn.core.geometry import AxisWindow, DestinationSpan, EdgeMode, Offset, Window
 from mpsnn.core.gradient_command import Backward
 from mpsnn.core.image import Image

@@ -24,8 +24,9 @@ from mpsnn.cnn._pointwise import Pointwise, PointwiseBackward, PointwiseGradient
 from mpsnn.core._checks import check_positive, check_type
 from mpsnn.core.binary import GradientKernel
 from mpsnn.core.cnn_kernel import CNNKernel, Forward, Records
+from mpsnn.core.command_buffer import CommandBuffer
 from mpsnn.core.descriptor import ImageDescriptor
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.device import Device
 from mpsnn.core.geometry import (
     AxisWindow,
     DestinationSpan,

@@ -4,12 +4,12 @@ from mpsnn.core.binary import BinaryKernel as BinaryKernel
 from mpsnn.core.binary import GradientKernel as GradientKernel
 from mpsnn.core.capture import CapturedCommandBuffer as CapturedCommandBuffer
 from mpsnn.core.cnn_kernel import CNNKernel as CNNKernel
+from mpsnn.core.command_buffer import CommandBuffer as CommandBuffer
+from mpsnn.core.command_buffer import CommandBufferStatus as CommandBufferStatus
 from mpsnn.core.descriptor import DataLayout as DataLayout
 from mpsnn.core.descriptor import FeatureChannelFormat as FeatureChannelFormat
 from mpsnn.core.descriptor import ImageDescriptor as ImageDescriptor
 from mpsnn.core.descriptor import ImageReadWriteParams as ImageReadWriteParams
-from mpsnn.core.device import CommandBuffer as CommandBuffer
-from mpsnn.core.device import CommandBufferStatus as CommandBufferStatus
 from mpsnn.core.device import CommandQueue as CommandQueue
 from mpsnn.core.device import Device as Device
 from mpsnn.core.geometry import RECT_NO_CLIP as RECT_NO_CLIP

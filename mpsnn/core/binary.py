@@ -25,8 +25,9 @@ import torch
 
 from mpsnn.core._checks import check_enum, check_int, check_type
 from mpsnn.core.cnn_kernel import DEFAULT_PADDING_METHOD
+from mpsnn.core.command_buffer import CommandBuffer
 from mpsnn.core.descriptor import ImageDescriptor, _result_format
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.device import Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import (
     _HUGE,

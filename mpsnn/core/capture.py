@@ -1,11 +1,11 @@
 """CUDA-graph capture of command buffers.
 
 An encoded CUDA buffer can be *captured* instead of committed
-(`mpsnn.core.device.CommandBuffer.capture`): its work is recorded once into a CUDA graph; each
-`CapturedCommandBuffer.replay` reads the current contents of the input images (refill them in
-place) and writes the same output storage.
+(`mpsnn.core.command_buffer.CommandBuffer.capture`): its work is recorded once into a CUDA
+graph; each `CapturedCommandBuffer.replay` reads the current contents of the input images
+(refill them in place) and writes the same output storage.
 
-This module sits below `mpsnn.core.device` (whose `CommandBuffer.capture` returns a
+This module sits below `mpsnn.core.command_buffer` (whose `CommandBuffer.capture` returns a
 `CapturedCommandBuffer`): it knows a command buffer only through `_Capturable`, what the capture
 reads and calls.
 
@@ -29,7 +29,7 @@ __all__ = ["CapturedCommandBuffer", "keep_for_replays", "keeping_for_replays"]
 
 
 class _Capturable(Protocol):
-    """What a capture needs of a command buffer (`mpsnn.core.device.CommandBuffer`)."""
+    """What a capture needs of a command buffer (`mpsnn.core.command_buffer.CommandBuffer`)."""
 
     error: BaseException | None
     _pending_releases: list[Any]

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 
 from mpsnn.core._checks import check_enum, check_int, check_positive, check_type
+from mpsnn.core.command_buffer import CommandBuffer
 from mpsnn.core.descriptor import _FORMAT_TO_DTYPE, ImageDescriptor, _result_format
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.device import Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.forward_command import forward_command
 from mpsnn.core.geometry import (

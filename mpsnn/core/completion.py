@@ -21,7 +21,8 @@ import torch
 
 
 class _Completable(Protocol):
-    """What the worker needs of a committed command buffer (`mpsnn.core.device.CommandBuffer`)."""
+    """What the worker needs of a committed command buffer
+    (`mpsnn.core.command_buffer.CommandBuffer`)."""
 
     error: BaseException | None
     _event: torch.cuda.Event | None

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpsnn.core.allocation import allocation_error, is_allocation_failure
+from mpsnn.core.command_buffer import CommandBuffer
 from mpsnn.core.descriptor import ImageDescriptor
-from mpsnn.core.device import CommandBuffer
 from mpsnn.core.image import Image
 from mpsnn.core.image_batch import ImageBatch
 

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from mpsnn.core.allocation import allocation_error, is_allocation_failure
+from mpsnn.core.command_buffer import CommandBuffer, CommandBufferStatus
 from mpsnn.core.descriptor import (
     _FORMAT_TO_DTYPE,
     DataLayout,
@@ -39,7 +40,7 @@ from mpsnn.core.descriptor import (
     ImageReadWriteParams,
     _check_count,
 )
-from mpsnn.core.device import CommandBuffer, CommandBufferStatus, Device
+from mpsnn.core.device import Device
 from mpsnn.core.geometry import Region
 from mpsnn.core.image_bytes import _bytes_to_write, _io_index, _to_numpy, _to_unorm8
 from mpsnn.core.layout import storage_layout

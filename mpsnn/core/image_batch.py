@@ -8,8 +8,9 @@ from typing import Any, overload
 import numpy as np
 import torch
 
+from mpsnn.core.command_buffer import CommandBuffer
 from mpsnn.core.descriptor import FeatureChannelFormat, ImageDescriptor
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.device import Device
 from mpsnn.core.image import Image, _check_usable
 
 __all__ = ["ImageBatch"]

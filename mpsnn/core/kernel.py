@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from mpsnn.core._checks import check_int, check_type
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.command_buffer import CommandBuffer
+from mpsnn.core.device import Device
 from mpsnn.core.encode import Encoding, apply_encoding
 from mpsnn.core.geometry import PaddingMethod, Region
 from mpsnn.core.image import Image, _check_usable

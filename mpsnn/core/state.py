@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from mpsnn.core.device import CommandBuffer, CommandQueue, Device
+from mpsnn.core.command_buffer import CommandBuffer
+from mpsnn.core.device import CommandQueue, Device
 from mpsnn.core.geometry import EdgeMode, Offset, Region, Window
 from mpsnn.errors import StaleResourceError
 
@@ -320,10 +321,10 @@ class AccumulatorState(GradientState):
         """Add ``values`` to the sums of ``slot`` (run time). ``merge(sums, values)`` updates
         the sums in place instead of adding; ``fresh``: the values are new tensors nobody else
         holds, so the first write may adopt them."""
-        q = cb._queue
+        q = cb.command_queue  # a CommandQueue
         prev = self._writer_queue
         if prev is not None and prev is not q and q._stream is not None and not cb._captured:
-            q._stream.wait_stream(prev._stream)  # type: ignore[arg-type]  # CUDA, as q's
+            q._stream.wait_stream(prev._stream)  # CUDA, as q's
         self._writer_queue = q
         sums = self._slots.get(slot)
         if sums is None:

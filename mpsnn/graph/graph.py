@@ -20,8 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from mpsnn.core.command_buffer import CommandBuffer
 from mpsnn.core.descriptor import FeatureChannelFormat, ImageDescriptor
-from mpsnn.core.device import CommandBuffer, CommandQueue, Device
+from mpsnn.core.device import CommandQueue, Device
 from mpsnn.core.image import Image, TemporaryImage, _check_usable
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.state import State, StateBatch

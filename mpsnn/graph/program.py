@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from mpsnn.cnn.loss_labels import LossLabels
-from mpsnn.core.device import CommandBuffer, _Command
+from mpsnn.core.command_buffer import CommandBuffer, _Command
 from mpsnn.core.image import Image, TemporaryImage
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.state import State

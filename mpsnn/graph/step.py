@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 import torch
 
+from mpsnn.core.command_buffer import CommandBuffer
 from mpsnn.core.descriptor import FeatureChannelFormat, ImageDescriptor
-from mpsnn.core.device import CommandBuffer
 from mpsnn.core.image import Image, TemporaryImage
 from mpsnn.core.image_batch import ImageBatch
 from mpsnn.core.state import GradientState, State, StateBatch, _unique

@@ -43,7 +43,8 @@ from typing import Any
 import torch
 
 from mpsnn.core._checks import check_enum, check_type
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.command_buffer import CommandBuffer
+from mpsnn.core.device import Device
 from mpsnn.core.kernel import Kernel
 from mpsnn.ops.optim import (
     GRADIENT_DTYPES,

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from mpsnn.core._checks import check_type
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.command_buffer import CommandBuffer
+from mpsnn.core.device import Device
 from mpsnn.ops.optim_hyper import UpdateRule, make_step, set_step
 from mpsnn.optim.base import (
     _JOURNALS,

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from mpsnn.cnn.convolution.descriptor import ConvolutionDescriptor
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.command_buffer import CommandBuffer
+from mpsnn.core.device import Device
 from mpsnn.core.kernel import TrainingStyle
 from mpsnn.core.layout import storage_layout
 from mpsnn.core.state import State

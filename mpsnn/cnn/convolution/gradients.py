@@ -40,7 +40,8 @@ from mpsnn.cnn.convolution.state import ConvolutionGradientState, ConvolutionTra
 from mpsnn.cnn.neuron_descriptor import FusedNeuron
 from mpsnn.core._checks import check_enum
 from mpsnn.core.binary import GradientKernel
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.command_buffer import CommandBuffer
+from mpsnn.core.device import Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import Window
 from mpsnn.core.gradient_command import Backward

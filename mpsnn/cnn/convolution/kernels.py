@@ -29,8 +29,9 @@ from mpsnn.cnn.convolution.state import ConvolutionGradientState, ConvolutionTra
 from mpsnn.cnn.neuron_descriptor import FusedNeuron
 from mpsnn.core._checks import check_enum, check_int
 from mpsnn.core.cnn_kernel import CNNKernel, Forward, Records
+from mpsnn.core.command_buffer import CommandBuffer
 from mpsnn.core.descriptor import ImageDescriptor
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.device import Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import (
     AxisWindow,

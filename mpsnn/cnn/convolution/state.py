@@ -7,7 +7,8 @@ from typing import Any
 import torch
 
 from mpsnn.cnn.convolution.descriptor import ConvolutionDescriptor
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.command_buffer import CommandBuffer
+from mpsnn.core.device import Device
 from mpsnn.core.state import AccumulatorState
 
 __all__ = ["ConvolutionGradientState", "ConvolutionTransposeGradientState"]

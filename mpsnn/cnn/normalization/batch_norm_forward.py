@@ -25,7 +25,8 @@ from mpsnn.cnn.normalization.states import (
     NormalizationMeanAndVarianceState,
 )
 from mpsnn.core.cnn_kernel import CNNKernel, Records
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.command_buffer import CommandBuffer
+from mpsnn.core.device import Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import Window
 from mpsnn.core.grouped import check_grouped_reads, pair_copier

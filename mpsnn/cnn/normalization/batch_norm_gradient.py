@@ -25,7 +25,8 @@ from mpsnn.cnn.normalization.batch_norm_forward import (
     check_channels_read,
 )
 from mpsnn.cnn.normalization.batch_norm_state import _GRADS, _STATS, BatchNormalizationState
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.command_buffer import CommandBuffer
+from mpsnn.core.device import Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import Window
 from mpsnn.core.image import Image

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from mpsnn.cnn.normalization.states import StableSums
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.command_buffer import CommandBuffer
+from mpsnn.core.device import Device
 from mpsnn.ops.batch_norm import bn_merge, bn_variance
 
 __all__ = ["BatchNormalizationState"]

@@ -41,7 +41,7 @@ from mpsnn.cnn.normalization.states import (
     channel_vector,
 )
 from mpsnn.core._checks import check_positive
-from mpsnn.core.device import CommandBuffer
+from mpsnn.core.command_buffer import CommandBuffer
 from mpsnn.core.kernel import TrainingStyle
 from mpsnn.core.state import _unique
 from mpsnn.ops.batch_norm import bn_running_update

@@ -44,7 +44,8 @@ from mpsnn.cnn.normalization.data_sources import (
 )
 from mpsnn.cnn.normalization.states import StableSums
 from mpsnn.core.cnn_kernel import Records
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.command_buffer import CommandBuffer
+from mpsnn.core.device import Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import Window
 from mpsnn.core.registry import gradient_of

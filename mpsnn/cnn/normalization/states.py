@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpsnn.core.device import CommandBuffer, Device
+from mpsnn.core.command_buffer import CommandBuffer
+from mpsnn.core.device import Device
 from mpsnn.core.state import AccumulatorState, State
 
 __all__ = [
