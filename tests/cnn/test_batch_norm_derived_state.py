@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import mpsnn as m
-from mpsnn.distributed.data_parallel import _StepCollectives
+from mpsnn.distributed.collectives import _StepCollectives
 from mpsnn.ops.batch_norm import bn_statistics, bn_variance
 from tests.helpers import assert_close, run
 

@@ -136,7 +136,7 @@ def test_folding_the_per_image_states_keeps_the_update() -> None:
     """What `mpsnn.DataParallel` does before its all-reduce: the batch's per-image sums are
     folded into the first state on the device (one exchange per layer, not one per image);
     the data source's update, which sums the batch of states, gives the same gamma/beta."""
-    from mpsnn.distributed.data_parallel import _fold, _sums
+    from mpsnn.distributed.collectives import _fold, _sums
 
     x, _, gamma, beta = data(n=3, c=4, h=3, w=4, seed=16)
     results, seen = [], {}

@@ -159,7 +159,7 @@ def _weights_of(graph: Any) -> list[tuple[str, torch.Tensor]]:
     """The master tensors of a graph's trainable layers (what the weight check compares)."""
     from types import SimpleNamespace
 
-    from mpsnn.distributed.data_parallel import _weights
+    from mpsnn.distributed.collectives import _weights
 
     updates = [(node, graph._plan.kernels[node._forward._id], None) for node in graph._plan.order
                if getattr(node, "_forward", None) is not None and node.trainable]  # fmt: skip

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import mpsnn as m
-from mpsnn.distributed.data_parallel import DataParallel, _adjacent, _StepCollectives
+from mpsnn.distributed.collectives import _adjacent, _StepCollectives
+from mpsnn.distributed.data_parallel import DataParallel
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops.batch_norm import bn_statistics_portable
 from tests.helpers import assert_close, run

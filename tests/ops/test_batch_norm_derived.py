@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpsnn.distributed.data_parallel import _adjacent
+from mpsnn.distributed.collectives import _adjacent
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops.batch_norm import (
     bn_merge_all,
