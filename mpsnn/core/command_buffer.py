@@ -63,6 +63,8 @@ class _Queue(Protocol):
 
     def _take_event(self) -> torch.cuda.Event: ...
 
+    def _side_stream(self) -> torch.cuda.Stream | None: ...
+
     def _completion_worker(self) -> Any: ...
 
 
@@ -77,13 +79,18 @@ def running_buffer() -> CommandBuffer | None:
 
 
 class _Command:
-    __slots__ = ("check", "fn", "name", "releases")
+    """One recorded command. ``beside``: it may run while work an earlier command handed to
+    the side stream (`CommandBuffer._beside`) still runs, because it neither reads what that
+    work writes nor writes what it reads; any other command first waits for that work."""
 
-    def __init__(self, name: str, fn: Callable[[], Any]) -> None:
+    __slots__ = ("beside", "check", "fn", "name", "releases")
+
+    def __init__(self, name: str, fn: Callable[[], Any], beside: bool = False) -> None:
         self.name = name
         self.fn = fn
         self.releases: list[Any] | None = None
         self.check: Callable[[CommandBuffer], BaseException | None] | None = None
+        self.beside = beside
 
 
 class CommandBuffer:
@@ -107,6 +114,7 @@ class CommandBuffer:
         "_prior",
         "_queue",
         "_run_values",
+        "_side",
         "_status",
         "error",
         "failed_command",
@@ -129,6 +137,7 @@ class CommandBuffer:
         self._captured = False
         self._checks: list[_Command] | None = None  # commands that ran and have a check
         self._run_values: dict[Any, Any] | None = None  # what a run kept for its check
+        self._side: tuple[Any, ...] | None = None  # side-stream work not joined yet: its tensors
 
     @property
     def command_queue(self) -> Any:
@@ -193,6 +202,37 @@ class CommandBuffer:
         weight update written with torch operations.
         """
         self._commands.append(_Command(name, fn))
+
+    def _record_beside(self, name: str, fn: Callable[[], Any]) -> None:
+        """`record` for a command that may run beside side-stream work (see `_Command`)."""
+        self._commands.append(_Command(name, fn, beside=True))
+
+    def _beside(self, work: Callable[[], Any], keep: tuple[Any, ...]) -> None:
+        """Run ``work`` (called by a running command) on the queue's side stream, after the
+        work launched so far, so that it overlaps the commands after this one that are marked
+        ``beside`` (a data-parallel collective's wait, say); the next command that is not
+        waits for it on the queue's stream first (`_join_side`), as does the end of the run.
+        ``keep``: the tensors it reads, held until then (their memory must not be handed to
+        the queue's stream while the side stream may still read it). Tensors ``work``
+        allocates belong to the side stream's pool. On the CPU ``work`` runs at once."""
+        q = self._queue
+        side = q._side_stream()
+        if side is None:
+            work()
+            return
+        if self._side is not None:
+            self._join_side()
+        main = torch.cuda.current_stream(side.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            work()
+        self._side = (main, side, keep)
+
+    def _join_side(self) -> None:
+        """The queue's stream waits for the side-stream work; its tensors are let go."""
+        main, side, _ = self._side  # type: ignore[misc]
+        self._side = None
+        main.wait_stream(side)
 
     def release_after_last(self, resource: Any) -> None:
         """Free ``resource`` (its ``_free_storage()``) once the last recorded command has run
@@ -377,6 +417,8 @@ class CommandBuffer:
             for res in self._pending_releases:
                 res._free_storage()
         for cmd in self._commands:
+            if self._side is not None and not cmd.beside:
+                self._join_side()
             if self.error is None:
                 try:
                     cmd.fn()
@@ -388,6 +430,8 @@ class CommandBuffer:
             if cmd.releases:
                 for res in cmd.releases:
                     res._free_storage()
+        if self._side is not None:  # the completion event and a capture's end come after it
+            self._join_side()
         if self._hooks:
             for hook in self._hooks:
                 hook()

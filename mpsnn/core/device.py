@@ -113,6 +113,7 @@ class CommandQueue:
         "_device",
         "_index",
         "_raw",
+        "_side",
         "_spare_events",
         "_stream",
         "_worker",
@@ -130,6 +131,7 @@ class CommandQueue:
         # Completion events of this queue's finished buffers, reused by later commits: making
         # and first recording a CUDA event costs about three times recording a used one.
         self._spare_events: list[torch.cuda.Event] = []
+        self._side: torch.cuda.Stream | None = None  # made by the first `_side_stream()`
         if device.type != "cuda":
             if stream is not None:
                 raise ValueError("[CommandQueue] a stream needs a CUDA device, got one for the CPU")
@@ -165,6 +167,16 @@ class CommandQueue:
             return self._spare_events.pop()
         except IndexError:  # none spare (or another thread took the last one)
             return torch.cuda.Event()
+
+    def _side_stream(self) -> torch.cuda.Stream | None:
+        """The second stream of this queue (CUDA; None on the CPU): work a command hands to
+        `CommandBuffer._beside` runs there, beside the commands that follow it."""
+        if self._stream is None:
+            return None
+        side = self._side
+        if side is None:
+            side = self._side = torch.cuda.Stream(self._device.torch_device)
+        return side
 
     def _completion_worker(self) -> _CompletionWorker:
         worker = self._worker

@@ -77,7 +77,10 @@ def apply_encoding(kernel: Any, cb: CommandBuffer, enc: Encoding) -> list[Image 
                     raise
                 raise err from exc
 
-        cb.record(who, command)
+        if kernel._runs_beside:
+            cb._record_beside(who, command)
+        else:
+            cb.record(who, command)
     else:
         outs = [
             o if (o is None or isinstance(o, Image)) else _allocate(kernel, cb, o, enc.batch)

@@ -112,6 +112,10 @@ class Kernel:
     """Base of every kernel (MPS ``MPSKernel``): a device, a label and options."""
 
     _config = 0  # bumped by every public assignment: part of every plan-cache key
+    # whether the kernel's command may run beside side-stream work of an earlier command
+    # (`mpsnn.core.command_buffer._Command`): it neither reads what such work writes (a
+    # convolution's weight gradient sums) nor writes what it reads
+    _runs_beside = False
     #: what the class saves (see `mpsnn.core.saved`): a class whose own body sets it is
     #: saved and loaded by `mpsnn.io` with no codec of its own
     saved_fields: ClassVar[tuple[Field, ...]]

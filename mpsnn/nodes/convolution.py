@@ -134,6 +134,13 @@ class _ConvolutionGradientNode(UnaryGradientNode):
             k._bias_sums = False  # nothing reads a bias-less layer's bias sums: not computed
         return k
 
+    def _run(self, step: _Step, kernel: Any) -> None:
+        if type(kernel) is conv.ConvolutionGradient:
+            # the collectives that follow (a synchronized batch normalization's) overlap the
+            # weight gradient on the side stream; the program lowered from this encode keeps it
+            kernel._weights_beside = getattr(step.collectives, "weights_beside", False) is True
+        return super()._run(step, kernel)
+
 
 class ConvolutionGradientNode(_ConvolutionGradientNode, gradient_of=ConvolutionNode):
     """The gradient node of `ConvolutionNode` (MPS ``MPSCNNConvolutionGradientNode``)."""

@@ -220,13 +220,14 @@ def conv_backward(
         ``(dx, dW, db)``: dx shaped like ``x`` (or None), dW like ``weight``, contiguous OIHW
         (in the storage dtype, accumulated in float32 by the backend; in at least float32 when
         the backend returned it channels-last; or None), db ``(O,)`` in at least float32 (None
-        when ``need_bias`` is False: a layer without biases).
+        when ``need_bias`` is False, a layer without biases, or ``need_weights`` is False).
     """
     if _cpu_half(x) or _cpu_half(grad):
         dx, dw, db = conv_backward(grad.float(), x.float(), weight.float(), geom, need_data,
                                    need_weights, need_bias)  # fmt: skip
         return (None if dx is None else dx.to(x.dtype),
                 None if dw is None else dw.to(weight.dtype), db)  # fmt: skip
+    need_bias = need_bias and need_weights  # MPS: the weights' and bias gradients go together
     plan = geom.plan
     t = _channels_last(apply_extract(x, plan))
     g = grad

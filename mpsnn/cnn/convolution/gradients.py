@@ -40,7 +40,7 @@ from mpsnn.cnn.convolution.state import ConvolutionGradientState, ConvolutionTra
 from mpsnn.cnn.neuron_descriptor import FusedNeuron
 from mpsnn.core._checks import check_enum
 from mpsnn.core.binary import GradientKernel
-from mpsnn.core.command_buffer import CommandBuffer
+from mpsnn.core.command_buffer import CommandBuffer, running_buffer
 from mpsnn.core.device import Device
 from mpsnn.core.encode import Encoding
 from mpsnn.core.geometry import Window
@@ -90,6 +90,10 @@ class ConvolutionGradient(GradientKernel):
         # False: a layer without biases skips their sums (set by a training graph whose update
         # never reads them; the state's gradient_for_biases then raises instead of answering)
         self._bias_sums = True
+        # True: the weight and bias gradients run on the queue's side stream, beside the
+        # commands after this one that may (`CommandBuffer._beside`; set by a data-parallel
+        # training graph, whose next collective then overlaps them)
+        self._weights_beside = False
 
     @property
     def gradient_option(self) -> ConvolutionGradientOption:
@@ -196,8 +200,21 @@ class ConvolutionGradient(GradientKernel):
                 dw.shape[0], dtype=acc_dtype(dw.dtype)
             )
 
+        beside = self._weights_beside and need_data and need_w and len(groups) == 1
+
         def backward(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
             w, _ = ws.cast(x.dtype)
+            if beside:
+                run = running_buffer()
+                if run is not None:
+                    dx = grads(g, x, w, True, False)[0]
+
+                    def weights() -> None:
+                        _, dw, db = grads(g, x, w, False, True)
+                        groups[0][0]._accumulate(cb, sums(dw, db))
+
+                    run._beside(weights, (g, x, w))
+                    return dx
             if len(groups) == 1:
                 dx, dw, db = grads(g, x, w, need_data, need_w)
                 if need_w:

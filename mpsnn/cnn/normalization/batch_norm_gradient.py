@@ -108,6 +108,8 @@ class BatchNormalizationStatisticsGradient(_BatchNormalizationGradientBase):
     state's channels of the sources), epsilon, fused neuron (which must equal this kernel's)
     and gamma/beta."""
 
+    _runs_beside = True  # reads its sources, writes its state's sums only
+
     @image_sequences("source_gradients", "source_images")
     def encode_batch(  # type: ignore[override]
         self,
