@@ -1,4 +1,5 @@
-"""The one place that decides the memory layout of half-precision storage on CUDA.
+"""The one place that decides the memory layout of 4-D storage: channels-last for
+float16/bfloat16 on CUDA and for float32 on the CPU, NCHW otherwise.
 
 An image's values and shape are NCHW; how its storage is ordered is an implementation choice.
 On CUDA, float16/bfloat16 convolutions run on channels-last (NHWC) operands: cuDNN's
@@ -8,6 +9,11 @@ operands and weight casts (`mpsnn.ops.convolution`, `mpsnn.cnn.convolution`) and
 image makes itself (`mpsnn.core.image`) all follow `storage_layout`; element-wise kernels keep
 their inputs' layout and batch normalization has channels-last passes, so a network's
 activations stay channels-last from one convolution to the next.
+
+On the CPU, float32 convolutions (oneDNN) convert NCHW operands to their blocked formats and
+back at every call, and PyTorch's NCHW max pooling is an order of magnitude slower than its
+channels-last kernel: float32 storage is channels-last there, convolution masters too
+(`mpsnn.cnn.convolution.data_source`). float64, the reference precision, stays NCHW.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ __all__ = ["channels_last_preferred", "storage_layout"]
 
 def channels_last_preferred(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether 4-D ``dtype`` tensors on ``device`` are kept channels-last (float16/bfloat16 on
-    CUDA)."""
+    CUDA, float32 on the CPU)."""
+    if device.type == "cpu":
+        return dtype is torch.float32
     return device.type == "cuda" and (dtype is torch.bfloat16 or dtype is torch.float16)
 
 

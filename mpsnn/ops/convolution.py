@@ -115,6 +115,12 @@ def _channels_last(t: torch.Tensor) -> torch.Tensor:
     float16/bfloat16 on CUDA, else as is); values and shape are the same either way."""
     if not channels_last_preferred(t.dtype, t.device):
         return t
+    if t.shape[1] == 1 and t.is_cpu and t.is_contiguous():
+        # one channel: NCHW memory is channels-last memory, but PyTorch reads the strides to
+        # choose the result's layout (on the CPU, where the masters' strides of a one-channel
+        # kernel do not tell either); these strides make it channels-last like the others
+        h, w = t.shape[2:]
+        return t.as_strided(t.shape, (h * w, 1, w, 1), t.storage_offset())
     return fast_paths.to_channels_last(t)  # a graph's images: channels-last already, kept
 
 
@@ -205,6 +211,17 @@ def conv_forward(
     return out
 
 
+def _like_masters(dw: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the weight gradient ``dw`` already has the layout and the accumulation dtype
+    of the weights it was computed for: channels-last float32 masters on the CPU
+    (`mpsnn.cnn.convolution.data_source`), whose gradient oneDNN returns channels-last."""
+    return (
+        dw.dtype is weight.dtype
+        and dw.dtype is acc_dtype(dw.dtype)
+        and (dw.stride() == weight.stride())
+    )
+
+
 def conv_backward(
     grad: torch.Tensor,
     x: torch.Tensor,
@@ -261,7 +278,7 @@ def conv_backward(
     # g: grad, zero-padded where it was cropped
     if need_bias and not with_bias:  # (without the mask bit, the operator returned None)
         db = _channel_sums(g, acc)
-    if need_weights and not dw.is_contiguous():
+    if need_weights and not dw.is_contiguous() and not _like_masters(dw, weight):
         # cuDNN's channels-last weight gradient: gradient states and optimizers hold the
         # weights' own layout, and sum in float32 (float64 stays): one pass does both
         dw = dw.to(acc_dtype(dw.dtype), memory_format=torch.contiguous_format)

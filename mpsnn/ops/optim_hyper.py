@@ -151,13 +151,20 @@ def set_step(step: torch.Tensor, t: int) -> None:
 
 
 def init_state(rule: UpdateRule, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Zero state vectors of one parameter for ``rule`` (``rule.state_names``), contiguous, in
-    ``value``'s dtype and device. `mpsnn.ops.optim.apply_update` takes them as one list per state
-    vector."""
+    """Zero state vectors of one parameter for ``rule`` (``rule.state_names``), in ``value``'s
+    dtype and device: channels-last for channels-last 4-D weights (the CPU's float32
+    convolution masters, a contiguous OHWI tensor given as weights: the element-wise update then
+    reads them in one order), else contiguous. `mpsnn.ops.optim.apply_update` takes them as
+    one list per state vector."""
     rule = UpdateRule(rule)
-    return tuple(
-        torch.zeros_like(value, memory_format=torch.contiguous_format) for _ in rule.state_names
-    )
+    layout = torch.contiguous_format
+    if (
+        value.dim() == 4
+        and not value.is_contiguous()
+        and value.is_contiguous(memory_format=torch.channels_last)
+    ):
+        layout = torch.channels_last
+    return tuple(torch.zeros_like(value, memory_format=layout) for _ in rule.state_names)
 
 
 # ---------------------------------------------------------------------------------------------

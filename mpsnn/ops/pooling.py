@@ -133,6 +133,9 @@ def max_pool_forward_argmax(
     ``argmax`` and the gradient skips that pass). ``tap`` is None on the other paths."""
     t = apply_extract(x, geom.plan)
     if _cpu_tiles(x, geom):
+        if _cpu_channels_last(x):
+            k, s, d = _kernel(geom)
+            return F.max_pool2d(t, k, s, 0, d, return_indices=True)
         return _tile_max(t, geom)
     k, s, d = _kernel(geom)
     return F.max_pool2d(t, k, s, 0, d), None
@@ -150,7 +153,10 @@ def max_pool_backward(
     (and overwrites it), the other paths ignore it."""
     fast = fast_paths.max_pool_backward(g, x, geom)
     if fast is None and _cpu_tiles(x, geom):
-        fast = _tile_max_backward(g, x, geom, argmax)
+        if _cpu_channels_last(x):
+            fast = _channels_last_max_backward(g, apply_extract(x, geom.plan), geom, argmax)
+        else:
+            fast = _tile_max_backward(g, x, geom, argmax)
     return fast if fast is not None else max_pool_backward_portable(g, x, geom)
 
 
@@ -164,6 +170,27 @@ def max_pool_backward_portable(
     t = apply_extract(x, geom.plan).contiguous()
     _, idx = F.max_pool2d(t, k, s, 0, d, return_indices=True)
     dt = _max_pool_backward(g.contiguous(), t, list(k), list(s), [0, 0], list(d), False, idx)
+    return apply_extract_adjoint(dt, geom.plan)
+
+
+def _cpu_channels_last(x: torch.Tensor) -> bool:
+    """Whether the CPU tile case reads channels-last storage (of more than one channel):
+    PyTorch's channels-last kernel then pools the windows' span of it (a view) as it is, in
+    the bits of the tile path (the same kernel, the same taps in the same order), and the
+    result keeps the layout."""
+    return x.shape[1] > 1 and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def _channels_last_max_backward(
+    g: torch.Tensor, t: torch.Tensor, geom: PoolGeometry, index: torch.Tensor | None
+) -> torch.Tensor:
+    """`_tile_max_backward` for channels-last ``t``: ``index`` is the forward's plane index
+    of each window's first maximum (PyTorch's, as `max_pool_forward_argmax` returns it for
+    channels-last storage), recomputed when None."""
+    k, s, d = _kernel(geom)
+    if index is None:
+        index = F.max_pool2d(t, k, s, 0, d, return_indices=True)[1]
+    dt = _max_pool_backward(g, t, list(k), list(s), [0, 0], list(d), False, index)
     return apply_extract_adjoint(dt, geom.plan)
 
 

@@ -97,15 +97,21 @@ class _WiderAllocator:
         return m.Image(command_buffer.device, d)
 
 
+def _float32_conv(conv: m.Convolution, x: torch.Tensor) -> torch.Tensor:
+    """PyTorch's float32 convolution of ``x``, on operands in the layout mpsnn runs CPU
+    float32 convolutions in (channels-last: oneDNN's kernels for it round alike)."""
+    cl = torch.channels_last
+    w = conv.weights.permute(0, 3, 1, 2)  # OHWI memory: channels-last OIHW
+    return F.conv2d(x.float().contiguous(memory_format=cl), w, conv.biases, padding=1)
+
+
 def test_an_allocator_of_another_format_gets_the_wider_compute_dtype() -> None:
     conv = _conv()
     x = torch.randn(1, 2, 6, 5).half()
     conv.destination_image_allocator = _WiderAllocator()
     out = _encode(conv, x)
     assert out.dtype == torch.float32
-    w = conv.weights.permute(0, 3, 1, 2)
-    expect = F.conv2d(x.float(), w, conv.biases, padding=1)
-    torch.testing.assert_close(out, expect, rtol=0, atol=0)
+    torch.testing.assert_close(out, _float32_conv(conv, x), rtol=0, atol=0)
 
 
 def test_mixed_formats_of_a_given_destination_compute_in_the_wider_one() -> None:
@@ -115,10 +121,7 @@ def test_mixed_formats_of_a_given_destination_compute_in_the_wider_one() -> None
     dst = m.Image(m.Device("cpu"), m.ImageDescriptor(F32, 5, 6, 3, 1))
     conv.encode(cb, m.Image.from_tensor(x), dst)
     run(cb)
-    w = conv.weights.permute(0, 3, 1, 2)
-    torch.testing.assert_close(
-        dst.tensor, F.conv2d(x.float(), w, conv.biases, padding=1), rtol=0, atol=0
-    )
+    torch.testing.assert_close(dst.tensor, _float32_conv(conv, x), rtol=0, atol=0)
 
 
 def test_a_failed_transpose_encode_restores_every_saved_attribute() -> None:

@@ -3,8 +3,9 @@ storage, eager and compiled) give the recorded losses, weights and logits bit fo
 (`benchmarks/tools/record_steps.py`, which made tests/data/step_records_*.json from the
 execution layer these must keep matching: LeNet and Apple's network from the tree before the
 graph's plan was rebuilt by passes; ResNet-18 again once its strided convolutions read whole
-images, a deliberate change of rounding — the records' ``meta.notes`` say so). A failure names the workload and what differs: the
-first step whose loss differs, then each tensor."""
+images, a deliberate change of rounding; the CPU records again once CPU float32 storage became
+channels-last — the records' ``meta.notes`` say so). A failure names the workload and what
+differs: the first step whose loss differs, then each tensor."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from mpsnn.cnn.convolution.descriptor import ConvolutionDescriptor
 from mpsnn.core.command_buffer import CommandBuffer
 from mpsnn.core.device import Device
 from mpsnn.core.kernel import TrainingStyle
-from mpsnn.core.layout import storage_layout
+from mpsnn.core.layout import channels_last_preferred, storage_layout
 from mpsnn.core.state import State
 from mpsnn.ops._dtypes import widen
 from mpsnn.ops.convolution import fc_matrix
@@ -338,6 +338,14 @@ class TensorConvolutionDataSource(ConvolutionDataSource):
         )
 
 
+def _master_layout(dtype: torch.dtype, device: torch.device) -> torch.memory_format:
+    """The memory format of new master weights: channels-last where the convolutions run
+    float32 on channels-last operands (the CPU), else contiguous."""
+    if dtype is torch.float32 and channels_last_preferred(dtype, device):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
 class ConvWeights:
     """A kernel's master weights: OIHW ``weight`` and ``(O,)`` ``bias`` on its device, float32
     (float64 when the data source gives float64), updated **in place** by reloads (a training
@@ -373,7 +381,12 @@ class ConvWeights:
         # Always a copy: a kernel owns its weights and sees a data source's new values only
         # when it reloads them (MPS's contract; a second kernel of the same data source, e.g.
         # an inference graph's, keeps its weights until its own reload).
-        w = torch.empty((o, ig, kh, kw), dtype=weights.dtype, device=dev)
+        # In the layout the convolutions run in (`mpsnn.core.layout`): on the CPU, float32
+        # masters are channels-last (OHWI memory, MPS's own order), so that oneDNN neither
+        # converts them at every forward and backward nor returns a weight gradient that must
+        # be converted back.
+        w = torch.empty((o, ig, kh, kw), dtype=weights.dtype, device=dev,
+                        memory_format=_master_layout(weights.dtype, dev))  # fmt: skip
         w.copy_(weights.permute(0, 3, 1, 2))
         # The biases take the weights' dtype: float64 verification runs are float64 throughout.
         b = biases.to(dev, w.dtype, copy=True) if biases is not None else None
@@ -400,6 +413,10 @@ class ConvWeights:
         if value != self._channels_last:
             self._channels_last = value
             self._casts.clear()  # made again, in the new layout, at their next use
+            if not value and not self.weight.is_contiguous():
+                # a fully connected layer's matrix is a view of OIHW-contiguous masters (set
+                # when the kernel is made, before anything reads the masters)
+                self.weight = self.weight.contiguous()
 
     def load_ohwi(self, weights: torch.Tensor, biases: torch.Tensor | None) -> None:
         """Copy new OHWI values into the masters, in place (now, on the current stream), and
