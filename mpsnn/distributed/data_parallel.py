@@ -22,10 +22,10 @@ implements them) at four places of its step; each records its collective as a co
   gradient): ``[Σ gy·xhat, Σ gy]`` are all-reduced (summed): the input gradient
   ``dx = gamma / sqrt(var + eps) (gy - Σgy / n - xhat Σgy·xhat / n)`` then uses the global
   sums and count, and so do the gamma/beta updates. The input gradient waits for this
-  collective; so that the device has work meanwhile, the weight gradient of the convolution
-  before it in backward order (which nothing in between reads) runs on the queue's side
-  stream, beside the statistics gradient and the collective (``weights_beside``; CUDA; the
-  same bits);
+  collective; so that the device has work meanwhile, in a captured step the weight gradient
+  of the convolution before it in backward order (which nothing in between reads) runs on the
+  queue's side stream, beside the statistics gradient and the collective
+  (``weights_beside``; the same bits);
 * **weight gradients** (each trainable layer's gradient node, in backward order): the layer's
   gradient sums (``dL/dW``, ``dL/db``; gamma/beta of instance and group normalization) join a
   **bucket**; for a bucket of ``bucket_mib`` MiB or more, one asynchronous collective (sum)

@@ -28,11 +28,10 @@ class _Node(Protocol):
 class StepCollectives(Protocol):
     """The hooks of one distributed step (what ``graph.data_parallel.begin_step(step)``
     returns; `mpsnn.DataParallel` is the implementation). ``weights_beside`` (optional, False
-    when absent): whether a convolution's weight gradient runs on the queue's side stream,
-    beside the collectives recorded after it (`mpsnn.core.command_buffer.CommandBuffer._beside`).
-    Each hook is called
-    at encode time and records its work on ``step.cb`` (``cb.record``), so it runs in command
-    order:
+    when absent): whether a convolution's weight gradient runs on the queue's side stream in
+    captured work, beside the collectives recorded after it
+    (`mpsnn.core.command_buffer.CommandBuffer._beside`). Each hook is called at encode time and
+    records its work on ``step.cb`` (``cb.record``), so it runs in command order:
 
     * ``weight_gradient_ready(node, kernel, states)``: the trainable gradient node ``node``
       encoded its weight-gradient work; once that command ran, ``states`` hold the sums of

@@ -90,9 +90,9 @@ class ConvolutionGradient(GradientKernel):
         # False: a layer without biases skips their sums (set by a training graph whose update
         # never reads them; the state's gradient_for_biases then raises instead of answering)
         self._bias_sums = True
-        # True: the weight and bias gradients run on the queue's side stream, beside the
-        # commands after this one that may (`CommandBuffer._beside`; set by a data-parallel
-        # training graph, whose next collective then overlaps them)
+        # True: in captured work, the weight and bias gradients run on the queue's side
+        # stream, beside the commands after this one that may (`CommandBuffer._beside`; set
+        # by a data-parallel training graph, whose next collective then overlaps them)
         self._weights_beside = False
 
     @property
@@ -206,7 +206,9 @@ class ConvolutionGradient(GradientKernel):
             w, _ = ws.cast(x.dtype)
             if beside:
                 run = running_buffer()
-                if run is not None:
+                # captured work only: an eager step is bound by its host time, which the
+                # stream switch adds to while the device has nothing to overlap
+                if run is not None and run._captured:
                     dx = grads(g, x, w, True, False)[0]
 
                     def weights() -> None:
