@@ -62,7 +62,7 @@ import torch
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops._dtypes import acc_dtype
 from mpsnn.ops.batch_norm_params import BatchNormParams, BatchNormSums
-from mpsnn.ops.neuron import NeuronParams, activation, activation_backward
+from mpsnn.ops.neuron import NeuronParams, activation, activation_backward, plain_relu
 
 __all__ = [
     "bn_backward",
@@ -142,8 +142,10 @@ def _neuron_gradient(neuron: NeuronParams | None, g: torch.Tensor, z: torch.Tens
     neurons multiply by their slope (`mpsnn.ops.neuron.activation_backward`)."""
     if neuron is None or neuron.kind == _NONE:
         return g
-    if neuron.kind == _RELU:
+    if neuron.kind == _RELU and not plain_relu(neuron, z):
         return torch.where(z >= 0, g, g * neuron.a)
+    # the plain ReLU: ``(z >= 0) g`` through a 1.0/0.0 mask, the bits of the select above
+    # (``0.0 g = g 0.0``) in vectorized passes (PyTorch's three-tensor ``where`` is not)
     return activation_backward(neuron, g, z)
 
 
