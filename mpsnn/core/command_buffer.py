@@ -223,10 +223,15 @@ class CommandBuffer:
         if self._side is not None:
             self._join_side()
         main = torch.cuda.current_stream(side.device)
+        if side == main:  # (a stream from the same pool): nothing to overlap
+            work()
+            return
         side.wait_stream(main)
+        # recorded before the work runs: the join comes even when the work raises halfway
+        # (a capture must end joined, and what already runs there keeps its tensors)
+        self._side = (main, side, keep)
         with torch.cuda.stream(side):
             work()
-        self._side = (main, side, keep)
 
     def _join_side(self) -> None:
         """The queue's stream waits for the side-stream work; its tensors are let go."""

@@ -324,7 +324,8 @@ class AccumulatorState(GradientState):
         q = cb.command_queue  # a CommandQueue
         prev = self._writer_queue
         if prev is not None and prev is not q and q._stream is not None and not cb._captured:
-            q._stream.wait_stream(prev._stream)  # CUDA, as q's
+            # CUDA: the stream this write runs on (q's, or its side stream) waits
+            torch.cuda.current_stream(q._stream.device).wait_stream(prev._stream)  # type: ignore[arg-type]  # a CUDA queue's
         self._writer_queue = q
         sums = self._slots.get(slot)
         if sums is None:

@@ -237,6 +237,20 @@ def _to_oihw(t: torch.Tensor) -> torch.Tensor:
     return t.permute(0, 3, 1, 2).contiguous() if t.dim() == 4 else t.clone()
 
 
+def _to_channels_last_oihw(t: torch.Tensor) -> torch.Tensor:
+    """An OHWI tensor as OIHW over OHWI memory (channels-last), a copy."""
+    return t.contiguous().clone().permute(0, 3, 1, 2) if t.dim() == 4 else t.clone()
+
+
+def _ohwi_memory(oihw: torch.Tensor) -> bool:
+    """Whether held OIHW weights lie in OHWI memory order (channels-last, not contiguous)."""
+    return (
+        oihw.dim() == 4
+        and not oihw.is_contiguous()
+        and oihw.is_contiguous(memory_format=torch.channels_last)
+    )
+
+
 def _enc_training_style(ds: Any) -> str:
     return TrainingStyle(ds.training_style).name
 
@@ -248,7 +262,7 @@ def _dec_training_style(f: Fields, ds: Any) -> None:
 
 
 def _enc_conv_data_source(ds: TensorConvolutionDataSource, enc: Encoder) -> dict[str, Any]:
-    return {
+    out = {
         "label": ds.label,
         "training_style": _enc_training_style(ds),
         "descriptor": enc.object(ds.descriptor()),
@@ -257,6 +271,12 @@ def _enc_conv_data_source(ds: TensorConvolutionDataSource, enc: Encoder) -> dict
         "optimizer": enc.object(ds.optimizer),
         "optimizer_state": _enc_optimizer_state(ds, enc, _to_ohwi),
     }
+    if _ohwi_memory(ds._state._oihw):
+        # held in OHWI memory (channels-last OIHW, a CPU float32 convolution's): a load
+        # restores that order, the optimizer state's too, so that updates take the same path
+        # and continue bit for bit (without the field: OIHW memory)
+        out["weights_memory"] = "ohwi"
+    return out
 
 
 def _dec_conv_data_source(f: Fields) -> TensorConvolutionDataSource:
@@ -266,13 +286,19 @@ def _dec_conv_data_source(f: Fields) -> TensorConvolutionDataSource:
         "biases", shape=(desc.output_feature_channels,), dtypes=(w.dtype,), optional=True
     )
     opt = f.get_object("optimizer", Optimizer, optional=True)
-    # the data source wraps what it is given: an OHWI view of OIHW memory keeps the optimizer's
-    # one-launch path (its gradient sums are OIHW)
-    w = w.permute(0, 3, 1, 2).contiguous().permute(0, 2, 3, 1)
+    memory = f.get_str("weights_memory") if f.has("weights_memory") else "oihw"
+    if memory not in ("oihw", "ohwi"):
+        raise fail(f"{f.who} field 'weights_memory' must be 'oihw' or 'ohwi', got {show(memory)}")
+    # the data source wraps what it is given, in the memory order it was saved with: an OHWI
+    # view of OIHW memory keeps the GPU optimizer's one-launch path (its gradient sums are
+    # OIHW); OHWI memory (channels-last OIHW) is what a CPU float32 convolution runs on
+    ohwi = memory == "ohwi" and w.dim() == 4
+    w = w.contiguous() if ohwi else w.permute(0, 3, 1, 2).contiguous().permute(0, 2, 3, 1)
     ds = TensorConvolutionDataSource(desc, w, b, opt, f.get_str("label", optional=True))
     ds._descriptor = desc  # the loaded object itself (the constructor keeps a copy)
     _dec_training_style(f, ds)
-    ds._optimizer_state = _dec_optimizer_state(f, opt, [ds.weights(), ds.bias_terms()], _to_oihw)
+    internal = _to_channels_last_oihw if ohwi else _to_oihw
+    ds._optimizer_state = _dec_optimizer_state(f, opt, [ds.weights(), ds.bias_terms()], internal)
     return ds
 
 

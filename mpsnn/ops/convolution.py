@@ -234,10 +234,12 @@ def conv_backward(
     """Gradients of `conv_forward` for the incoming gradient ``grad`` (N, O, ny, nx).
 
     Returns:
-        ``(dx, dW, db)``: dx shaped like ``x`` (or None), dW like ``weight``, contiguous OIHW
-        (in the storage dtype, accumulated in float32 by the backend; in at least float32 when
-        the backend returned it channels-last; or None), db ``(O,)`` in at least float32 (None
-        when ``need_bias`` is False, a layer without biases, or ``need_weights`` is False).
+        ``(dx, dW, db)``: dx shaped like ``x`` (or None), dW like ``weight``: contiguous OIHW,
+        or channels-last when it has the layout and accumulation dtype of ``weight`` (the
+        CPU's float32 masters: `_like_masters`), in the storage dtype (accumulated in float32 by
+        the backend; in at least float32 when converted from channels-last; or None), db
+        ``(O,)`` in at least float32 (None when ``need_bias`` is False, a layer without biases,
+        or ``need_weights`` is False).
     """
     if _cpu_half(x) or _cpu_half(grad):
         dx, dw, db = conv_backward(grad.float(), x.float(), weight.float(), geom, need_data,

@@ -185,6 +185,18 @@ def _float32(x: float) -> float:
 _FUSED_ADAM: Callable[..., None] | None = getattr(torch, "_fused_adam_", None)
 
 
+def _nhwc_views(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Contiguous ``(N, H, W, C)`` views of 4-D tensors that are all channels-last and not
+    contiguous (an element-wise update may read them in that order), else None."""
+    for t in tensors:
+        if t.dim() != 4 or t.is_contiguous() or not t.is_contiguous(memory_format=_CL):
+            return None
+    return [t.permute(0, 2, 3, 1) for t in tensors]
+
+
+_CL = torch.channels_last
+
+
 def cpu_fused_adam(
     values: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -209,8 +221,12 @@ def cpu_fused_adam(
     from the portable path's by the roundings of that division (a few float32 ulps of the
     step). A non-finite gradient leaves other non-finite state than the portable path (``m`` is
     updated as a lerp: NaN where that path keeps an infinity; AMSGrad's maximum drops NaN in the
-    kernel's scalar tail only); the weights are NaN on both. Non-contiguous tensors are updated
-    through contiguous copies, so that a parameter's layout never changes its bits."""
+    kernel's scalar tail only); the weights are NaN on both. A parameter whose tensors are all
+    channels-last (the CPU's float32 convolutions) is updated through contiguous NHWC views of
+    them, in place: a copy and back would cost more than the update. The kernel's scalar tail
+    (its last elements in memory order) may round one unit in the last place apart from its
+    vector body, so such a parameter's bits can differ there from a contiguous one's. Mixed
+    layouts go through contiguous copies."""
     # `apply_update` checked the lists: results and states share the values' dtype, and the
     # gradients are read in it (`_gradients`)
     if _FUSED_ADAM is None or hyper.device.type != "cpu" or values[0].dtype is not torch.float32:
@@ -226,10 +242,18 @@ def cpu_fused_adam(
     if not (c2 > 0.0 and c1 != 0.0 and abs(lr_t) < float("inf")):
         return False  # beta1 or beta2 of 1 (in float32 or float64): the portable arithmetic
     lr_t = _float32(lr_t)  # rounded as `_adam`'s
-    g = [x.contiguous() for x in _gradients(values, grads, h32, clip, regularization)]
-    # what the kernel updates in place: contiguous tensors as they are, others through copies
+    grads_now = _gradients(values, grads, h32, clip, regularization)
+    # what the kernel updates in place: contiguous tensors as they are; a parameter whose
+    # tensors are all channels-last (the CPU's float32 convolution masters, their gradients
+    # and state) through contiguous NHWC views of them, written in place; others through copies
     written = [_results(results, values), *(list(s) for s in states)]
-    dense = [[x if x.is_contiguous() else x.contiguous() for x in xs] for xs in written]
+    views = [_nhwc_views([g, *(xs[i] for xs in written)]) for i, g in enumerate(grads_now)]
+    g = [v[0] if v is not None else x.contiguous() for v, x in zip(views, grads_now, strict=True)]
+    dense = [
+        [v[1 + k] if v is not None else (x if x.is_contiguous() else x.contiguous())
+         for v, x in zip(views, xs, strict=True)]
+        for k, xs in enumerate(written)
+    ]  # fmt: skip
     amsgrad = len(states) == 3
     _FUSED_ADAM(
         dense[0], g, dense[1], dense[2], dense[3] if amsgrad else [],
@@ -239,8 +263,8 @@ def cpu_fused_adam(
     )  # fmt: skip
     step[:1].add_(1)  # once the update ran
     for xs, ds in zip(written, dense, strict=True):
-        for x, d in zip(xs, ds, strict=True):
-            if d is not x:
+        for x, d, v in zip(xs, ds, views, strict=True):
+            if d is not x and v is None:  # a copy (a view wrote in place)
                 x.copy_(d)
     return True
 

@@ -127,10 +127,13 @@ def max_pool_forward(x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
 def max_pool_forward_argmax(
     x: torch.Tensor, geom: PoolGeometry
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(y, tap)``: `max_pool_forward`'s ``y`` and, on the tile path, each window's argmax as
-    its tap number ``k = i kw + j`` (int64, ``(N, C, OH, OW)``), which the tile pass computes
-    anyway: what `max_pool_backward` recomputes from the same ``x`` (pass it there as
-    ``argmax`` and the gradient skips that pass). ``tap`` is None on the other paths."""
+    """``(y, tap)``: `max_pool_forward`'s ``y`` and, on the CPU tile paths, each window's
+    argmax (int64, ``(N, C, OH, OW)``), which the pass computes anyway: what
+    `max_pool_backward` recomputes from the same ``x`` (pass it there as ``argmax`` and the
+    gradient skips that pass). Its encoding is the path's own, opaque to callers: the tap
+    number ``k = i kw + j`` for NCHW ``x``, PyTorch's plane index for channels-last ``x``
+    (which path a given ``x`` takes is fixed by its layout). ``tap`` is None on the other
+    paths."""
     t = apply_extract(x, geom.plan)
     if _cpu_tiles(x, geom):
         if _cpu_channels_last(x):

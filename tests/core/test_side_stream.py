@@ -117,20 +117,30 @@ def test_the_side_work_of_a_later_command_waits_for_the_earlier_side_work() -> N
 
 @cuda
 def test_the_tensors_side_work_reads_are_held_until_it_is_joined() -> None:
+    """The command that made ``t`` lets go of it; without ``keep`` the caching allocator would
+    hand its block to the next allocation on the queue's stream (the 7s) while the side
+    stream still sleeps before reading it."""
     q = _queue("cuda")
+    n = 1 << 20
+    out = torch.zeros(n, device="cuda")
+    expect: list[torch.Tensor] = []
     cb = q.command_buffer()
-    held: list[torch.Tensor] = []
 
     def hand_over() -> None:
-        t = torch.ones(4, device="cuda")
-        cb._beside(lambda: t.mul_(2), (t,))
-        held.append(cb._side[2][0])  # type: ignore[index]
+        t = torch.randn(n, device="cuda")
+        expect.append(t.clone())
+
+        def slow_copy() -> None:
+            torch.cuda._sleep(_SLOW)
+            out.copy_(t)
+
+        cb._beside(slow_copy, (t,))
 
     cb.record("hand over", hand_over)
-    cb._record_beside("beside", lambda: None)
+    cb._record_beside("allocate", lambda: expect.append(torch.full((n,), 7.0, device="cuda")))
     cb.commit()
     cb.wait_until_completed()
-    assert held and torch.equal(held[0], torch.full((4,), 2.0, device="cuda"))
+    assert torch.equal(out, expect[0])
     assert cb._side is None
 
 
@@ -144,8 +154,12 @@ def test_a_captured_buffer_replays_its_side_work() -> None:
     def build() -> m.CommandBuffer:
         cb = q.command_buffer()
 
+        def slow_double() -> None:
+            torch.cuda._sleep(_SLOW)  # "after" must wait for this inside the recording too
+            side_out.copy_(src * 2)
+
         def hand_over() -> None:
-            cb._beside(lambda: side_out.copy_(src * 2), (src,))
+            cb._beside(slow_double, (src,))
 
         cb.record("hand over", hand_over)
         cb._record_beside("beside", lambda: main_out.copy_(src + 1))
@@ -162,3 +176,43 @@ def test_a_captured_buffer_replays_its_side_work() -> None:
     captured.wait_until_completed()
     assert torch.equal(main_out, src + 1 + src * 2)
     assert not torch.equal(main_out, expected)
+
+
+@cuda
+@pytest.mark.parametrize("captured", [False, True])
+def test_side_work_that_raises_is_joined_and_reported(captured: bool) -> None:
+    """The fork is recorded before the work runs: the run joins it all the same, the buffer
+    reports the work's error, and the queue records or runs the next buffer as usual."""
+    q = _queue("cuda")
+    out = torch.zeros(1, device="cuda")
+
+    def build(fail: bool) -> m.CommandBuffer:
+        cb = q.command_buffer()
+
+        def work() -> None:
+            torch.cuda._sleep(1000)  # launched on the side stream before the failure
+            if fail:
+                raise RuntimeError("the side work failed")
+            out.fill_(5.0)
+
+        cb.record("hand over", lambda: cb._beside(work, ()))
+        cb.record("after", lambda: out.add_(1.0))
+        return cb
+
+    bad = build(True)
+    with pytest.raises(RuntimeError, match="the side work failed"):
+        if captured:
+            bad.capture()
+        else:
+            bad.commit()
+            bad.wait_until_completed()
+    assert bad._side is None
+    good = build(False)
+    if captured:
+        step = good.capture()
+        step.replay()
+        step.wait_until_completed()
+    else:
+        good.commit()
+        good.wait_until_completed()
+    assert out.item() == 6.0

@@ -137,9 +137,18 @@ def test_the_hooks_decide_whether_weight_gradients_run_beside(beside: bool) -> N
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="side streams need a GPU")
 @pytest.mark.parametrize("compiled", [False, True])
-def test_only_captured_steps_use_the_side_stream(compiled: bool) -> None:
+def test_only_captured_steps_use_the_side_stream(compiled: bool, monkeypatch) -> None:
     """An eager step is bound by its host time: it keeps one stream (the switch would only add
-    host work); the recording of a compiled step hands the weight gradients over."""
+    host work); the recording of a compiled step hands the weight gradient over (the second
+    convolution's: the first computes no data gradient, and nothing follows it to overlap)."""
+    handed: list[int] = []
+    real = m.CommandBuffer._beside
+
+    def spy(self, work, keep):
+        handed.append(len(keep))
+        return real(self, work, keep)
+
+    monkeypatch.setattr(m.CommandBuffer, "_beside", spy)
     dev = m.Device("cuda")
     graph, _ = _build(dev)
     graph.data_parallel = _Hooks(True)
@@ -161,3 +170,4 @@ def test_only_captured_steps_use_the_side_stream(compiled: bool) -> None:
         step.wait_until_completed()
         assert step.is_captured
     assert (queue._side is not None) is compiled  # made by the first hand-over
+    assert handed == ([3] if compiled else [])  # once, in the recording: (g, x, w) kept

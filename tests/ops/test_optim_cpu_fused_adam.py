@@ -140,3 +140,41 @@ def test_the_fused_update_stays_within_roundings_of_the_portable_one(rule, monke
             assert torch.allclose(a, b, rtol=1e-6, atol=0)
     for a, b in zip(w_fused, w_port, strict=True):
         assert torch.allclose(a, b, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("rule", ADAMS, ids=lambda r: r.name)
+def test_channels_last_parameters_are_updated_through_views(rule, monkeypatch) -> None:
+    """A parameter whose value, gradient and state are all channels-last (a CPU float32
+    convolution's) reaches the kernel as contiguous NHWC views of them, no copy. The update is
+    element-wise, but the kernel's scalar tail (the last elements in memory order) may round
+    one unit in the last place apart from its vector body, and the order puts other elements
+    there: the contiguous layout's values within two units in the last place."""
+    real = optim_portable._FUSED_ADAM
+    seen: list[list[torch.Tensor]] = []
+
+    def fused(*args, **kwargs):
+        seen.append(list(args[0]) + list(args[1]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(optim_portable, "_FUSED_ADAM", fused)
+    gen = torch.Generator().manual_seed(3)
+    w0 = torch.randn(7, 5, 3, 3, generator=gen)  # odd sizes: vector tails differ by order
+    grads = [torch.randn(w0.shape, generator=gen) for _ in range(4)]
+    runs = []
+    for cl in (False, True):
+        fmt = torch.channels_last if cl else torch.contiguous_format
+        w = w0.clone(memory_format=fmt)
+        states = [list(x) for x in zip(optim_hyper.init_state(rule, w), strict=True)]
+        assert all(s[0].stride() == w.stride() for s in states)
+        hyper = optim_hyper.make_hyper("cpu", learning_rate=0.01, beta2=0.99)
+        step = optim_hyper.make_step("cpu")
+        for g in grads:
+            optim.apply_update(rule, [w], [g.contiguous(memory_format=fmt)], [w], states, hyper,
+                               step)  # fmt: skip
+        if cl:  # the kernel wrote w through a view of it
+            value, grad = seen[-1]
+            assert value._base is w and value.is_contiguous() and grad.is_contiguous()
+        runs.append([w.clone(), *(s[0].clone() for s in states)])
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(b, a, rtol=2**-22, atol=0.0)
+        assert (a != b).sum() <= 16  # at most a tail's worth of elements

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import mpsnn as m
 from mpsnn.cnn.convolution.data_source import ConvWeights
 from mpsnn.cnn.convolution.kernels import reload_weights_and_biases
-from mpsnn.core.layout import storage_layout
+from mpsnn.core.layout import channels_last_preferred
 from mpsnn.models import LeNet5
 from tests.helpers import DEVICES, run
 
@@ -35,7 +35,10 @@ def _expected(ws, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None
     """What the copies must hold: today's cast of the current masters, bit for bit."""
     w = ws.weight
     if ws.channels_last_casts and w.dim() == 4:
-        want = w.to(dtype, memory_format=storage_layout(dtype, w.device))
+        # the layout that dtype runs in on the device: NCHW for a CPU half cast, even of the
+        # CPU's channels-last float32 masters
+        cl = channels_last_preferred(dtype, w.device)
+        want = w.to(dtype, memory_format=torch.channels_last if cl else torch.contiguous_format)
     else:
         want = w.to(dtype)
     return want, None if ws.bias is None else ws.bias.to(dtype)

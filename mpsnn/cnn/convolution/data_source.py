@@ -29,7 +29,7 @@ from mpsnn.cnn.convolution.descriptor import ConvolutionDescriptor
 from mpsnn.core.command_buffer import CommandBuffer
 from mpsnn.core.device import Device
 from mpsnn.core.kernel import TrainingStyle
-from mpsnn.core.layout import channels_last_preferred, storage_layout
+from mpsnn.core.layout import channels_last_preferred
 from mpsnn.core.state import State
 from mpsnn.ops._dtypes import widen
 from mpsnn.ops.convolution import fc_matrix
@@ -474,7 +474,10 @@ class ConvWeights:
         way."""
         w = self.weight
         if self._channels_last and w.dim() == 4:
-            return w.to(dtype, memory_format=storage_layout(dtype, w.device))
+            # channels-last where that dtype runs channels-last, else NCHW (the CPU's float32
+            # masters are channels-last: a float64 or half cast of them is not)
+            cl = channels_last_preferred(dtype, w.device)
+            return w.to(dtype, memory_format=torch.channels_last if cl else torch.contiguous_format)
         return w.to(dtype)
 
     def matrix(self, w: torch.Tensor) -> torch.Tensor:
