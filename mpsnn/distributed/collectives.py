@@ -125,7 +125,7 @@ class _StepCollectives:
                 if extras:  # per-image states (instance/group normalization): one exchange
                     _fold(st, extras, slot)
                 for t in _sums(st, slot):
-                    by_dtype.setdefault(t.dtype, []).append(t)
+                    by_dtype.setdefault(t.dtype, []).append(_dense_view(t))
             for tensors in by_dtype.values():
                 if dp._coalesces(tensors):  # in place: no flat copy and back
                     bucket.pending.append((dp._all_reduce_each(what, tensors), None, tensors))
@@ -215,6 +215,20 @@ class _StepCollectives:
 
 
 # -- helpers --------------------------------------------------------------------------------
+
+
+def _dense_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or for a channels-last 4-D sum (a CPU float32 convolution's weight gradient) the
+    contiguous NHWC view of its memory: a sum over the ranks is element-wise, so the bucket's
+    collective may read and write it in that order, in place (every rank lays its sums out
+    alike)."""
+    if (
+        t.dim() == 4
+        and not t.is_contiguous()
+        and t.is_contiguous(memory_format=torch.channels_last)
+    ):
+        return t.permute(0, 2, 3, 1)
+    return t
 
 
 def _writable_like(var: torch.Tensor | None, new: torch.Tensor) -> bool:

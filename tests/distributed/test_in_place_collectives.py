@@ -132,3 +132,20 @@ def test_buckets_coalesce_with_nccl_or_on_the_cpu_only() -> None:
     dp.backend = "nccl"
     assert dp._coalesces(sums) and dp._coalesces(device)
     assert not dp._coalesces(strided)
+
+
+def test_a_channels_last_sum_is_reduced_through_a_contiguous_view_of_it() -> None:
+    """A CPU float32 convolution's weight-gradient sum is channels-last: the bucket passes the
+    NHWC view of its memory (contiguous), so it is reduced in place like the others."""
+    from mpsnn.distributed.collectives import _dense_view
+
+    cl = torch.randn(4, 3, 2, 2).contiguous(memory_format=torch.channels_last)
+    view = _dense_view(cl)
+    assert view.is_contiguous() and view.data_ptr() == cl.data_ptr()
+    view.add_(1.0)  # what an in-place sum does: written through
+    assert torch.equal(cl, view.permute(0, 3, 1, 2))
+    plain = torch.randn(3, 2)
+    assert _dense_view(plain) is plain
+    dp = DataParallel.__new__(DataParallel)
+    dp.backend = "gloo"
+    assert dp._coalesces([view]) and not dp._coalesces([cl])
