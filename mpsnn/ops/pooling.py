@@ -193,6 +193,9 @@ def _channels_last_max_backward(
     k, s, d = _kernel(geom)
     if index is None:
         index = F.max_pool2d(t, k, s, 0, d, return_indices=True)[1]
+    # the gradient in the source's layout (a fully connected layer's input gradient is NCHW):
+    # PyTorch's kernel would otherwise convert the source, four times its size
+    g = g.contiguous(memory_format=torch.channels_last)
     dt = _max_pool_backward(g, t, list(k), list(s), [0, 0], list(d), False, index)
     return apply_extract_adjoint(dt, geom.plan)
 
