@@ -88,14 +88,17 @@ def _values(sources: list[Any]) -> list[torch.Tensor]:
     return out
 
 
-def _train(device: str, hooks: _Hooks | None, compiled: bool) -> tuple[list[torch.Tensor], Any]:
+def _train(
+    device: str, hooks: _Hooks | None, compiled: bool, steps: int = STEPS, seed: int = 11
+) -> tuple[list[torch.Tensor], Any, Any, Any]:
+    """``steps`` training steps; the trained values, the graph, its queue and compiled step."""
     dev = m.Device(device)
     graph, sources = _build(dev)
     graph.data_parallel = hooks
     queue = dev.new_command_queue()
     step = graph.compile(queue) if compiled else None
-    gen = torch.Generator().manual_seed(11)
-    for _ in range(STEPS):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
         x = torch.randn(BATCH, 3, 6, 6, generator=gen).to(dev.torch_device)
         y = torch.randint(0, CLASSES, (BATCH,), generator=gen).to(dev.torch_device)
         images = [m.ImageBatch.from_tensor(x)]
@@ -109,15 +112,15 @@ def _train(device: str, hooks: _Hooks | None, compiled: bool) -> tuple[list[torc
             cb.wait_until_completed()
     if step is not None:
         step.wait_until_completed()
-    return _values(sources), graph
+    return _values(sources), graph, queue, step
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("compiled", [False, True])
 def test_weight_gradients_beside_train_the_same_bits(device: str, compiled: bool) -> None:
     with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
-        plain, _ = _train(device, None, compiled)
-        beside, graph = _train(device, _Hooks(True), compiled)
+        plain, *_ = _train(device, None, compiled)
+        beside, graph, *_ = _train(device, _Hooks(True), compiled)
     kernels = [k for k in graph._plan.kernels.values() if type(k) is m.ConvolutionGradient]
     assert len(kernels) == 2 and all(k._weights_beside for k in kernels)
     assert graph._programs, "the steps ran a step program"
@@ -127,7 +130,7 @@ def test_weight_gradients_beside_train_the_same_bits(device: str, compiled: bool
 
 @pytest.mark.parametrize("beside", [False, True])
 def test_the_hooks_decide_whether_weight_gradients_run_beside(beside: bool) -> None:
-    _, graph = _train("cpu", _Hooks(beside), compiled=False)
+    _, graph, *_ = _train("cpu", _Hooks(beside), compiled=False)
     kernels = [k for k in graph._plan.kernels.values() if type(k) is m.ConvolutionGradient]
     assert kernels and all(k._weights_beside is beside for k in kernels)
     # the fully connected layer's gradient keeps its weights on the queue's stream
@@ -149,25 +152,9 @@ def test_only_captured_steps_use_the_side_stream(compiled: bool, monkeypatch) ->
         return real(self, work, keep)
 
     monkeypatch.setattr(m.CommandBuffer, "_beside", spy)
-    dev = m.Device("cuda")
-    graph, _ = _build(dev)
-    graph.data_parallel = _Hooks(True)
-    queue = dev.new_command_queue()
-    step = graph.compile(queue) if compiled else None
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(3):  # eager, recorded, replayed when compiled
-        x = torch.randn(BATCH, 3, 6, 6, generator=gen).cuda()
-        y = torch.randint(0, CLASSES, (BATCH,), generator=gen).cuda()
-        images, labels = [m.ImageBatch.from_tensor(x)], [m.LossLabels(dev, y.view(-1, 1, 1))]
-        if step is not None:
-            step(images, labels)
-            continue
-        cb = queue.command_buffer()
-        graph.encode_batch(cb, images, labels)
-        cb.commit()
-        cb.wait_until_completed()
+    # eager, recorded, replayed when compiled
+    _, _, queue, step = _train("cuda", _Hooks(True), compiled, steps=3, seed=1)
     if step is not None:
-        step.wait_until_completed()
         assert step.is_captured
     assert (queue._side is not None) is compiled  # made by the first hand-over
     assert handed == ([3] if compiled else [])  # once, in the recording: (g, x, w) kept
