@@ -13,14 +13,20 @@ activations stay channels-last from one convolution to the next.
 On the CPU, float32 convolutions (oneDNN) convert NCHW operands to their blocked formats and
 back at every call, and PyTorch's NCHW max pooling is an order of magnitude slower than its
 channels-last kernel: float32 storage is channels-last there, convolution masters too
-(`mpsnn.cnn.convolution.data_source`). float64, the reference precision, stays NCHW.
+(`master_layout`, `mpsnn.cnn.convolution.weights`). float64, the reference precision, stays NCHW.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["channels_last_preferred", "storage_layout"]
+__all__ = [
+    "channels_last_only",
+    "channels_last_preferred",
+    "master_layout",
+    "nhwc_view",
+    "storage_layout",
+]
 
 
 def channels_last_preferred(dtype: torch.dtype, device: torch.device) -> bool:
@@ -38,3 +44,26 @@ def storage_layout(dtype: torch.dtype, device: torch.device) -> torch.memory_for
     if channels_last_preferred(dtype, device):
         return torch.channels_last
     return torch.preserve_format
+
+
+def master_layout(dtype: torch.dtype, device: torch.device) -> torch.memory_format:
+    """The memory format of a convolution's new master weights of ``dtype``: channels-last
+    where the convolutions run float32 on channels-last operands (the CPU: channels-last OIHW
+    is OHWI memory, MPS's own order), else contiguous."""
+    if dtype is torch.float32 and channels_last_preferred(dtype, device):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def channels_last_only(t: torch.Tensor) -> bool:
+    """Whether 4-D ``t`` lies in channels-last memory and not in NCHW memory (a tensor with one
+    channel, or 1x1 pixels, is both, and counts as NCHW)."""
+    if t.dim() != 4 or t.is_contiguous():
+        return False
+    return t.is_contiguous(memory_format=torch.channels_last)
+
+
+def nhwc_view(t: torch.Tensor) -> torch.Tensor:
+    """The ``(N, H, W, C)`` view of 4-D ``t``: contiguous where `channels_last_only` holds, so an
+    element-wise operation may read and write ``t``'s memory through it in order."""
+    return t.permute(0, 2, 3, 1)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from mpsnn.cnn.normalization.batch_norm_state import BatchNormalizationState
+from mpsnn.core.layout import channels_last_only, nhwc_view
 from mpsnn.core.state import AccumulatorState, StateBatch
 from mpsnn.ops.batch_norm import bn_merge_all, bn_merge_rows, bn_variance
 
@@ -218,17 +219,10 @@ class _StepCollectives:
 
 
 def _dense_view(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or for a channels-last 4-D sum (a CPU float32 convolution's weight gradient) the
-    contiguous NHWC view of its memory: a sum over the ranks is element-wise, so the bucket's
-    collective may read and write it in that order, in place (every rank lays its sums out
-    alike)."""
-    if (
-        t.dim() == 4
-        and not t.is_contiguous()
-        and t.is_contiguous(memory_format=torch.channels_last)
-    ):
-        return t.permute(0, 2, 3, 1)
-    return t
+    """``t``, or for a channels-last sum (a CPU float32 convolution's weight gradient) its
+    contiguous NHWC view: a sum over the ranks is element-wise, so the bucket's collective may
+    read and write it in that order, in place (every rank lays its sums out alike)."""
+    return nhwc_view(t) if channels_last_only(t) else t
 
 
 def _writable_like(var: torch.Tensor | None, new: torch.Tensor) -> bool:

@@ -20,6 +20,7 @@ from mpsnn.cnn.normalization.data_sources import (
     TensorInstanceNormalizationDataSource,
 )
 from mpsnn.core.kernel import KernelOptions, TrainingStyle
+from mpsnn.core.layout import channels_last_only
 from mpsnn.io.codec import FLOATS, Encoder, Fields, fail, per_class, register_codec, show
 from mpsnn.ops.optim_hyper import RegularizationType, make_step
 from mpsnn.optim import SGD, Adam, Optimizer, OptimizerDescriptor, RMSProp
@@ -242,15 +243,6 @@ def _to_channels_last_oihw(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().clone().permute(0, 3, 1, 2) if t.dim() == 4 else t.clone()
 
 
-def _ohwi_memory(oihw: torch.Tensor) -> bool:
-    """Whether held OIHW weights lie in OHWI memory order (channels-last, not contiguous)."""
-    return (
-        oihw.dim() == 4
-        and not oihw.is_contiguous()
-        and oihw.is_contiguous(memory_format=torch.channels_last)
-    )
-
-
 def _enc_training_style(ds: Any) -> str:
     return TrainingStyle(ds.training_style).name
 
@@ -271,7 +263,7 @@ def _enc_conv_data_source(ds: TensorConvolutionDataSource, enc: Encoder) -> dict
         "optimizer": enc.object(ds.optimizer),
         "optimizer_state": _enc_optimizer_state(ds, enc, _to_ohwi),
     }
-    if _ohwi_memory(ds._state._oihw):
+    if channels_last_only(ds._state._oihw):
         # held in OHWI memory (channels-last OIHW, a CPU float32 convolution's): a load
         # restores that order, the optimizer state's too, so that updates take the same path
         # and continue bit for bit (without the field: OIHW memory)

@@ -29,17 +29,14 @@ from mpsnn.cnn.loss import LossDescriptor, LossType, ReductionType
 from mpsnn.cnn.normalization import TensorBatchNormalizationDataSource
 from mpsnn.core.descriptor import FeatureChannelFormat
 from mpsnn.core.device import Device
-from mpsnn.core.layout import channels_last_preferred
+from mpsnn.core.layout import master_layout
 from mpsnn.graph import Graph, ImageNode
 from mpsnn.nodes import LossNode
 
 __all__ = ["Model", "batch_norm_source", "conv_source", "image_shape"]
 
 
-def _channels_last_masters(dtype: torch.dtype, device: Device) -> bool:
-    """Whether a convolution's master weights of ``dtype`` are channels-last on ``device``
-    (`mpsnn.cnn.convolution.data_source`: float32 on the CPU)."""
-    return dtype is torch.float32 and channels_last_preferred(dtype, device.torch_device)
+_CL = torch.channels_last
 
 
 def conv_source(
@@ -57,7 +54,7 @@ def conv_source(
     )  # fmt: skip
     bias = None if module.bias is None else module.bias.detach()
     ohwi = w.permute(0, 2, 3, 1).to(device.torch_device, dtype, copy=True)
-    if isinstance(module, nn.Conv2d) and _channels_last_masters(dtype, device):
+    if isinstance(module, nn.Conv2d) and master_layout(dtype, device.torch_device) is _CL:
         # the kernel's masters are channels-last OIHW there, which is OHWI memory: the same
         # layout here makes each reload a plain copy and the optimizer's operands alike
         ohwi = ohwi.contiguous()

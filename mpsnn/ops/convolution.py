@@ -214,7 +214,7 @@ def conv_forward(
 def _like_masters(dw: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the weight gradient ``dw`` already has the layout and the accumulation dtype
     of the weights it was computed for: channels-last float32 masters on the CPU
-    (`mpsnn.cnn.convolution.data_source`), whose gradient oneDNN returns channels-last."""
+    (`mpsnn.core.layout.master_layout`), whose gradient oneDNN returns channels-last."""
     return (
         dw.dtype is weight.dtype
         and dw.dtype is acc_dtype(dw.dtype)

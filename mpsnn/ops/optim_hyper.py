@@ -30,6 +30,8 @@ import math
 
 import torch
 
+from mpsnn.core.layout import channels_last_only
+
 __all__ = [
     "HYPER_SIZE",
     "Hyper",
@@ -157,13 +159,7 @@ def init_state(rule: UpdateRule, value: torch.Tensor) -> tuple[torch.Tensor, ...
     reads them in one order), else contiguous. `mpsnn.ops.optim.apply_update` takes them as
     one list per state vector."""
     rule = UpdateRule(rule)
-    layout = torch.contiguous_format
-    if (
-        value.dim() == 4
-        and not value.is_contiguous()
-        and value.is_contiguous(memory_format=torch.channels_last)
-    ):
-        layout = torch.channels_last
+    layout = torch.channels_last if channels_last_only(value) else torch.contiguous_format
     return tuple(torch.zeros_like(value, memory_format=layout) for _ in rule.state_names)
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mpsnn.core.layout import channels_last_only, nhwc_view
 from mpsnn.ops.optim_hyper import Hyper, RegularizationType, UpdateRule
 
 __all__ = ["cpu_fused_adam", "portable_update"]
@@ -186,15 +187,11 @@ _FUSED_ADAM: Callable[..., None] | None = getattr(torch, "_fused_adam_", None)
 
 
 def _nhwc_views(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """Contiguous ``(N, H, W, C)`` views of 4-D tensors that are all channels-last and not
-    contiguous (an element-wise update may read them in that order), else None."""
-    for t in tensors:
-        if t.dim() != 4 or t.is_contiguous() or not t.is_contiguous(memory_format=_CL):
-            return None
-    return [t.permute(0, 2, 3, 1) for t in tensors]
-
-
-_CL = torch.channels_last
+    """`nhwc_view` of each of ``tensors`` when all are `channels_last_only` (an element-wise
+    update may read them in that order), else None."""
+    if all(channels_last_only(t) for t in tensors):
+        return [nhwc_view(t) for t in tensors]
+    return None
 
 
 def cpu_fused_adam(

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from mpsnn.core.geometry import AxisWindow, EdgeMode
-from mpsnn.core.layout import channels_last_preferred
+from mpsnn.core.layout import channels_last_only, channels_last_preferred
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops._dtypes import device_constant, widen
 from mpsnn.ops.plans import PoolGeometry
@@ -136,7 +136,7 @@ def max_pool_forward_argmax(
     paths."""
     t = apply_extract(x, geom.plan)
     if _cpu_tiles(x, geom):
-        if _cpu_channels_last(x):
+        if channels_last_only(x):
             k, s, d = _kernel(geom)
             return F.max_pool2d(t, k, s, 0, d, return_indices=True)
         return _tile_max(t, geom)
@@ -156,7 +156,7 @@ def max_pool_backward(
     (and overwrites it), the other paths ignore it."""
     fast = fast_paths.max_pool_backward(g, x, geom)
     if fast is None and _cpu_tiles(x, geom):
-        if _cpu_channels_last(x):
+        if channels_last_only(x):
             fast = _channels_last_max_backward(g, apply_extract(x, geom.plan), geom, argmax)
         else:
             fast = _tile_max_backward(g, x, geom, argmax)
@@ -174,14 +174,6 @@ def max_pool_backward_portable(
     _, idx = F.max_pool2d(t, k, s, 0, d, return_indices=True)
     dt = _max_pool_backward(g.contiguous(), t, list(k), list(s), [0, 0], list(d), False, idx)
     return apply_extract_adjoint(dt, geom.plan)
-
-
-def _cpu_channels_last(x: torch.Tensor) -> bool:
-    """Whether the CPU tile case reads channels-last storage (of more than one channel):
-    PyTorch's channels-last kernel then pools the windows' span of it (a view) as it is, in
-    the bits of the tile path (the same kernel, the same taps in the same order), and the
-    result keeps the layout."""
-    return x.shape[1] > 1 and x.is_contiguous(memory_format=torch.channels_last)
 
 
 def _channels_last_max_backward(

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import mpsnn as m
-from mpsnn.cnn.convolution.data_source import ConvWeights
 from mpsnn.cnn.convolution.kernels import reload_weights_and_biases
+from mpsnn.cnn.convolution.weights import ConvWeights
 from mpsnn.core.layout import channels_last_preferred
 from mpsnn.models import LeNet5
 from tests.helpers import DEVICES, run

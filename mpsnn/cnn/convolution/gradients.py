@@ -27,6 +27,7 @@ import torch
 from mpsnn.cnn.convolution.data_source import (
     ConvolutionDataSource,
     ConvolutionWeightsAndBiasesState,
+    read_data_source,
 )
 from mpsnn.cnn.convolution.descriptor import ConvolutionGradientOption
 from mpsnn.cnn.convolution.kernels import (
@@ -34,7 +35,6 @@ from mpsnn.cnn.convolution.kernels import (
     ConvolutionRecord,
     ConvolutionTranspose,
     FullyConnected,
-    read_data_source,
 )
 from mpsnn.cnn.convolution.state import ConvolutionGradientState, ConvolutionTransposeGradientState
 from mpsnn.cnn.neuron_descriptor import FusedNeuron

@@ -18,14 +18,14 @@ import torch
 from mpsnn.cnn.convolution.data_source import (
     ConvolutionDataSource,
     ConvolutionWeightsAndBiasesState,
-    ConvWeights,
-    check_weights,
+    read_data_source,
 )
 from mpsnn.cnn.convolution.descriptor import (
     ConvolutionAccumulatorPrecisionOption,
     ConvolutionDescriptor,
 )
 from mpsnn.cnn.convolution.state import ConvolutionGradientState, ConvolutionTransposeGradientState
+from mpsnn.cnn.convolution.weights import ConvWeights
 from mpsnn.cnn.neuron_descriptor import FusedNeuron
 from mpsnn.core._checks import check_enum, check_int
 from mpsnn.core.cnn_kernel import CNNKernel, Forward, Records
@@ -80,32 +80,6 @@ class ConvolutionRecord:
     geometry: ConvGeometry
     neuron: FusedNeuron | None
     stride: tuple[int, int]
-
-
-def read_data_source(
-    who: str, data_source: Any
-) -> tuple[ConvolutionDescriptor, torch.Tensor, torch.Tensor | None]:
-    """Validate a data source, ``load`` it, read descriptor, weights and biases, ``purge``."""
-    for name in ("descriptor", "weights", "bias_terms"):
-        if not callable(getattr(data_source, name, None)):
-            raise TypeError(
-                f"[{who}] weights must be a ConvolutionDataSource (with descriptor(), weights() "
-                f"and bias_terms()), got {type(data_source).__name__}"
-            )
-    if data_source.load() is False:
-        raise ValueError(f"[{who}] the data source's load() must succeed, got False")
-    try:
-        desc = data_source.descriptor()
-        if not isinstance(desc, ConvolutionDescriptor):
-            raise TypeError(
-                f"[{who}] the data source's descriptor() must return a ConvolutionDescriptor, "
-                f"got {type(desc).__name__}"
-            )
-        desc.validate(who)
-        w, b = check_weights(who, desc, data_source.weights(), data_source.bias_terms())
-    finally:
-        data_source.purge()
-    return desc.copy(), w, b
 
 
 class _ConvolutionBase(CNNKernel):
