@@ -59,7 +59,9 @@ TRITON_KERNELS: dict[str, str] = {
     "_dropout_flat": DROPOUT,
     "_dropout_planes": DROPOUT,
     "_nchw_to_nhwc": LAYOUT,
-    "_pad_channels": LAYOUT,
+    "_nhwc_to_nchw": LAYOUT,
+    "_few_channel_conv": CONV_FWD,
+    "_few_channel_conv_wgrad": CONV_WGRAD,
 }
 
 # older Triton versions append the argument specialization (``_forward_0d1d2d3de``)

@@ -138,59 +138,52 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float()
 
 
-_PADDED_CHANNELS = 8  # the channel multiple cuDNN's half-precision tensor-core kernels take
+def _few_channels(t: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
+    """Whether the convolution of ``t`` (the input as the convolution reads it) by OIHW
+    ``weight`` runs on the Triton few-channel kernels (`mpsnn.ops.triton.conv_few_channels`):
+    a float16/bfloat16 CUDA input of 2 or 3 channels, one group, at least 16 filters of at most
+    3x3 (an image network's stem).
 
-
-def _pads_channels(t: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
-    """Whether the forward pads its operands (``t``: the input as the convolution reads it,
-    ``weight``: OIHW) with zero channels up to `_PADDED_CHANNELS`: a bfloat16 CUDA input of 2
-    or 3 channels, one group, at least 64 filters of at most 3x3 (an image network's stem).
-
-    Why, and why only there: for bfloat16 inputs of 2 or 3 channels, cuDNN (9.x, through
-    PyTorch) pads the input to 4 channels itself and runs a slow tensor-core kernel; on
-    operands padded to 8 it runs its fast one, about 1.7x faster for a 3x3 RGB stem of 64
-    filters on an H200, the pad included. Padding does not pay for one channel (LeNet's first
-    layer: several times slower), four, fewer filters, larger filters or float16, which cuDNN
-    runs well unpadded: `benchmarks/RESULTS.md` has the table this rule follows. Other GPUs
-    or cuDNN versions may move these lines (the replayed ResNet-18 row of
-    `python -m benchmarks.suite` runs such a stem).
-
-    The padded convolution sums the same products plus exact zeros (a zero input channel
-    meets a zero weight channel: ``0 * 0 = +0``, which leaves a sum's value as it is), but
-    cuDNN's kernel for 8 channels may add the float32 products in another order than its
-    kernel for ``C`` does: the last place of a result may differ from the unpadded call's. The
-    gradients (`conv_backward`) run on the unpadded operands."""
+    Why, and why only there: cuDNN (9.x, through PyTorch) runs such a layer's forward and
+    weight gradient far from the bytes they move (its tensor-core kernels want 8 input
+    channels). On an H200 the Triton kernels take a 3x3 RGB stem of 64 filters at batch 512
+    in bfloat16 from 105.7 µs (cuDNN; 84.9 µs on operands padded to 8 channels) to 62.7 µs
+    forward and from 106.2 to 56.5 µs for the weight gradient, and are faster in every 2- or
+    3-channel case of the table in `benchmarks/RESULTS.md` (float16, 16 to 64 filters, 1x1,
+    stride 2 at 224x224); four channels run slower there, and one channel and larger filters
+    are not in it. The sums run in the tensor cores' order, not cuDNN's: the last place of a
+    result may differ from cuDNN's."""
     # the channel count first: most convolutions have more, and it is the cheapest read
     o, c, kh, kw = weight.shape
     return (
         2 <= c <= 3
         and groups == 1
-        and t.dtype is torch.bfloat16
-        and o >= 64
+        and o >= 16
         and kh <= 3
         and kw <= 3
+        and (t.dtype is torch.bfloat16 or t.dtype is torch.float16)
         and channels_last_preferred(t.dtype, t.device)
     )
 
 
-def _padded_operands(t: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t`` (N, C, H, W) and OIHW ``weight`` (O, C, kH, kW) with zero channels appended up
-    to `_PADDED_CHANNELS`, both channels-last (the layout cuDNN gets them in)."""
-    xt = fast_paths.pad_channels(t, _PADDED_CHANNELS)
-    if xt is None:
-        n, c, h, w = t.shape
-        xt = torch.empty(
-            (n, _PADDED_CHANNELS, h, w),
-            dtype=t.dtype,
-            device=t.device,
-            memory_format=torch.channels_last,
-        ).zero_()
-        xt[:, :c] = t
-    # F.pad keeps a channels-last weight (the data source's half-precision casts) channels-last
-    wt = F.pad(weight, (0, 0, 0, 0, 0, _PADDED_CHANNELS - weight.shape[1]))
-    if not wt.is_contiguous(memory_format=torch.channels_last):
-        wt = wt.contiguous(memory_format=torch.channels_last)
-    return xt, wt
+def _stem_geometry(geom: ConvGeometry) -> tuple[tuple[int, int], ...]:
+    """(strides, zero pads, dilations) of the convolution that runs on the prepared source."""
+    return (
+        (geom.y.stride, geom.x.stride),
+        geom.plan.pads,
+        (geom.y.dilation, geom.x.dilation),
+    )
+
+
+def _stem_forward(
+    t: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geom: ConvGeometry
+) -> torch.Tensor:
+    """The forward of a stem (`_few_channels`): Triton's few-channel convolution, else (Triton
+    off) cuDNN's."""
+    out = fast_paths.few_channel_conv(t, weight, bias, *_stem_geometry(geom))
+    if out is None:
+        out = float32_conv_call(F.conv2d, t, t, weight, bias, *geom.conv_args)
+    return out
 
 
 def conv_forward(
@@ -203,9 +196,10 @@ def conv_forward(
     # The identity test is apply_extract's first, made here: no call for the common case.
     t = x if plan.identity else apply_extract(x, plan)
     t = _channels_last(t)
-    if _pads_channels(t, weight, geom.groups):
-        t, weight = _padded_operands(t, weight)
-    out = float32_conv_call(F.conv2d, t, t, weight, bias, *geom.conv_args)
+    if _few_channels(t, weight, geom.groups):
+        out = _stem_forward(t, weight, bias, geom)
+    else:
+        out = float32_conv_call(F.conv2d, t, t, weight, bias, *geom.conv_args)
     if geom.crop:
         out = out[:, :, : geom.y.count, : geom.x.count]
     return out
@@ -256,6 +250,13 @@ def conv_backward(
         g = F.pad(g, (0, ox - g.shape[3], 0, oy - g.shape[2]))
     g = _channels_last(g)
     acc = acc_dtype(grad.dtype)
+    if need_weights and _few_channels(t, weight, geom.groups):
+        # a stem's weight gradient in Triton (`_few_channels`): float32 OIHW, as the
+        # conversion of cuDNN's below gives it
+        dw = fast_paths.few_channel_conv_weight_grad(g, t, weight.shape, *_stem_geometry(geom))
+        if dw is not None:
+            dx = conv_backward(grad, x, weight, geom, True, False, False)[0] if need_data else None
+            return dx, dw, (_channel_sums(g, acc) if need_bias else None)
     # On CUDA, the bias gradient of a float32/float64 NCHW ``g`` comes with the operator (a
     # sum of ``g`` over (0, 2, 3) in C++): one call from Python less per layer and step.
     # Narrower dtypes sum in float32 below, a channels-last ``g`` through the Triton channel
@@ -282,8 +283,12 @@ def conv_backward(
         db = _channel_sums(g, acc)
     if need_weights and not dw.is_contiguous() and not _like_masters(dw, weight):
         # cuDNN's channels-last weight gradient: gradient states and optimizers hold the
-        # weights' own layout, and sum in float32 (float64 stays): one pass does both
-        dw = dw.to(acc_dtype(dw.dtype), memory_format=torch.contiguous_format)
+        # weights' own layout, and sum in float32 (float64 stays): one pass does both (a
+        # Triton transpose for half precision on CUDA: PyTorch's strided copy is slow there)
+        wide = fast_paths.nchw_float32(dw)
+        if wide is None:
+            wide = dw.to(acc_dtype(dw.dtype), memory_format=torch.contiguous_format)
+        dw = wide
     return dx, (dw if need_weights else None), db
 
 

@@ -109,3 +109,142 @@ def test_a_convolution_gradient_on_nchw_operands_converts_them_in_triton(monkeyp
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(BITS[t.dtype]) if t.dtype in BITS else t
+
+
+# -- channels-last half precision -> NCHW float32 (a convolution's weight gradient) ----------
+
+
+def _special_values(
+    shape: tuple[int, ...], dtype: torch.dtype, seed: int, subnormals: bool = True
+) -> torch.Tensor:
+    """Random values with infinities, signed zeros, NaNs and (``subnormals``) subnormals among
+    them."""
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.randn(shape, generator=gen) * 3
+    flat = t.view(-1)
+    tiny = torch.finfo(dtype).tiny
+    small = [tiny / 4, -tiny / 8] if subnormals else []
+    specials = [float("inf"), -float("inf"), -0.0, 0.0, *small, float("nan")]
+    for i, v in enumerate(specials[: flat.numel()]):
+        flat[(i * 7) % flat.numel()] = v
+    return t.to(dtype)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_the_widening_transpose_is_pytorchs_conversion(shape, dtype, device) -> None:
+    from mpsnn.ops.triton.layout import nchw_float32_triton
+
+    # Triton's interpreter (the CPU) flushes bfloat16 subnormals to zero; a GPU widens them
+    subnormals = device == "cuda" or dtype is torch.float16
+    t = _special_values(shape, dtype, sum(shape), subnormals).to(device)
+    t = t.contiguous(memory_format=torch.channels_last)
+    want = t.to(torch.float32, memory_format=torch.contiguous_format)
+    got = nchw_float32_triton(t)
+    if t.is_contiguous():  # one channel or one pixel: both layouts, nothing to transpose
+        assert got is None
+        return
+    assert got is not None and got.dtype == torch.float32 and got.is_contiguous()
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+
+
+def test_the_widening_transpose_refuses_other_tensors() -> None:
+    from mpsnn.ops.triton.layout import nchw_float32_triton
+
+    t = torch.randn(2, 4, 3, 3).bfloat16()
+    assert nchw_float32_triton(t) is None  # NCHW already
+    assert nchw_float32_triton(t.float().contiguous(memory_format=torch.channels_last)) is None
+    assert nchw_float32_triton(t[0]) is None  # 3-D
+    assert nchw_float32_triton(torch.empty(0, 4, 3, 3).bfloat16()) is None
+    assert fast_paths.nchw_float32(t.contiguous(memory_format=torch.channels_last)) is None  # CPU
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's weight gradient")
+def test_a_half_precision_weight_gradient_widens_through_the_transpose() -> None:
+    """cuDNN's channels-last bfloat16 weight gradient reaches the caller as float32 OIHW by the
+    Triton transpose, with the values PyTorch's conversion gives."""
+    from mpsnn.core.geometry import AxisWindow, EdgeMode
+    from mpsnn.ops import convolution as C
+    from mpsnn.ops.triton import layout
+
+    a = AxisWindow(-1, 8, 3, 1, 1, 8)
+    geom = C.conv_geometry(a, a, EdgeMode.ZERO, 1)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 16, 8, 8, generator=gen).cuda().bfloat16()
+    w = torch.randn(32, 16, 3, 3, generator=gen).cuda().bfloat16()
+    g = torch.randn(4, 32, 8, 8, generator=gen).cuda().bfloat16()
+    before = layout._nhwc_to_nchw.direct_launches
+    for _ in range(2):  # the first launch of a key goes through Triton's own path
+        _, dw, _ = C.conv_backward(g, x, w, geom, need_data=False, need_bias=False)
+    assert layout._nhwc_to_nchw.direct_launches > before
+    cl = torch.channels_last
+    _, want, _ = torch.ops.aten.convolution_backward.default(
+        g.contiguous(memory_format=cl), x.contiguous(memory_format=cl), w.contiguous(memory_format=cl),
+        None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [False, True, False],
+    )  # fmt: skip
+    assert dw.dtype == torch.float32 and dw.is_contiguous()
+    assert torch.equal(dw, want.float())
+
+
+# -- NCHW float32 -> channels-last half precision, into an existing tensor (weight copies) ---
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(64, 64, 3, 3), (130, 3, 3, 3), (8, 65, 1, 1), *SHAPES], ids=str)
+def test_the_narrowing_transpose_is_pytorchs_copy(shape, dtype, device) -> None:
+    """Every value but NaN gets PyTorch's bits (rounded to nearest, ties to even); NaN stays
+    NaN. Triton's interpreter (the CPU) rounds bfloat16 otherwise: bfloat16 runs on a GPU."""
+    from mpsnn.ops.triton.layout import nchw_to_nhwc_into
+
+    if device == "cpu" and dtype is torch.bfloat16:
+        pytest.skip("Triton's interpreter does not round to bfloat16 as a GPU does")
+    t = _special_values(shape, torch.float32, sum(shape)).to(device)
+    t.view(-1)[1 % t.numel()] = 65519.0  # float16's tie to even at the top of its range
+    out = torch.empty(shape, dtype=dtype, device=device, memory_format=torch.channels_last)
+    want = torch.empty_like(out).copy_(t)
+    if out.is_contiguous():  # one channel or one pixel: refused, nothing written
+        assert not nchw_to_nhwc_into(t, out)
+        return
+    assert nchw_to_nhwc_into(t, out)
+    nan = want.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+def test_the_narrowing_transpose_refuses_other_tensors() -> None:
+    from mpsnn.ops.triton.layout import nchw_to_nhwc_into
+
+    t = torch.randn(4, 8, 3, 3)
+    cl = torch.channels_last
+    half = torch.full((4, 8, 3, 3), 7.0, dtype=torch.bfloat16).contiguous(memory_format=cl)
+    assert not nchw_to_nhwc_into(t.double(), half)  # not float32
+    assert not nchw_to_nhwc_into(t, torch.empty(4, 8, 3, 3, memory_format=cl))  # float32 out
+    assert not nchw_to_nhwc_into(t, torch.empty(4, 8, 3, 3, dtype=torch.bfloat16))  # NCHW out
+    assert not nchw_to_nhwc_into(t.contiguous(memory_format=cl), half)  # source not NCHW
+    assert not nchw_to_nhwc_into(t[:2], half)  # shapes differ
+    assert not fast_paths.cast_into_channels_last(half, t)  # CPU tensors: PyTorch's copy
+    assert (half == 7.0).all()  # nothing was written
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the weight copies' CUDA path")
+def test_weight_copies_are_rewritten_through_the_transpose() -> None:
+    """A convolution's bfloat16 channels-last copy of its float32 OIHW masters is rewritten
+    by the Triton transpose at a refresh, with PyTorch's bits."""
+    from mpsnn.cnn.convolution.weights import ConvWeights
+    from mpsnn.ops.triton import layout
+
+    gen = torch.Generator().manual_seed(3)
+    ws = ConvWeights(torch.randn(64, 32, 3, 3, generator=gen).cuda(), None)
+    w16, _ = ws.cast(torch.bfloat16)
+    assert w16.is_contiguous(memory_format=torch.channels_last)
+    before = layout._nchw_to_nhwc.direct_launches
+    for _ in range(2):  # the first launch of a key goes through Triton's own path
+        ws.weight.copy_(torch.randn(64, 32, 3, 3, generator=gen).cuda())
+        ws.refresh()
+    assert layout._nchw_to_nhwc.direct_launches > before
+    want = ws.weight.to(torch.bfloat16, memory_format=torch.channels_last)
+    assert torch.equal(w16.view(torch.int16), want.view(torch.int16))

@@ -9,6 +9,7 @@ import torch
 
 from mpsnn.core.device import Device
 from mpsnn.core.layout import channels_last_preferred, master_layout
+from mpsnn.ops import triton as fast_paths
 from mpsnn.ops.convolution import fc_matrix
 
 __all__ = ["ConvWeights"]
@@ -108,13 +109,16 @@ class ConvWeights:
 
     @staticmethod
     def refresh_all(masters: Sequence[ConvWeights]) -> None:
-        """`refresh` of several kernels' masters as one multi-tensor copy."""
+        """`refresh` of several kernels' masters: a half-precision channels-last copy of
+        NCHW float32 masters (CUDA) by a Triton transpose each (PyTorch's strided copy is
+        several times slower there), the others as one multi-tensor copy."""
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         for ws in masters:
             for w, b in tuple(ws._casts.values()):  # (a completion thread may reload)
-                dst.append(w)
-                src.append(ws.weight)
+                if not fast_paths.cast_into_channels_last(w, ws.weight):
+                    dst.append(w)
+                    src.append(ws.weight)
                 if b is not None:
                     dst.append(b)
                     src.append(ws._bias)  # type: ignore[arg-type]

@@ -27,12 +27,15 @@ __all__ = [
     "batch_norm_merge_rows",
     "batch_norm_running_update",
     "batch_norm_statistics",
+    "cast_into_channels_last",
     "channel_sums",
     "dropout_apply",
     "enabled",
+    "few_channel_conv",
+    "few_channel_conv_weight_grad",
     "max_pool_backward",
+    "nchw_float32",
     "optimizer_tables",
-    "pad_channels",
     "pool_tiles",
     "relu_times",
     "set_enabled",
@@ -351,16 +354,62 @@ def to_channels_last(t: torch.Tensor) -> torch.Tensor:
     return channels_last_copy(t)
 
 
-def pad_channels(t: torch.Tensor, channels: int) -> torch.Tensor | None:
-    """A channels-last ``(N, channels, H, W)`` tensor holding the ``C <= channels`` channels
-    of the 4-D float16, bfloat16 or float32 CUDA tensor ``t`` (any strides) and zeros after
-    them, in one Triton pass (`mpsnn.ops.triton.layout.pad_channels_triton`: PyTorch's pad of
-    a channels-last tensor runs its generic strided kernel); else None."""
-    if not (_runs(t) and t.dtype in _PASS_DTYPES):
-        return None
-    from mpsnn.ops.triton.layout import pad_channels_triton
+def cast_into_channels_last(out: torch.Tensor, t: torch.Tensor) -> bool:
+    """``out.copy_(t)`` for an NCHW-contiguous float32 CUDA ``t`` and a channels-last
+    float16/bfloat16 ``out`` of its shape through one Triton pass (`mpsnn.ops.triton.layout`;
+    NaN payloads may differ from PyTorch's); False, writing nothing, where it does not apply."""
+    if not (_runs(t, out) and out.dtype in _HALF):
+        return False
+    from mpsnn.ops.triton.layout import nchw_to_nhwc_into
 
-    return pad_channels_triton(t, channels)
+    return nchw_to_nhwc_into(t, out)
+
+
+def nchw_float32(t: torch.Tensor) -> torch.Tensor | None:
+    """``t.to(torch.float32, memory_format=torch.contiguous_format)`` of a channels-last (not
+    NCHW) float16/bfloat16 CUDA tensor through one Triton pass (`mpsnn.ops.triton.layout`),
+    else None."""
+    if not (_runs(t) and t.dtype in _HALF):
+        return None
+    from mpsnn.ops.triton.layout import nchw_float32_triton
+
+    return nchw_float32_triton(t)
+
+
+def few_channel_conv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    stride: tuple[int, int], pads: tuple[int, int], dilation: tuple[int, int],
+) -> torch.Tensor | None:  # fmt: skip
+    """The Triton convolution of an image with few channels (one group, ``C kH kW`` at most
+    64, float16/bfloat16 CUDA operands of one dtype) as a new channels-last tensor
+    (`mpsnn.ops.triton.conv_few_channels`), else None."""
+    if not (_runs(x, weight) and x.dtype in _HALF and weight.dtype is x.dtype):
+        return None
+    from mpsnn.ops.triton import conv_few_channels as few
+
+    _, c, kh, kw = weight.shape
+    if c * kh * kw > few.MAX_PATCH or (bias is not None and not bias.is_cuda):
+        return None
+    return few.few_channel_conv_forward(x, weight, bias, stride, pads, dilation)
+
+
+def few_channel_conv_weight_grad(
+    g: torch.Tensor, x: torch.Tensor, weight_shape: Sequence[int],
+    stride: tuple[int, int], pads: tuple[int, int], dilation: tuple[int, int],
+) -> torch.Tensor | None:  # fmt: skip
+    """The weights' gradient of `few_channel_conv` for the output gradient ``g`` (a contiguous
+    float32 OIHW tensor), where that convolution runs, else None."""
+    if not (_runs(g, x) and x.dtype in _HALF and g.dtype is x.dtype):
+        return None
+    from mpsnn.ops.triton import conv_few_channels as few
+
+    _, c, kh, kw = weight_shape
+    if c * kh * kw > few.MAX_PATCH:
+        return None
+    return few.few_channel_conv_weight_grad(g, x, weight_shape, stride, pads, dilation)
+
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def optimizer_tables(
