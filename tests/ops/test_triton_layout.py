@@ -163,9 +163,10 @@ def test_the_widening_transpose_refuses_other_tensors() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's weight gradient")
-def test_a_half_precision_weight_gradient_widens_through_the_transpose() -> None:
-    """cuDNN's channels-last bfloat16 weight gradient reaches the caller as float32 OIHW by the
-    Triton transpose, with the values PyTorch's conversion gives."""
+def test_a_recorded_half_precision_weight_gradient_widens_through_the_transpose() -> None:
+    """Recorded into a CUDA graph, cuDNN's channels-last bfloat16 weight gradient reaches the
+    caller as float32 OIHW by the Triton transpose, with PyTorch's values; an eager call keeps
+    PyTorch's conversion (one call from the host)."""
     from mpsnn.core.geometry import AxisWindow, EdgeMode
     from mpsnn.ops import convolution as C
     from mpsnn.ops.triton import layout
@@ -176,17 +177,24 @@ def test_a_half_precision_weight_gradient_widens_through_the_transpose() -> None
     x = torch.randn(4, 16, 8, 8, generator=gen).cuda().bfloat16()
     w = torch.randn(32, 16, 3, 3, generator=gen).cuda().bfloat16()
     g = torch.randn(4, 32, 8, 8, generator=gen).cuda().bfloat16()
-    before = layout._nhwc_to_nchw.direct_launches
-    for _ in range(2):  # the first launch of a key goes through Triton's own path
-        _, dw, _ = C.conv_backward(g, x, w, geom, need_data=False, need_bias=False)
-    assert layout._nhwc_to_nchw.direct_launches > before
     cl = torch.channels_last
+    layout.nchw_float32_triton(torch.empty(32, 16, 3, 3, device="cuda", dtype=torch.bfloat16,
+                                           memory_format=cl))  # compiled outside the capture  # fmt: skip
+    before = layout._nhwc_to_nchw.direct_launches
+    _, eager, _ = C.conv_backward(g, x, w, geom, need_data=False, need_bias=False)
+    assert layout._nhwc_to_nchw.direct_launches == before  # eager: PyTorch's conversion
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, dw, _ = C.conv_backward(g, x, w, geom, need_data=False, need_bias=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert layout._nhwc_to_nchw.direct_launches == before + 1  # recorded once
     _, want, _ = torch.ops.aten.convolution_backward.default(
         g.contiguous(memory_format=cl), x.contiguous(memory_format=cl), w.contiguous(memory_format=cl),
         None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [False, True, False],
     )  # fmt: skip
     assert dw.dtype == torch.float32 and dw.is_contiguous()
-    assert torch.equal(dw, want.float())
+    assert torch.equal(dw, want.float()) and torch.equal(eager, want.float())
 
 
 # -- NCHW float32 -> channels-last half precision, into an existing tensor (weight copies) ---
@@ -231,9 +239,10 @@ def test_the_narrowing_transpose_refuses_other_tensors() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the weight copies' CUDA path")
-def test_weight_copies_are_rewritten_through_the_transpose() -> None:
-    """A convolution's bfloat16 channels-last copy of its float32 OIHW masters is rewritten
-    by the Triton transpose at a refresh, with PyTorch's bits."""
+def test_recorded_weight_copies_are_rewritten_through_the_transpose() -> None:
+    """Recorded into a CUDA graph, a refresh rewrites a convolution's bfloat16 channels-last
+    copy of its float32 OIHW masters by the Triton transpose, with PyTorch's bits, at every
+    replay; an eager refresh keeps PyTorch's multi-tensor copy."""
     from mpsnn.cnn.convolution.weights import ConvWeights
     from mpsnn.ops.triton import layout
 
@@ -241,10 +250,18 @@ def test_weight_copies_are_rewritten_through_the_transpose() -> None:
     ws = ConvWeights(torch.randn(64, 32, 3, 3, generator=gen).cuda(), None)
     w16, _ = ws.cast(torch.bfloat16)
     assert w16.is_contiguous(memory_format=torch.channels_last)
+    layout.nchw_to_nhwc_into(ws.weight, torch.empty_like(w16))  # compiled outside the capture
     before = layout._nchw_to_nhwc.direct_launches
-    for _ in range(2):  # the first launch of a key goes through Triton's own path
-        ws.weight.copy_(torch.randn(64, 32, 3, 3, generator=gen).cuda())
+    ws.weight.copy_(torch.randn(64, 32, 3, 3, generator=gen).cuda())
+    ws.refresh()
+    assert layout._nchw_to_nhwc.direct_launches == before  # eager: PyTorch's copy
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         ws.refresh()
-    assert layout._nchw_to_nhwc.direct_launches > before
-    want = ws.weight.to(torch.bfloat16, memory_format=torch.channels_last)
-    assert torch.equal(w16.view(torch.int16), want.view(torch.int16))
+    for _ in range(2):
+        ws.weight.copy_(torch.randn(64, 32, 3, 3, generator=gen).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        want = ws.weight.to(torch.bfloat16, memory_format=torch.channels_last)
+        assert torch.equal(w16.view(torch.int16), want.view(torch.int16))
+    assert layout._nchw_to_nhwc.direct_launches == before + 1  # recorded once

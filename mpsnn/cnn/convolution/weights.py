@@ -109,14 +109,16 @@ class ConvWeights:
 
     @staticmethod
     def refresh_all(masters: Sequence[ConvWeights]) -> None:
-        """`refresh` of several kernels' masters: a half-precision channels-last copy of
-        NCHW float32 masters (CUDA) by a Triton transpose each (PyTorch's strided copy is
-        several times slower there), the others as one multi-tensor copy."""
+        """`refresh` of several kernels' masters as one multi-tensor copy; in work recorded
+        into a CUDA graph, a half-precision channels-last copy of NCHW float32 masters by a
+        Triton transpose each instead (PyTorch's strided copy is several times slower on the
+        device, but one call from the host, which bounds an eager step)."""
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
+        recorded = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         for ws in masters:
             for w, b in tuple(ws._casts.values()):  # (a completion thread may reload)
-                if not fast_paths.cast_into_channels_last(w, ws.weight):
+                if not (recorded and fast_paths.cast_into_channels_last(w, ws.weight)):
                     dst.append(w)
                     src.append(ws.weight)
                 if b is not None:
