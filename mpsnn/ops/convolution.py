@@ -242,7 +242,8 @@ def conv_backward(
         CPU's float32 masters: `_like_masters`), in the storage dtype (accumulated in float32 by
         the backend; in at least float32 when converted from channels-last; or None), db
         ``(O,)`` in at least float32 (None when ``need_bias`` is False, a layer without biases,
-        or ``need_weights`` is False).
+        or ``need_weights`` is False). A stem's dW from the Triton few-channel kernels
+        (`_few_channels`) is contiguous OIHW float32 whatever its filter size.
     """
     if _cpu_half(x) or _cpu_half(grad):
         dx, dw, db = conv_backward(grad.float(), x.float(), weight.float(), geom, need_data,
@@ -259,13 +260,17 @@ def conv_backward(
         g = F.pad(g, (0, ox - g.shape[3], 0, oy - g.shape[2]))
     g = _channels_last(g)
     acc = acc_dtype(grad.dtype)
+    stem_dw = None
     if need_weights and _few_channels(t, weight, geom.groups):
         # a stem's weight gradient in Triton (`_few_channels`): float32 OIHW, as the
-        # conversion of cuDNN's below gives it
-        dw = fast_paths.few_channel_conv_weight_grad(g, t, weight.shape, *_stem_geometry(geom))
-        if dw is not None:
-            dx = conv_backward(grad, x, weight, geom, True, False, False)[0] if need_data else None
-            return dx, dw, (_channel_sums(g, acc) if need_bias else None)
+        # conversion of cuDNN's below gives it; the backend computes the data gradient alone
+        stem_dw = fast_paths.few_channel_conv_weight_grad(g, t, weight.shape,
+                                                          *_stem_geometry(geom))  # fmt: skip
+        if stem_dw is not None:
+            stem_db = _channel_sums(g, acc) if need_bias else None
+            if not need_data:
+                return None, stem_dw, stem_db
+            need_weights = need_bias = False
     # On CUDA, the bias gradient of a float32/float64 NCHW ``g`` comes with the operator (a
     # sum of ``g`` over (0, 2, 3) in C++): one call from Python less per layer and step.
     # Narrower dtypes sum in float32 below, a channels-last ``g`` through the Triton channel
@@ -298,6 +303,8 @@ def conv_backward(
         if wide is None:
             wide = dw.to(acc_dtype(dw.dtype), memory_format=torch.contiguous_format)
         dw = wide
+    if stem_dw is not None:
+        return dx, stem_dw, stem_db
     return dx, (dw if need_weights else None), db
 
 

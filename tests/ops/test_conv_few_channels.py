@@ -1,11 +1,13 @@
 """The Triton convolution of images with few channels (`mpsnn.ops.triton.conv_few_channels`):
 forward and weight gradient against float64 PyTorch (strides, pads, dilations, bias, ragged
-tiles), the weight gradient as the forward's exact adjoint, its pixel ranges, the fast path's
+tiles, float32 and float16, NCHW, channels-last and strided operands), the weight gradient as
+the forward's exact adjoint, its pixel ranges, the sizes the kernels take, the fast path's
 refusals, the decision that sends a stem there (`mpsnn.ops.convolution._few_channels`), the
-forward and gradient dispatch, and the half-precision kernels on a GPU.
+forward and gradient dispatch for every kind of window plan, the fallback with Triton off,
+and the bfloat16 kernels on a GPU (eager and replayed from a CUDA graph).
 
-On the CPU, Triton's interpreter runs the kernels in float32 (its tensor-core dot has no
-bfloat16); on a GPU float32 runs them with IEEE products, and the half-precision tests run."""
+On the CPU, Triton's interpreter runs the kernels in float32 and float16 (its dot and its
+conversions mishandle bfloat16); on a GPU float32 runs them with IEEE products."""
 
 from __future__ import annotations
 
@@ -30,14 +32,25 @@ CASES = [
 ]
 
 
-def _operands(case, device, dtype=torch.float32, seed=3):
+def _operands(case, device, dtype=torch.float32, seed=3, layout="cl"):
+    """Image, weights and bias; ``layout``: "cl" (channels-last image and weights, as a graph
+    holds them), "nchw", or "view" (an image that is a strided window of a larger one)."""
     n, c, h, w, o, kh, kw, *_ = case
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, c, h, w, generator=gen).to(device, dtype)
-    x = x.contiguous(memory_format=torch.channels_last)
+    big = torch.randn(n, c + 1, h + 2, w + 3, generator=gen).to(device, dtype)
+    x = big[:, 1:, 2:, 3:] if layout == "view" else big[:, :c, :h, :w].contiguous()
     wt = (torch.randn(o, c, kh, kw, generator=gen) * 0.3).to(device, dtype)
+    if layout == "cl":
+        x = x.contiguous(memory_format=torch.channels_last)
+        wt = wt.contiguous(memory_format=torch.channels_last)
     b = torch.randn(o, generator=gen).to(device, dtype)
     return x, wt, b
+
+
+# float16 products are exact in float32 as float32's are: the forward's error is its rounding
+# to the storage dtype, the weight gradient's its float32 accumulation
+FORWARD_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+DTYPES = [torch.float32, torch.float16]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -45,9 +58,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("layout", ["cl", "nchw", "view"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_forward_and_weight_gradient_against_float64(case, device) -> None:
-    x, wt, b = _operands(case, device)
+def test_forward_and_weight_gradient_against_float64(case, dtype, layout, device) -> None:
+    x, wt, b = _operands(case, device, dtype, layout=layout)
     stride, pads, dil = case[7:]
     for bias in (b, None):
         y = few.few_channel_conv_forward(x, wt, bias, stride, pads, dil)
@@ -55,13 +70,10 @@ def test_forward_and_weight_gradient_against_float64(case, device) -> None:
                         stride, pads, dil)  # fmt: skip
         assert y.shape == want.shape and y.dtype == x.dtype
         assert y.is_contiguous(memory_format=torch.channels_last)
-        assert _rel(y, want) < 1e-5
+        assert _rel(y, want) < FORWARD_TOL[dtype]
     gen = torch.Generator().manual_seed(8)
-    g = (
-        torch.randn(want.shape, generator=gen)
-        .to(device)
-        .contiguous(memory_format=torch.channels_last)
-    )
+    g = torch.randn(want.shape, generator=gen).to(device, dtype)
+    g = g.contiguous(memory_format=torch.channels_last)
     dw = few.few_channel_conv_weight_grad(g, x, tuple(wt.shape), stride, pads, dil)
     want_dw = _wgrad(g.double(), x.double(), wt.double(), None, list(stride), list(pads),
                      list(dil), False, [0, 0], 1, [False, True, False])[1]  # fmt: skip
@@ -163,11 +175,9 @@ def _geometry(size: int, kernel: int, stride: int) -> C.ConvGeometry:
     return C.conv_geometry(a, a, EdgeMode.ZERO, 1)
 
 
-@pytest.mark.parametrize("device", TRITON_DEVICES)
-def test_forward_and_gradient_dispatch(device, monkeypatch) -> None:
-    """With the decision taken (forced here for float32, which the interpreter runs), the
-    forward and the weight gradient go through the few-channel kernels, the data gradient
-    through the backend's convolution, and all three equal float64 PyTorch autograd."""
+def _few_spies(monkeypatch) -> list[str]:
+    """Send 3-channel convolutions to the few-channel kernels (forced for float32, which the
+    interpreter runs) and record the calls."""
     calls: list[str] = []
     monkeypatch.setattr(C, "_few_channels", lambda t, w, g: t.shape[1] == 3)
 
@@ -181,50 +191,128 @@ def test_forward_and_gradient_dispatch(device, monkeypatch) -> None:
 
     monkeypatch.setattr(fast_paths, "few_channel_conv", conv)
     monkeypatch.setattr(fast_paths, "few_channel_conv_weight_grad", wgrad)
+    return calls
+
+
+# (y window, x window, edge mode) as AxisWindow(start, count, kernel, stride, dilation, size):
+# each plan the source preparation makes (zero pads, a copy for clamped edges, a view of a
+# window inside the image, a zero-copy plan, outputs the operator makes beyond the window)
+PLANS = {
+    "same": (AxisWindow(-1, 10, 3, 1, 1, 10), AxisWindow(-1, 10, 3, 1, 1, 10), EdgeMode.ZERO),
+    "strided": (AxisWindow(-1, 5, 3, 2, 1, 10), AxisWindow(0, 4, 3, 2, 1, 10), EdgeMode.ZERO),
+    "dilated": (AxisWindow(1, 3, 3, 2, 1, 9), AxisWindow(-2, 5, 3, 2, 2, 9), EdgeMode.ZERO),
+    "clamp": (AxisWindow(-1, 8, 3, 1, 1, 8), AxisWindow(-1, 8, 3, 1, 1, 8), EdgeMode.CLAMP),
+    "clamp-offset": (
+        AxisWindow(-2, 7, 3, 1, 1, 8),
+        AxisWindow(-1, 5, 3, 2, 1, 8),
+        EdgeMode.CLAMP,
+    ),
+    "crop": (AxisWindow(-1, 3, 3, 1, 1, 8), AxisWindow(-1, 3, 3, 1, 1, 8), EdgeMode.ZERO),
+    "zero-copy": (AxisWindow(-3, 6, 3, 1, 1, 8), AxisWindow(2, 3, 3, 1, 1, 8), EdgeMode.ZERO),
+}
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_forward_and_gradient_dispatch(plan, device, monkeypatch) -> None:
+    """With the decision taken, the forward and the weight gradient go through the few-channel
+    kernels, the data gradient through the backend's convolution, and all three (and the bias
+    gradient) equal the float64 path, for every kind of window plan."""
+    ay, ax, edge = PLANS[plan]
+    geom = C.conv_geometry(ay, ax, edge, 1)
     gen = torch.Generator().manual_seed(6)
-    x = torch.randn(2, 3, 10, 10, generator=gen).to(device)
+    x = torch.randn(2, 3, ay.size, ax.size, generator=gen).to(device)
     w = torch.randn(32, 3, 3, 3, generator=gen).to(device)
     b = torch.randn(32, generator=gen).to(device)
-    for stride in (1, 2):
-        geom = _geometry(10, 3, stride)
-        y = C.conv_forward(x, w, b, geom)
-        xd, wd, bd = (t.double().requires_grad_() for t in (x, w, b))
-        want = F.conv2d(xd, wd, bd, stride, 1)
-        assert _rel(y, want.detach()) < 1e-5
-        g = torch.randn(want.shape, generator=gen).to(device)
-        want.backward(g.double())
-        dx, dw, db = C.conv_backward(g, x, w, geom)
-        assert _rel(dx, xd.grad) < 1e-5 and _rel(dw, wd.grad) < 1e-5 and _rel(db, bd.grad) < 1e-5
-        assert dw.dtype == torch.float32 and dw.is_contiguous()
-        none, dw2, db2 = C.conv_backward(g, x, w, geom, need_data=False)
-        assert none is None and torch.equal(dw2, dw) and torch.equal(db2, db)
-    assert calls == ["forward", "weights", "weights"] * 2
+    want_y = C.conv_forward(x.double(), w.double(), b.double(), geom)
+    g = torch.randn(want_y.shape, generator=gen).to(device)
+    want = C.conv_backward(g.double(), x.double(), w.double(), geom)
+    calls = _few_spies(monkeypatch)
+    y = C.conv_forward(x, w, b, geom)
+    assert _rel(y, want_y) < 1e-5
+    dx, dw, db = C.conv_backward(g, x, w, geom)
+    for got, ref in zip((dx, dw, db), want, strict=True):
+        assert _rel(got, ref) < 1e-5
+    assert dw.dtype == torch.float32 and dw.is_contiguous()
+    none, dw2, db2 = C.conv_backward(g, x, w, geom, need_data=False)
+    assert none is None and torch.equal(dw2, dw) and torch.equal(db2, db)
+    dx3, dw3, db3 = C.conv_backward(g, x, w, geom, need_bias=False)
+    assert torch.equal(dx3, dx) and torch.equal(dw3, dw) and db3 is None
+    assert calls == ["forward", "weights", "weights", "weights"]
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_with_triton_off_the_backend_runs(device, monkeypatch) -> None:
+    """The decision taken but the fast paths off: the backend's convolution, bit for bit."""
+    geom = _geometry(10, 3, 1)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 3, 10, 10, generator=gen).to(device)
+    w = torch.randn(32, 3, 3, 3, generator=gen).to(device)
+    g = torch.randn(2, 32, 10, 10, generator=gen).to(device)
+    want_y = C.conv_forward(x, w, None, geom)
+    want = C.conv_backward(g, x, w, geom)
+    monkeypatch.setattr(C, "_few_channels", lambda t, w, g: True)
+    fast_paths.set_enabled(False)
+    try:
+        assert torch.equal(C.conv_forward(x, w, None, geom), want_y)
+        for got, ref in zip(C.conv_backward(g, x, w, geom), want, strict=True):
+            assert torch.equal(got, ref)
+    finally:
+        fast_paths.set_enabled(True)
+
+
+def test_the_sizes_the_kernels_take(monkeypatch) -> None:
+    """`fits`: patches of at most 64 products, a non-empty image and output, and pixel
+    indices and per-image offsets within int32 (checked here against a lowered bound)."""
+    geo = ((1, 1), (1, 1), (1, 1))
+    x = torch.empty(2, 3, 8, 8)
+    assert few.fits(x, (64, 3, 3, 3), *geo)
+    assert not few.fits(x, (64, 3, 5, 5), (1, 1), (2, 2), (1, 1))  # 75 products
+    assert not few.fits(torch.empty(0, 3, 8, 8), (64, 3, 3, 3), *geo)  # no image
+    assert not few.fits(torch.empty(2, 3, 1, 1), (64, 3, 3, 3), (1, 1), (0, 0), (1, 1))
+    assert not few.fits(x, (0, 3, 3, 3), *geo)  # no filter
+    monkeypatch.setattr(few, "_MAX_I32", 2 * 8 * 8 + few._BM)  # 128 pixels and a tile fit
+    assert few.fits(x, (64, 3, 3, 3), *geo)
+    assert not few.fits(torch.empty(3, 3, 8, 8), (64, 3, 3, 3), *geo)  # 192 pixels
+    monkeypatch.setattr(few, "_MAX_I32", 3 * 8 * 8 - 1 + few._BM)  # an image's reach: 191
+    assert few.fits(x, (64, 3, 3, 3), *geo)
+    assert not few.fits(x, (64, 3, 3, 3), *geo, g=torch.empty(2, 64, 8, 8))  # reach 4095
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the half-precision kernels are CUDA's")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_a_half_precision_stem_on_the_gpu(dtype, monkeypatch) -> None:
-    """A 3-channel stem runs the Triton kernels: the forward within two units in the last
-    place of the storage dtype of float64's, channels-last; the weight gradient (float32 sums
-    of exact products) close to float64's."""
+@pytest.mark.parametrize("shape", [(3, 64, 3, 1), (2, 16, 1, 2)], ids=str)  # C, O, k, stride
+def test_a_half_precision_stem_on_the_gpu(shape, dtype) -> None:
+    """A stem runs the Triton kernels: the forward (with a bias) within two units in the last
+    place of the storage dtype of float64's, channels-last; the weight and bias gradients
+    close to float64's; a CUDA graph that records the forward and the gradients replays them
+    with the eager calls' bits."""
+    c, o, k, stride = shape
     launches = [few._few_channel_conv.direct_launches, few._few_channel_conv_wgrad.direct_launches]
     gen = torch.Generator().manual_seed(11)
-    x = torch.randn(16, 3, 32, 32, generator=gen).cuda().to(dtype)
-    w = torch.randn(64, 3, 3, 3, generator=gen).cuda().to(dtype)
+    x = torch.randn(16, c, 32, 32, generator=gen).cuda().to(dtype)
+    w = torch.randn(o, c, k, k, generator=gen).cuda().to(dtype)
     w = w.contiguous(memory_format=torch.channels_last)
-    geom = _geometry(32, 3, 1)
+    b = torch.randn(o, generator=gen).cuda().to(dtype)
+    geom = _geometry(32, k, stride)
+    want = F.conv2d(x.double(), w.double(), b.double(), stride, k // 2)
+    g = torch.randn(want.shape, generator=gen).cuda().to(dtype)
     for _ in range(3):  # the first launch of a key goes through Triton's own path
-        got = C.conv_forward(x, w, None, geom)
-        _, dw, _ = C.conv_backward(torch.ones_like(got), x, w, geom, need_data=False)
+        got = C.conv_forward(x, w, b, geom)
+        _, dw, db = C.conv_backward(g, x, w, geom, need_data=False)
     assert few._few_channel_conv.direct_launches > launches[0]
     assert few._few_channel_conv_wgrad.direct_launches > launches[1]
     assert got.is_contiguous(memory_format=torch.channels_last)
-    want = F.conv2d(x.double(), w.double(), None, 1, 1)
     eps = torch.finfo(dtype).eps
     torch.testing.assert_close(got.double(), want, rtol=2 * eps, atol=2 * eps)
-    gen = torch.Generator().manual_seed(2)
-    g = torch.randn(got.shape, generator=gen).cuda().to(dtype)
-    _, dw, _ = C.conv_backward(g, x, w, geom, need_data=False)
-    want_dw = _wgrad(g.double(), x.double(), w.double(), None, [1, 1], [1, 1], [1, 1], False,
-                     [0, 0], 1, [False, True, False])[1]  # fmt: skip
+    want_dw = _wgrad(g.double(), x.double(), w.double(), None, [stride] * 2, [k // 2] * 2,
+                     [1, 1], False, [0, 0], 1, [False, True, False])[1]  # fmt: skip
     assert dw.dtype == torch.float32 and _rel(dw, want_dw) < 1e-5
+    assert _rel(db, g.double().sum((0, 2, 3))) < 1e-5
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y2 = C.conv_forward(x, w, b, geom)
+        _, dw2, db2 = C.conv_backward(g, x, w, geom, need_data=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y2, got) and torch.equal(dw2, dw) and torch.equal(db2, db)

@@ -159,6 +159,8 @@ def test_the_widening_transpose_refuses_other_tensors() -> None:
     assert nchw_float32_triton(t.float().contiguous(memory_format=torch.channels_last)) is None
     assert nchw_float32_triton(t[0]) is None  # 3-D
     assert nchw_float32_triton(torch.empty(0, 4, 3, 3).bfloat16()) is None
+    many = torch.empty(65536, 2, 2, 1, dtype=torch.bfloat16, memory_format=torch.channels_last)
+    assert nchw_float32_triton(many) is None  # more images than a grid's dimension takes
     assert fast_paths.nchw_float32(t.contiguous(memory_format=torch.channels_last)) is None  # CPU
 
 
@@ -200,18 +202,28 @@ def test_a_recorded_half_precision_weight_gradient_widens_through_the_transpose(
 # -- NCHW float32 -> channels-last half precision, into an existing tensor (weight copies) ---
 
 
+# Triton's interpreter (the CPU) rounds to bfloat16 otherwise than a GPU: bfloat16 where CUDA is
+NARROW_DTYPES = [torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+# exact ties (checked with PyTorch): the even neighbour wins, away from zero or towards it
+TIES = {
+    torch.float16: [2049.0, 2051.0, -2049.0, 65520.0, 2.0**-25, 3 * 2.0**-25],
+    torch.bfloat16: [1 + 2.0**-8, 1 + 3 * 2.0**-8, -(1 + 2.0**-8), 2.0**-134],
+}
+
+
 @pytest.mark.parametrize("device", TRITON_DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", NARROW_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(64, 64, 3, 3), (130, 3, 3, 3), (8, 65, 1, 1), *SHAPES], ids=str)
 def test_the_narrowing_transpose_is_pytorchs_copy(shape, dtype, device) -> None:
-    """Every value but NaN gets PyTorch's bits (rounded to nearest, ties to even); NaN stays
-    NaN. Triton's interpreter (the CPU) rounds bfloat16 otherwise: bfloat16 runs on a GPU."""
+    """Every value but NaN gets PyTorch's bits (rounded to nearest, ties to even: exact ties
+    among the values); NaN stays NaN."""
     from mpsnn.ops.triton.layout import nchw_to_nhwc_into
 
-    if device == "cpu" and dtype is torch.bfloat16:
-        pytest.skip("Triton's interpreter does not round to bfloat16 as a GPU does")
     t = _special_values(shape, torch.float32, sum(shape)).to(device)
-    t.view(-1)[1 % t.numel()] = 65519.0  # float16's tie to even at the top of its range
+    flat = t.view(-1)
+    ties = TIES[dtype]
+    for i, v in enumerate(ties[: flat.numel()]):
+        flat[-1 - i] = v
     out = torch.empty(shape, dtype=dtype, device=device, memory_format=torch.channels_last)
     want = torch.empty_like(out).copy_(t)
     if out.is_contiguous():  # one channel or one pixel: refused, nothing written
@@ -235,6 +247,9 @@ def test_the_narrowing_transpose_refuses_other_tensors() -> None:
     assert not nchw_to_nhwc_into(t.contiguous(memory_format=cl), half)  # source not NCHW
     assert not nchw_to_nhwc_into(t[:2], half)  # shapes differ
     assert not fast_paths.cast_into_channels_last(half, t)  # CPU tensors: PyTorch's copy
+    many = torch.empty(65536, 2, 2, 1)  # more images than a grid's dimension takes
+    many_out = torch.empty(65536, 2, 2, 1, dtype=torch.bfloat16, memory_format=cl)
+    assert not nchw_to_nhwc_into(many, many_out)
     assert (half == 7.0).all()  # nothing was written
 
 

@@ -358,7 +358,7 @@ def cast_into_channels_last(out: torch.Tensor, t: torch.Tensor) -> bool:
     """``out.copy_(t)`` for an NCHW-contiguous float32 CUDA ``t`` and a channels-last
     float16/bfloat16 ``out`` of its shape through one Triton pass (`mpsnn.ops.triton.layout`;
     NaN payloads may differ from PyTorch's); False, writing nothing, where it does not apply."""
-    if not (_runs(t, out) and out.dtype in _HALF):
+    if not (_runs(t, out) and out.dtype in _HALF and _on_current_device(t, out)):
         return False
     from mpsnn.ops.triton.layout import nchw_to_nhwc_into
 
@@ -369,7 +369,7 @@ def nchw_float32(t: torch.Tensor) -> torch.Tensor | None:
     """``t.to(torch.float32, memory_format=torch.contiguous_format)`` of a channels-last (not
     NCHW) float16/bfloat16 CUDA tensor through one Triton pass (`mpsnn.ops.triton.layout`),
     else None."""
-    if not (_runs(t) and t.dtype in _HALF):
+    if not (_runs(t) and t.dtype in _HALF and _on_current_device(t)):
         return None
     from mpsnn.ops.triton.layout import nchw_float32_triton
 
@@ -387,8 +387,11 @@ def few_channel_conv(
         return None
     from mpsnn.ops.triton import conv_few_channels as few
 
-    _, c, kh, kw = weight.shape
-    if c * kh * kw > few.MAX_PATCH or (bias is not None and not bias.is_cuda):
+    if not (
+        _on_current_device(x, weight)
+        and (bias is None or bias.device == x.device)
+        and few.fits(x, weight.shape, stride, pads, dilation)
+    ):
         return None
     return few.few_channel_conv_forward(x, weight, bias, stride, pads, dilation)
 
@@ -403,13 +406,19 @@ def few_channel_conv_weight_grad(
         return None
     from mpsnn.ops.triton import conv_few_channels as few
 
-    _, c, kh, kw = weight_shape
-    if c * kh * kw > few.MAX_PATCH:
+    if not (_on_current_device(g, x) and few.fits(x, weight_shape, stride, pads, dilation, g)):
         return None
     return few.few_channel_conv_weight_grad(g, x, weight_shape, stride, pads, dilation)
 
 
 _HALF = (torch.float16, torch.bfloat16)
+
+
+def _on_current_device(*tensors: torch.Tensor) -> bool:
+    """Whether every CUDA tensor is on the current device: Triton launches on the current
+    device's stream (a tensor elsewhere takes PyTorch's path, which switches devices)."""
+    current = torch.cuda.current_device()
+    return all(t.device.index == current for t in tensors)
 
 
 def optimizer_tables(

@@ -245,12 +245,12 @@ class _Tile(NamedTuple):
     chunks: int
 
 
-# Bytes a tile loads per tensor, and the reductions' programs per SM relative to the NCHW
-# module's: the fastest of tiles from 32 to 256 pixels by 32 to 128 channels and of 4x fewer
-# and more programs on an H100 (ResNet-18's 20 normalization layers, batch 512, bfloat16,
-# CUDA-graph timings). Against 8 KiB tiles everywhere with 8 programs per SM they take the
-# statistics from 0.56 to 0.39 ms, the gradient sums from 0.81 to 0.54, the channel sums from
-# 0.35 to 0.27, the normalization from 0.51 to 0.46 and dx from 1.02 to 0.76.
+# The reductions' tile bytes, and their programs per SM relative to the NCHW module's: the
+# fastest of tiles from 32 to 256 pixels by 32 to 128 channels and of 4x fewer and more
+# programs on an H100 (ResNet-18's 20 normalization layers, batch 512, bfloat16, CUDA-graph
+# timings). Against 8 KiB tiles everywhere with 8 programs per SM they took the statistics
+# from 0.56 to 0.39 ms, the gradient sums from 0.81 to 0.54 and the channel sums from 0.35 to
+# 0.27 (the same sweep set the element-wise passes' first tiles).
 #
 # The element-wise passes run on half-precision data only (float32 CUDA storage is NCHW).
 # Sweeps of 64 to 512 pixels by 64 channels with 4, 8 and 16 warps on an H200 (bfloat16,
@@ -264,7 +264,7 @@ _STATS_TILE_BYTES = 32768  # statistics and channel sums: one tensor
 _SUMS_TILE_BYTES = 8192  # gradient sums: two tensors and two accumulators per tile
 _EW_TILE_BYTES = 32768  # normalization and dx
 _ADD_TILE_BYTES = 8192  # normalization inside the residual addition
-_EW_WARPS = 4  # most warps a program of the element-wise passes runs
+_EW_WARPS = 4  # most warps a program runs: element-wise passes and statistics
 _FEWER_PROGRAMS = 4
 
 

@@ -21,14 +21,16 @@ Math (zero padding ``py, px``, strides ``sy, sx``, dilations ``dy, dx``), for ou
     y[p, o] = b[o] + sum_k A[p, k] W[o, k]                     (forward)
     dW[o, k] = sum_p g[p, o] A[p, k]                           (weight gradient)
 
-each product of two half-precision values exact in float32 and summed in float32 (the
-tensor cores' order, not cuDNN's: the last place of a result may differ from cuDNN's). The
-weight gradient sums fixed pixel ranges per program, then the ranges in a fixed order: the
-result does not depend on the run.
+each product of two half-precision values exact in float32 and accumulated in float32 by the
+tensor cores (their order and rounding, not cuDNN's: the last place of a result may differ
+from cuDNN's). The weight gradient sums fixed pixel ranges per program (two ranges per
+streaming multiprocessor), then PyTorch sums the ranges' results deterministically: on a
+given GPU the result does not depend on the run.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -37,11 +39,12 @@ import triton.language as tl
 
 from mpsnn.ops.triton.launch import cdiv, fast_kernel, next_power_of_2
 
-__all__ = ["MAX_PATCH", "few_channel_conv_forward", "few_channel_conv_weight_grad"]
+__all__ = ["MAX_PATCH", "few_channel_conv_forward", "few_channel_conv_weight_grad", "fits"]
 
 MAX_PATCH = 64  # most products per output (C kH kW): one dot's reduction
 _BM = 128  # output pixels per tile
 _WGRAD_PROGRAMS_PER_SM = 2
+_MAX_I32 = 2**31 - 1  # pixel indices, and offsets within one image, are int32
 
 
 @triton.jit
@@ -143,6 +146,34 @@ def _geometry(
     return oh, ow
 
 
+def _reach(t: torch.Tensor) -> int:
+    """The largest element offset within one image of 4-D ``t`` (channels, rows, columns)."""
+    dims = zip(t.shape[1:], t.stride()[1:], strict=True)
+    return sum((size - 1) * abs(stride) for size, stride in dims)
+
+
+def fits(
+    x: torch.Tensor, weight_shape: Sequence[int], stride: tuple[int, int],
+    pads: tuple[int, int], dilation: tuple[int, int], g: torch.Tensor | None = None,
+) -> bool:  # fmt: skip
+    """Whether the kernels take the convolution of ``x`` by weights of ``weight_shape`` (and
+    its output gradient ``g``): a non-empty image and output, at most `MAX_PATCH` products an
+    output, and sizes within their int32 arithmetic (pixel indices, offsets within an image)."""
+    o, c, kh, kw = weight_shape
+    oh, ow = _geometry(x, kh, kw, stride, pads, dilation)
+    pixels = x.shape[0] * oh * ow
+    return (
+        c * kh * kw <= MAX_PATCH
+        and x.numel() > 0
+        and oh > 0
+        and ow > 0
+        and o > 0
+        and pixels + _BM <= _MAX_I32
+        and _reach(x) <= _MAX_I32
+        and (g is None or _reach(g) <= _MAX_I32)
+    )
+
+
 def _tiles(c: int, kh: int, kw: int, o: int) -> tuple[int, int]:
     """(BK, BN): the patch length and filters per tile, powers of 2 of at least 16 (a dot's
     smallest operand)."""
@@ -203,5 +234,9 @@ def few_channel_conv_weight_grad(
 def _default_ranges(device: torch.device) -> int:
     if device.type != "cuda":
         return 2  # the interpreter runs programs one after the other
-    props = torch.cuda.get_device_properties(device.index or 0)
-    return _WGRAD_PROGRAMS_PER_SM * props.multi_processor_count
+    return _WGRAD_PROGRAMS_PER_SM * _sm_count(device.index or 0)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

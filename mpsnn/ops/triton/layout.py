@@ -10,7 +10,11 @@ of one image through on-chip memory: each tile is read along the pixels and writ
 channels, both contiguous runs.
 
 The values are moved, never computed: the result is the copy's, bit for bit (NaN payloads
-included), with the strides PyTorch gives a channels-last tensor of that shape.
+included), with the strides PyTorch gives a channels-last tensor of that shape. Two more
+transposes convert as they move, for a convolution's weights: `nchw_float32_triton` widens a
+channels-last half-precision tensor into NCHW float32 (exact), and `nchw_to_nhwc_into` narrows
+NCHW float32 into an existing channels-last half-precision tensor (rounded to nearest, ties
+to even, as PyTorch does; only a NaN's payload may differ).
 """
 
 from __future__ import annotations
