@@ -246,7 +246,7 @@ def test_the_narrowing_transpose_refuses_other_tensors() -> None:
     assert not nchw_to_nhwc_into(t, torch.empty(4, 8, 3, 3, dtype=torch.bfloat16))  # NCHW out
     assert not nchw_to_nhwc_into(t.contiguous(memory_format=cl), half)  # source not NCHW
     assert not nchw_to_nhwc_into(t[:2], half)  # shapes differ
-    assert not fast_paths.cast_into_channels_last(half, t)  # CPU tensors: PyTorch's copy
+    assert not fast_paths.cast_into_channels_last(t, half)  # CPU tensors: PyTorch's copy
     many = torch.empty(65536, 2, 2, 1)  # more images than a grid's dimension takes
     many_out = torch.empty(65536, 2, 2, 1, dtype=torch.bfloat16, memory_format=cl)
     assert not nchw_to_nhwc_into(many, many_out)

@@ -115,10 +115,12 @@ class ConvWeights:
         device, but one call from the host, which bounds an eager step)."""
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
-        recorded = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        recorded = any(ws.weight.is_cuda for ws in masters) and (
+            torch.cuda.is_current_stream_capturing()
+        )
         for ws in masters:
             for w, b in tuple(ws._casts.values()):  # (a completion thread may reload)
-                if not (recorded and fast_paths.cast_into_channels_last(w, ws.weight)):
+                if not (recorded and fast_paths.cast_into_channels_last(ws.weight, w)):
                     dst.append(w)
                     src.append(ws.weight)
                 if b is not None:

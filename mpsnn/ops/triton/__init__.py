@@ -354,7 +354,7 @@ def to_channels_last(t: torch.Tensor) -> torch.Tensor:
     return channels_last_copy(t)
 
 
-def cast_into_channels_last(out: torch.Tensor, t: torch.Tensor) -> bool:
+def cast_into_channels_last(t: torch.Tensor, out: torch.Tensor) -> bool:
     """``out.copy_(t)`` for an NCHW-contiguous float32 CUDA ``t`` and a channels-last
     float16/bfloat16 ``out`` of its shape through one Triton pass (`mpsnn.ops.triton.layout`;
     NaN payloads may differ from PyTorch's); False, writing nothing, where it does not apply."""
