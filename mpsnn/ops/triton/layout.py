@@ -19,6 +19,8 @@ to even, as PyTorch does; only a NaN's payload may differ).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -61,6 +63,28 @@ def _nchw_to_nhwc(
              mask=pmask[:, None] & cmask[None, :])  # fmt: skip
 
 
+class _Tiles(NamedTuple):
+    """A transpose's launch: grid (pixel blocks, channel blocks, images), ``(C, H W)``, and
+    tiles of ``bc`` channels by ``bp`` pixels."""
+
+    grid: tuple[int, int, int]
+    sizes: tuple[int, int]
+    bc: int
+    bp: int
+
+
+def _tiles(t: torch.Tensor) -> _Tiles | None:
+    """The launch of a transpose of 4-D ``t``, or None when ``t`` is empty or larger than the
+    grid or the int32 pixel indices take."""
+    n, c, h, w = t.shape
+    hw = h * w
+    bc = min(64, next_power_of_2(c))
+    bp = min(_TILE_ELEMENTS // bc, max(16, next_power_of_2(hw)))
+    if t.numel() == 0 or n > _MAX_GRID_YZ or cdiv(c, bc) > _MAX_GRID_YZ or hw + bp > _MAX_I32:
+        return None
+    return _Tiles((cdiv(hw, bp), cdiv(c, bc), n), (c, hw), bc, bp)
+
+
 def nchw_to_nhwc_triton(t: torch.Tensor) -> torch.Tensor | None:
     """``t.contiguous(memory_format=torch.channels_last)`` for an NCHW-contiguous 4-D ``t``
     that is not also channels-last contiguous, in one Triton pass; None when ``t`` is not such
@@ -68,14 +92,11 @@ def nchw_to_nhwc_triton(t: torch.Tensor) -> torch.Tensor | None:
     PyTorch's copy)."""
     if t.dim() != 4 or not t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last):
         return None
-    n, c, h, w = t.shape
-    hw = h * w
-    bc = min(64, next_power_of_2(c))
-    bp = min(_TILE_ELEMENTS // bc, max(16, next_power_of_2(hw)))
-    if t.numel() == 0 or n > _MAX_GRID_YZ or cdiv(c, bc) > _MAX_GRID_YZ or hw + bp > _MAX_I32:
+    tiles = _tiles(t)
+    if tiles is None:
         return None
     out = torch.empty_like(t, memory_format=torch.channels_last)
-    _nchw_to_nhwc[(cdiv(hw, bp), cdiv(c, bc), n)](t, out, c, hw, BC=bc, BP=bp, num_warps=4)
+    _nchw_to_nhwc[tiles.grid](t, out, *tiles.sizes, BC=tiles.bc, BP=tiles.bp, num_warps=4)
     return out
 
 
@@ -97,14 +118,11 @@ def nchw_to_nhwc_into(t: torch.Tensor, out: torch.Tensor) -> bool:
         or out.device != t.device
     ):
         return False
-    n, c, h, w = t.shape
-    hw = h * w
-    bc = min(64, next_power_of_2(c))
-    bp = min(_TILE_ELEMENTS // bc, max(16, next_power_of_2(hw)))
-    if t.numel() == 0 or n > _MAX_GRID_YZ or cdiv(c, bc) > _MAX_GRID_YZ or hw + bp > _MAX_I32:
+    tiles = _tiles(t)
+    if tiles is None:
         return False
-    _nchw_to_nhwc[(cdiv(hw, bp), cdiv(c, bc), n)](
-        t, out, c, hw, BC=bc, BP=bp, NARROW=True, num_warps=4
+    _nchw_to_nhwc[tiles.grid](
+        t, out, *tiles.sizes, BC=tiles.bc, BP=tiles.bp, NARROW=True, num_warps=4
     )
     return True
 
@@ -152,12 +170,9 @@ def nchw_float32_triton(t: torch.Tensor) -> torch.Tensor | None:
         or not t.is_contiguous(memory_format=torch.channels_last)
     ):
         return None
-    n, c, h, w = t.shape
-    hw = h * w
-    bc = min(64, next_power_of_2(c))
-    bp = min(_TILE_ELEMENTS // bc, max(16, next_power_of_2(hw)))
-    if t.numel() == 0 or n > _MAX_GRID_YZ or cdiv(c, bc) > _MAX_GRID_YZ or hw + bp > _MAX_I32:
+    tiles = _tiles(t)
+    if tiles is None:
         return None
     out = torch.empty(t.shape, dtype=torch.float32, device=t.device)
-    _nhwc_to_nchw[(cdiv(hw, bp), cdiv(c, bc), n)](t, out, c, hw, BC=bc, BP=bp, num_warps=4)
+    _nhwc_to_nchw[tiles.grid](t, out, *tiles.sizes, BC=tiles.bc, BP=tiles.bp, num_warps=4)
     return out
