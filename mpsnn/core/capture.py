@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["CapturedCommandBuffer", "keep_for_replays", "keeping_for_replays"]
+__all__ = ["CapturedCommandBuffer", "keep_for_replays", "keeping_for_replays", "recording"]
 
 
 class _Capturable(Protocol):
@@ -48,6 +48,12 @@ class _Capturable(Protocol):
     def _wait_if_committed(self) -> None: ...
 
     def _wait_for_prior(self) -> None: ...
+
+
+def recording(t: torch.Tensor) -> bool:
+    """Whether work on ``t``'s device is being recorded into a CUDA graph on the current stream
+    (False for CPU tensors: CPU builds of PyTorch have no capture status)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def allocated_before_capture(buffer: _Capturable) -> list[torch.Tensor]:

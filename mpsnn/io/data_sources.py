@@ -240,7 +240,11 @@ def _to_oihw(t: torch.Tensor) -> torch.Tensor:
 
 def _to_channels_last_oihw(t: torch.Tensor) -> torch.Tensor:
     """An OHWI tensor as OIHW over OHWI memory (channels-last), a copy."""
-    return t.contiguous().clone().permute(0, 3, 1, 2) if t.dim() == 4 else t.clone()
+    return (
+        t.clone(memory_format=torch.contiguous_format).permute(0, 3, 1, 2)
+        if t.dim() == 4
+        else t.clone()
+    )
 
 
 def _enc_training_style(ds: Any) -> str:

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from mpsnn.core.capture import recording
 from mpsnn.core.geometry import AxisWindow, EdgeMode
 from mpsnn.core.layout import channels_last_preferred
 from mpsnn.core.precision import float32_call, float32_conv_call
@@ -122,15 +123,6 @@ def _channels_last(t: torch.Tensor) -> torch.Tensor:
         h, w = t.shape[2:]
         return t.as_strided(t.shape, (h * w, 1, w, 1), t.storage_offset())
     return fast_paths.to_channels_last(t)  # a graph's images: channels-last already, kept
-
-
-def _recorded(t: torch.Tensor) -> bool:
-    """Whether work on CUDA tensor ``t`` is being recorded into a CUDA graph. A replay runs
-    the recorded kernels with no host time, so a Triton transpose per weight gradient pays
-    there (PyTorch's strided copy of a 64x64x3x3 gradient takes 9.7 µs on an H200, the
-    transpose 1.2); an eager step is bound by its host time, to which a Python-launched kernel
-    per layer would add more than PyTorch's one call does."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _channel_sums(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -297,9 +289,12 @@ def conv_backward(
         db = _channel_sums(g, acc)
     if need_weights and not dw.is_contiguous() and not _like_masters(dw, weight):
         # cuDNN's channels-last weight gradient: gradient states and optimizers hold the
-        # weights' own layout, and sum in float32 (float64 stays): one pass does both (in
-        # recorded work, a Triton transpose for half precision: `_recorded`)
-        wide = fast_paths.nchw_float32(dw) if _recorded(dw) else None
+        # weights' own layout, and sum in float32 (float64 stays): one pass does both. In work
+        # recorded into a CUDA graph, a Triton transpose for half precision: a replay runs the
+        # recorded kernels with no host time (PyTorch's strided copy of a 64x64x3x3 gradient
+        # takes 9.7 µs on an H200, the transpose 1.2); an eager step is bound by its host
+        # time, to which a Python-launched kernel per layer adds more than PyTorch's one call
+        wide = fast_paths.nchw_float32(dw) if recording(dw) else None
         if wide is None:
             wide = dw.to(acc_dtype(dw.dtype), memory_format=torch.contiguous_format)
         dw = wide

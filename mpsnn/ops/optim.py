@@ -73,7 +73,7 @@ from typing import Any
 
 import torch
 
-from mpsnn.core.capture import keep_for_replays
+from mpsnn.core.capture import keep_for_replays, recording
 from mpsnn.core.device import _raw_stream
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops.optim_hyper import (
@@ -339,9 +339,8 @@ def _keep_for_capture(plan: Any) -> None:
 
 
 def _capturing(hyper: torch.Tensor) -> bool:
-    """Whether a CUDA graph is being captured on the current stream (CUDA tensors only: CPU
-    builds of PyTorch have no capture status)."""
-    return hyper.is_cuda and torch.cuda.is_current_stream_capturing()
+    """`mpsnn.core.capture.recording` of the update's device (a seam tests replace)."""
+    return recording(hyper)
 
 
 def _check_lists(

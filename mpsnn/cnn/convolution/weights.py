@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from mpsnn.core.capture import recording
 from mpsnn.core.device import Device
 from mpsnn.core.layout import channels_last_preferred, master_layout
 from mpsnn.ops import triton as fast_paths
@@ -115,9 +116,7 @@ class ConvWeights:
         device, but one call from the host, which bounds an eager step)."""
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
-        recorded = any(ws.weight.is_cuda for ws in masters) and (
-            torch.cuda.is_current_stream_capturing()
-        )
+        recorded = bool(masters) and recording(masters[0].weight)  # (one device)
         for ws in masters:
             for w, b in tuple(ws._casts.values()):  # (a completion thread may reload)
                 if not (recorded and fast_paths.cast_into_channels_last(ws.weight, w)):
@@ -137,7 +136,7 @@ class ConvWeights:
         if got is None:
             b = self._bias.to(dtype) if self._bias is not None else None
             got = (self._new_cast(dtype), b)
-            if self.weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            if recording(self.weight):
                 # made by recorded work, in the graph's pool: written only when a replay
                 # runs, so it is this use's alone (the graph casts again at every replay)
                 return got

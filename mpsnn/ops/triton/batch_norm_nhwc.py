@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mpsnn.core.layout import channels_last_only
 from mpsnn.ops.batch_norm_params import BatchNormParams, BatchNormSums
 from mpsnn.ops.triton.batch_norm import (
     _MAX_PARTS,
@@ -52,13 +53,8 @@ __all__ = [
 ]
 
 
-def is_nhwc(x: torch.Tensor) -> bool:
-    """Whether ``x`` is a channels-last 4-D tensor that is not also NCHW-contiguous."""
-    return (
-        x.dim() == 4
-        and not x.is_contiguous()
-        and x.is_contiguous(memory_format=torch.channels_last)
-    )
+# whether ``x`` is a channels-last 4-D tensor that is not also NCHW-contiguous
+is_nhwc = channels_last_only
 
 
 @fast_kernel
