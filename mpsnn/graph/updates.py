@@ -11,11 +11,12 @@ and every data gradient used the pre-update weights), each trainable layer is up
   and the kernel reloads from the data source (mpsnn's data sources sharing one optimizer are
   again updated together: CPU and GPU styles give the same weights).
 
-Batch normalization also updates its running statistics (``update_mean_and_variance``). The
-graph owns the gradient states and drops its own reads of them after the updates: a state no
-one else reads is released; reads a data source added inside its update (to read the state
-after completion, as MPS clients do) keep it alive until the data source sets ``read_count``
-back to 0.
+Batch normalization also updates its running statistics (``update_mean_and_variance``; the
+layers whose data sources are mpsnn's ``TensorBatchNormalizationDataSource`` s as one command,
+one launch on the GPU). The graph owns the gradient states and drops its own reads of them
+after the updates: a state no one else reads is released; reads a data source added inside its
+update (to read the state after completion, as MPS clients do) keep it alive until the data
+source sets ``read_count`` back to 0.
 """
 
 from __future__ import annotations
@@ -29,10 +30,8 @@ __all__ = ["encode_updates"]
 
 def encode_updates(graph: Any, step: Any) -> None:
     from mpsnn.cnn.convolution.kernels import reload_weights_and_biases
-    from mpsnn.cnn.normalization.batch_norm_forward import (
-        check_normalization_reloads,
-        reload_normalization_states,
-    )
+    from mpsnn.cnn.normalization.batch_norm_forward import reload_normalization_states
+    from mpsnn.cnn.normalization.data_sources import update_means_and_variances
 
     cb = step.cb
     # the graph's own reads of the temporary states the updates get: a data source may add
@@ -41,6 +40,7 @@ def encode_updates(graph: Any, step: Any) -> None:
     groups: dict[int, tuple[Any, list[Any]]] = {}  # optimizer -> [(ds, lists), ...]
     reloads: list[tuple[Any, Any]] = []
     running_reloads: list[tuple[Any, Any]] = []  # (batch normalization, its running statistics)
+    running: list[tuple[Any, Any, Any]] = []  # (data source, state, batch normalization)
     cpu: list[tuple[Any, Any, Any]] = []
     late: set[int] = set()  # temporary states read by a CPU-style fallback after completion
     for gnode, fkernel, states in step.updates:
@@ -55,14 +55,10 @@ def encode_updates(graph: Any, step: Any) -> None:
         if fnode.updates_running_statistics:
             bn = fkernel[1]
             _gamma_beta(step, ds, bn, state, groups)
-            mv = ds.update_mean_and_variance(cb, state)
-            if mv is not None and _own_reload(bn, "reload_mean_and_variance"):
-                # reloaded with the others below (nothing reads it before); checked now, so
-                # that a bad state raises before the optimizers' updates are encoded
-                check_normalization_reloads(cb, [(bn, mv)])
-                running_reloads.append((bn, mv))
-            elif mv is not None:
-                bn.reload_mean_and_variance(cb, mv)
+            if getattr(ds, "_own_running_updates", False):
+                running.append((ds, state, bn))  # every layer's in one command, below
+            else:
+                _reload_running(cb, bn, ds.update_mean_and_variance(cb, state), running_reloads)
             continue
         if hasattr(fkernel, "reload_weights_and_biases"):  # the convolution family
             if _grouped(ds):
@@ -78,6 +74,10 @@ def encode_updates(graph: Any, step: Any) -> None:
                 late.add(id(state))
             continue
         _gamma_beta(step, ds, fkernel, state, groups)  # instance and group normalization
+    if running:
+        mvs = update_means_and_variances(cb, [(ds, state) for ds, state, _ in running])
+        for (_, _, bn), mv in zip(running, mvs, strict=True):
+            _reload_running(cb, bn, mv, running_reloads)
     _update_groups(cb, groups)
     reload_weights_and_biases(cb, [(kernel, ds.state) for kernel, ds in reloads])
     # every normalization layer's reloads (gamma/beta after the update, running statistics):
@@ -94,6 +94,19 @@ def encode_updates(graph: Any, step: Any) -> None:
     if cpu:
         cb.add_completed_handler(_cpu_updates(cpu, after))
     _release(cb, [(st, own) for st, own in held if id(st) not in late])
+
+
+def _reload_running(cb: Any, bn: Any, mv: Any, running_reloads: list[tuple[Any, Any]]) -> None:
+    """Reload ``bn``'s running statistics from ``mv`` (None: its data source keeps none)."""
+    from mpsnn.cnn.normalization.batch_norm_forward import check_normalization_reloads
+
+    if mv is not None and _own_reload(bn, "reload_mean_and_variance"):
+        # reloaded with the others at the end (nothing reads it before); checked now, so that
+        # a bad state raises before the optimizers' updates are encoded
+        check_normalization_reloads(cb, [(bn, mv)])
+        running_reloads.append((bn, mv))
+    elif mv is not None:
+        bn.reload_mean_and_variance(cb, mv)
 
 
 def _own_reload(kernel: Any, method: str) -> bool:

@@ -61,7 +61,7 @@ import torch
 
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops._dtypes import acc_dtype
-from mpsnn.ops.batch_norm_params import BatchNormParams, BatchNormSums
+from mpsnn.ops.batch_norm_params import BatchNormParams, BatchNormSums, RunningUpdate
 from mpsnn.ops.neuron import NeuronParams, activation, activation_backward, plain_relu
 
 __all__ = [
@@ -76,6 +76,7 @@ __all__ = [
     "bn_merge_rows",
     "bn_running_update",
     "bn_running_update_portable",
+    "bn_running_updates",
     "bn_statistics",
     "bn_statistics_and_variance",
     "bn_statistics_portable",
@@ -327,8 +328,18 @@ def bn_running_update(
 
     (the unbiased variance, `bn_variance`). ``running``: the (C,) mean and variance; ``count``
     (1,) or (C,). One launch on the Triton path, with the portable path's bits."""
-    if not fast_paths.batch_norm_running_update(running, count, mean, m2, momentum):
-        bn_running_update_portable(running, count, mean, m2, momentum)
+    bn_running_updates((RunningUpdate(running, count, mean, m2, momentum),))
+
+
+def bn_running_updates(updates: Sequence[RunningUpdate]) -> None:
+    """`bn_running_update` of each of ``updates``, as if one after the other in list order (an
+    update of running tensors an earlier one wrote reads its result). On the Triton path one
+    launch updates up to 32 layers; a layer listed twice runs in a later launch. Each layer
+    gets the bits of its own `bn_running_update_portable`."""
+    if not updates or fast_paths.batch_norm_running_updates(updates):
+        return
+    for u in updates:
+        bn_running_update_portable(u.running, u.count, u.mean, u.m2, u.momentum)
 
 
 def bn_running_update_portable(

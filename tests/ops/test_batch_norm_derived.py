@@ -16,10 +16,12 @@ from mpsnn.ops.batch_norm import (
     bn_merge_rows,
     bn_running_update,
     bn_running_update_portable,
+    bn_running_updates,
     bn_statistics_and_variance,
     bn_statistics_portable,
     bn_variance,
 )
+from mpsnn.ops.batch_norm_params import RunningUpdate
 from mpsnn.ops.triton import batch_norm as triton_bn
 from mpsnn.ops.triton import batch_norm_nhwc as nhwc
 from mpsnn.ops.triton import batch_norm_vectors as triton_stats
@@ -76,6 +78,20 @@ def _running_inputs(c, device, per_channel_count, seed=5):
     return [t.to(device) for t in (mu, var, count, mean, m2)]
 
 
+def _single(u: RunningUpdate) -> tuple[torch.Tensor, torch.Tensor]:
+    """``u`` applied to copies of its running tensors by the portable operations."""
+    want = (u.running[0].clone(), u.running[1].clone())
+    bn_running_update_portable(want, u.count, u.mean, u.m2, u.momentum)
+    return want
+
+
+def _assert_rounded_alike(got, want, device) -> None:
+    if device == "cuda":  # compiled: the same roundings, fused multiply-add included
+        assert torch.equal(got, want)
+    else:  # the interpreter rounds the multiply-add twice: within an ulp
+        torch.testing.assert_close(got, want, rtol=2e-7, atol=1e-7)
+
+
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("per_channel_count", [False, True], ids=["count1", "countC"])
 @pytest.mark.parametrize("c", [1, 64, 1500])
@@ -83,15 +99,11 @@ def test_running_update_kernel_equals_the_portable_operations(c, per_channel_cou
     mu, var, count, mean, m2 = _running_inputs(c, device, per_channel_count)
     if per_channel_count:
         count[0] = 1.0  # a single sample: the unbiased divisor clamps to 1
-    want = (mu.clone(), var.clone())
-    bn_running_update_portable(want, count, mean, m2, 0.1)
     got = (mu.clone(), var.clone())
-    triton_stats.bn_running_update_triton(got, count, mean, m2, 0.1)
-    if device == "cuda":  # compiled: the same roundings, fused multiply-add included
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    else:  # the interpreter rounds the multiply-add twice: within an ulp
-        torch.testing.assert_close(got[0], want[0], rtol=2e-7, atol=1e-7)
-        torch.testing.assert_close(got[1], want[1], rtol=2e-7, atol=1e-7)
+    want = _single(RunningUpdate(got, count, mean, m2, 0.1))
+    triton_stats.bn_running_updates_triton([RunningUpdate(got, count, mean, m2, 0.1)])
+    _assert_rounded_alike(got[0], want[0], device)
+    _assert_rounded_alike(got[1], want[1], device)
     # the math itself, in float64: (1 - m) run + m batch, unbiased variance
     n = count.double().clamp(min=2) - 1 if per_channel_count else count.double() - 1
     exact_var = 0.9 * var.double() + 0.1 * m2.double() / n
@@ -100,24 +112,102 @@ def test_running_update_kernel_equals_the_portable_operations(c, per_channel_cou
                                rtol=1e-6, atol=1e-6)  # fmt: skip
 
 
+def _network_updates(device, layers=5, seed=11):
+    """Running updates of ``layers`` layers of varied widths (one wider than a program's
+    block), counts (1 or per channel) and momenta."""
+    widths = [1, 64, 1500, 3, 512, 7, 33]
+    out = []
+    for i in range(layers):
+        c = widths[i % len(widths)]
+        mu, var, count, mean, m2 = _running_inputs(c, device, i % 2 == 1, seed=seed + i)
+        out.append(RunningUpdate((mu, var), count, mean, m2, (0.1, 0.5, 1.0, 0.0)[i % 4]))
+    return out
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_one_launch_updates_every_layer_as_its_own_update_would(device, monkeypatch) -> None:
+    updates = _network_updates(device)
+    want = [_single(u) for u in updates]
+    launches = []
+    real = triton_stats._launch
+    monkeypatch.setattr(triton_stats, "_launch", lambda b: (launches.append(len(b)), real(b)))
+    triton_stats.bn_running_updates_triton(updates)
+    assert launches == [5]
+    for u, w in zip(updates, want, strict=True):
+        _assert_rounded_alike(u.running[0], w[0], device)
+        _assert_rounded_alike(u.running[1], w[1], device)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_a_layer_listed_twice_blends_twice_in_list_order(device, monkeypatch) -> None:
+    a, b, c = _network_updates(device, layers=3)
+    again = RunningUpdate(a.running, b.count[:1], a.mean, a.m2 * 2, 0.3)  # a's tensors again
+    updates = [a, b, again, c]
+    # what one update after the other gives (the portable operations)
+    want = [(u.running[0].clone(), u.running[1].clone()) for u in (a, b, c)]
+    for u in updates:
+        dst = want[[a, b, c].index(u)] if u is not again else want[0]
+        bn_running_update_portable(dst, u.count, u.mean, u.m2, u.momentum)
+    launches = []
+    real = triton_stats._launch
+    monkeypatch.setattr(triton_stats, "_launch", lambda b: (launches.append(len(b)), real(b)))
+    triton_stats.bn_running_updates_triton(updates)
+    assert launches == [2, 2]  # the second blend of a's tensors waits for the first
+    for u, w in zip((a, b, c), want, strict=True):
+        _assert_rounded_alike(u.running[0], w[0], device)
+        _assert_rounded_alike(u.running[1], w[1], device)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_more_layers_than_one_launch_takes(device, monkeypatch) -> None:
+    updates = _network_updates(device, layers=triton_stats._MAX_LAYERS + 3)
+    want = [_single(u) for u in updates]
+    launches = []
+    real = triton_stats._launch
+    monkeypatch.setattr(triton_stats, "_launch", lambda b: (launches.append(len(b)), real(b)))
+    triton_stats.bn_running_updates_triton(updates)
+    assert launches == [triton_stats._MAX_LAYERS, 3]
+    for u, w in zip(updates, want, strict=True):
+        _assert_rounded_alike(u.running[1], w[1], device)
+
+
 @pytest.mark.skipif(not CUDA, reason="the fast paths run on CUDA only")
 def test_running_update_dispatch() -> None:
     mu, var, count, mean, m2 = _running_inputs(8, "cuda", False)
-    assert fast_paths.batch_norm_running_update((mu, var), count, mean, m2, 0.5)
-    # float64 (a verification run) and non-contiguous vectors take the portable path
+    good = RunningUpdate((mu, var), count, mean, m2, 0.5)
+    assert fast_paths.batch_norm_running_updates([good])
+    # float64 (a verification run), a non-contiguous vector, another device, a count of
+    # another length: the portable path for all of them, with nothing run
     d = [t.double() for t in (mu, var, count, mean, m2)]
-    assert not fast_paths.batch_norm_running_update((d[0], d[1]), d[2], d[3], d[4], 0.5)
     strided = torch.zeros(16, device="cuda")[::2]
-    assert not fast_paths.batch_norm_running_update((strided, var), count, mean, m2, 0.5)
+    for bad in (
+        RunningUpdate((d[0], d[1]), d[2], d[3], d[4], 0.5),
+        RunningUpdate((strided, var), count, mean, m2, 0.5),
+        RunningUpdate((mu, var), count.cpu(), mean, m2, 0.5),
+        RunningUpdate((mu, var), torch.ones(3, device="cuda"), mean, m2, 0.5),
+    ):
+        before = (mu.clone(), var.clone())
+        assert not fast_paths.batch_norm_running_updates([good, bad])
+        assert torch.equal(mu, before[0]) and torch.equal(var, before[1])
 
 
 def test_running_update_cpu_is_the_portable_path() -> None:
     mu, var, count, mean, m2 = _running_inputs(6, "cpu", True)
-    assert not fast_paths.batch_norm_running_update((mu, var), count, mean, m2, 0.3)
-    got, want = (mu.clone(), var.clone()), (mu.clone(), var.clone())
-    bn_running_update(got, count, mean, m2, 0.3)
-    bn_running_update_portable(want, count, mean, m2, 0.3)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    u = RunningUpdate((mu, var), count, mean, m2, 0.3)
+    assert not fast_paths.batch_norm_running_updates([u])
+    want = _single(u)
+    bn_running_update((mu, var), count, mean, m2, 0.3)
+    assert torch.equal(mu, want[0]) and torch.equal(var, want[1])
+    # several, one listed twice: one after the other
+    other = _network_updates("cpu", layers=2)
+    twice = [other[0], other[1], other[0]]
+    want = [(t.running[0].clone(), t.running[1].clone()) for t in other]
+    for i in (0, 1, 0):
+        bn_running_update_portable(want[i], other[i].count, other[i].mean, other[i].m2,
+                                   other[i].momentum)  # fmt: skip
+    bn_running_updates(twice)
+    for t, w in zip(other, want, strict=True):
+        assert torch.equal(t.running[0], w[0]) and torch.equal(t.running[1], w[1])
 
 
 def _gathered(w, c, per_channel_count, device, seed=9):

@@ -58,6 +58,18 @@ def test_key_separates_what_triton_specializes_on() -> None:
     assert _key((2, 64), {}, frozenset({1})) != _key((2, 128), {}, frozenset({1}))
 
 
+def test_tuples_are_keyed_by_their_elements() -> None:
+    """Triton specializes each element of a tuple argument as an argument of its own."""
+    base = torch.zeros(64)
+    assert _key(((base, 2),), {}) == _key(((torch.zeros(8), 3),), {})
+    assert _key(((base, 2),), {}) != _key(((base[1:], 2),), {})  # an element misaligned
+    assert _key(((base, 2),), {}) != _key(((base, 16),), {})  # an element divisible by 16
+    assert _key(((2, 2),), {}) != _key(((2, 2, 2),), {})  # the length
+    assert _key(((2,), 2), {}) != _key(((2, 2),), {})  # where the tuple ends
+    assert _key(((1.0, (base,)),), {}) == _key(((2.0, (base,)),), {})  # nested
+    assert _key(((base, "text"),), {}) is None  # an element it cannot key
+
+
 def test_keywords_never_read_as_positional_items() -> None:
     """A keyword named like a positional tag (``f``, ``b``) followed by its type and value must
     not give the key of a longer positional list (whose direct launch takes other arguments)."""
@@ -163,3 +175,37 @@ def test_a_kernel_makes_one_keyer_per_call_shape(device, monkeypatch) -> None:
         assert torch.equal(add_relu_triton(x, x), (z >= 0).to(z.dtype) * z)
     assert len(kernel._keyers) == 1
     assert len(kernel._compiled) == 2  # aligned (starts 0 and 4) and misaligned (start 1)
+
+
+@pytest.mark.skipif(not CUDA, reason="direct launches are of compiled kernels")
+def test_tuple_arguments_are_launched_directly() -> None:
+    """A kernel taking tuples (the running updates of several layers) is launched directly
+    once its key was seen, with the tuples passed as Triton's own path passes them."""
+    from mpsnn.ops.batch_norm import bn_running_update_portable
+    from mpsnn.ops.batch_norm_params import RunningUpdate
+    from mpsnn.ops.triton import batch_norm_vectors as vectors
+
+    kernel = FastKernel(vectors._running_updates.fn)
+    gen = torch.Generator().manual_seed(3)
+
+    def updates() -> list[RunningUpdate]:
+        out = []
+        for c in (5, 64):
+            t = [torch.rand(c, generator=gen).cuda() + 1 for _ in range(4)]
+            out.append(RunningUpdate((t[0], t[1]), torch.tensor([9.0]).cuda(), t[2], t[3], 0.2))
+        return out
+
+    old = vectors._running_updates
+    vectors._running_updates = kernel
+    try:
+        for _ in range(3):
+            batch = updates()
+            want = [(u.running[0].clone(), u.running[1].clone()) for u in batch]
+            for u, w in zip(batch, want, strict=True):
+                bn_running_update_portable(w, u.count, u.mean, u.m2, u.momentum)
+            vectors.bn_running_updates_triton(batch)
+            for u, w in zip(batch, want, strict=True):
+                assert torch.equal(u.running[0], w[0]) and torch.equal(u.running[1], w[1])
+    finally:
+        vectors._running_updates = old
+    assert kernel.direct_launches == 2 and len(kernel._compiled) == 1

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +44,8 @@ from mpsnn.core._checks import check_positive
 from mpsnn.core.command_buffer import CommandBuffer
 from mpsnn.core.kernel import TrainingStyle
 from mpsnn.core.state import _unique
-from mpsnn.ops.batch_norm import bn_running_update
+from mpsnn.ops.batch_norm import bn_running_updates
+from mpsnn.ops.batch_norm_params import RunningUpdate
 
 __all__ = [
     "BatchNormalizationDataSource",
@@ -54,6 +55,7 @@ __all__ = [
     "TensorBatchNormalizationDataSource",
     "TensorGroupNormalizationDataSource",
     "TensorInstanceNormalizationDataSource",
+    "update_means_and_variances",
 ]
 
 
@@ -313,36 +315,42 @@ class TensorBatchNormalizationDataSource(_TensorGammaBeta, BatchNormalizationDat
                 self._mv.mean.to(device), self._mv.variance.to(device)
             )
 
-    def _running_update(self, state: Any) -> Any:
-        """The command: blend the state's batch statistics into the running ones."""
-        m = self.momentum
+    def _running_update(self, state: Any) -> Callable[[], RunningUpdate]:
+        """What the command blends: ``state``'s batch statistics into the running ones (read
+        when it runs; ``state`` checked now)."""
         self._to(state.device.torch_device)
-        mu, var = self._mv.mean, self._mv.variance
+        running = (self._mv.mean, self._mv.variance)
         stats = state._statistics_tensors("TensorBatchNormalizationDataSource")
+        m = self.momentum
 
-        running = (mu, var)
-
-        def run() -> None:
+        def update() -> RunningUpdate:  # (1 - m) running + m batch
             count, mean, m2 = stats()
-            bn_running_update(running, count, mean, m2, m)  # (1 - m) running + m batch
+            return RunningUpdate(running, count, mean, m2, m)
 
-        return run
+        return update
 
     def update_mean_and_variance(
         self, command_buffer: CommandBuffer, state: Any
     ) -> NormalizationMeanAndVarianceState:
         """GPU path: the running-average update as recorded work; returns the data source's
-        own running statistics as a state (for ``reload_mean_and_variance``)."""
-        command_buffer.record(
-            "TensorBatchNormalizationDataSource.update_mean_and_variance",
-            self._running_update(state),
-        )
-        return self._mv
+        own running statistics as a state (for ``reload_mean_and_variance``).
+        `update_means_and_variances` updates several data sources as one command."""
+        return update_means_and_variances(command_buffer, [(self, state)])[0]
 
     def update_mean_and_variance_on_cpu(self, state: Any) -> bool:
         """CPU path (after completion): the running-average update, now."""
-        self._running_update(state)()
+        bn_running_updates((self._running_update(state)(),))
         return True
+
+    @property
+    def _own_running_updates(self) -> bool:
+        """Whether ``update_mean_and_variance`` is this class's (not a subclass's): then a
+        graph may update several such data sources in one command."""
+        cls, own = type(self), TensorBatchNormalizationDataSource
+        return (
+            cls.update_mean_and_variance is own.update_mean_and_variance
+            and cls._running_update is own._running_update
+        )
 
     def __repr__(self) -> str:
         return (
@@ -414,3 +422,22 @@ class TensorGroupNormalizationDataSource(_TensorGammaBeta, GroupNormalizationDat
     @property
     def number_of_groups(self) -> int:
         return self._groups
+
+
+def update_means_and_variances(
+    command_buffer: CommandBuffer,
+    pairs: Sequence[tuple[TensorBatchNormalizationDataSource, Any]],
+) -> list[NormalizationMeanAndVarianceState]:
+    """``data_source.update_mean_and_variance(command_buffer, state)`` for every ``(data_source,
+    state)`` pair, as one command: on CUDA one launch updates a whole network's layers
+    (`mpsnn.ops.batch_norm.bn_running_updates`), where the per-layer form costs a launch and
+    its host dispatch per layer at every training step. Every state is checked before anything
+    is recorded; the updates behave as if made in list order (a data source listed twice
+    blends twice). Returns each data source's running statistics, as its own update does."""
+    makers = [ds._running_update(state) for ds, state in pairs]
+    if makers:
+        command_buffer.record(
+            "TensorBatchNormalizationDataSource.update_mean_and_variance",
+            lambda: bn_running_updates([make() for make in makers]),
+        )
+    return [ds._mv for ds, _ in pairs]

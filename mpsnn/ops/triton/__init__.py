@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from mpsnn.ops.batch_norm_params import BatchNormParams, BatchNormSums
+from mpsnn.ops.batch_norm_params import BatchNormParams, BatchNormSums, RunningUpdate
 
 __all__ = [
     "add_relu",
@@ -25,7 +25,7 @@ __all__ = [
     "batch_norm_forward",
     "batch_norm_gradient_sums",
     "batch_norm_merge_rows",
-    "batch_norm_running_update",
+    "batch_norm_running_updates",
     "batch_norm_statistics",
     "cast_into_channels_last",
     "channel_sums",
@@ -225,29 +225,26 @@ def batch_norm_statistics(
     return bn_statistics_triton(x, variance=variance)
 
 
-def batch_norm_running_update(
-    running: tuple[torch.Tensor, torch.Tensor],
-    count: torch.Tensor,
-    mean: torch.Tensor,
-    m2: torch.Tensor,
-    momentum: float,
-) -> bool:
-    """Run the Triton running-statistics update when every tensor is a contiguous float32 CUDA
-    vector of one device (``count``: 1 or C elements); False where it does not apply."""
-    ts = (*running, count, mean, m2)
-    if not _runs(*ts):
-        return False
-    c = mean.numel()
-    for t in ts:
-        if t.dtype is not torch.float32 or not t.is_contiguous() or t.device != mean.device:
+def batch_norm_running_updates(updates: Sequence[RunningUpdate]) -> bool:
+    """Run the Triton running-statistics updates (`mpsnn.ops.batch_norm.bn_running_updates`)
+    when every tensor of every update is a contiguous float32 CUDA vector of one device
+    (``count``: 1 or C elements); False, with nothing run, where one does not apply."""
+    device = updates[0].mean.device
+    for u in updates:
+        ts = (*u.running, u.count, u.mean, u.m2)
+        if not _runs(*ts):
             return False
-        if t.numel() != c and t is not count:
+        c = u.mean.numel()
+        for t in ts:
+            if t.dtype is not torch.float32 or not t.is_contiguous() or t.device != device:
+                return False
+            if t.numel() != c and t is not u.count:
+                return False
+        if u.count.numel() not in (1, c):
             return False
-    if count.numel() not in (1, c):
-        return False
-    from mpsnn.ops.triton.batch_norm_vectors import bn_running_update_triton
+    from mpsnn.ops.triton.batch_norm_vectors import bn_running_updates_triton
 
-    bn_running_update_triton(running, count, mean, m2, momentum)
+    bn_running_updates_triton(updates)
     return True
 
 

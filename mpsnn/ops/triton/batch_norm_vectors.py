@@ -1,20 +1,27 @@
 """Triton kernels for batch normalization's per-channel bookkeeping: the running statistics'
 update, and the merge of statistics gathered from several processes (a synchronized batch
 normalization). Each replaces a dozen small PyTorch operations (and their launches) by one
-launch; both are checked against the portable operations in `mpsnn.ops.batch_norm`.
+launch, and the running updates of a whole network's layers share one; both are checked
+against the portable operations in `mpsnn.ops.batch_norm`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
+from mpsnn.ops.batch_norm_params import RunningUpdate
 from mpsnn.ops.triton.launch import cdiv, fast_kernel
 
-__all__ = ["bn_merge_rows_triton", "bn_running_update_triton"]
+__all__ = ["bn_merge_rows_triton", "bn_running_updates_triton"]
 
 _BLOCK = 1024  # channels per program (ResNet-18's widest layer has 512)
+# layers per launch of the running updates: the kernel has one branch per layer (compiled
+# once per count of layers and per specialization of their arguments)
+_MAX_LAYERS = 32
 # PyTorch's CUDA build compiles its `a + alpha b` (the portable update's add) to a fused
 # multiply-add; the running update rounds as it does
 _RUNNING_FUSED = True
@@ -22,22 +29,26 @@ _RUNNING_FUSED = True
 
 @fast_kernel
 @triton.jit
-def _running_update(
-    run_mean_ptr, run_var_ptr, count_ptr, mean_ptr, m2_ptr, C, count_stride, keep, momentum,
-    FUSED: tl.constexpr, BLOCK: tl.constexpr,
+def _running_updates(
+    run_means, run_vars, counts, means, m2s, sizes, count_strides, keeps, momenta,
+    N: tl.constexpr, FUSED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # run = keep run + momentum batch, for the mean and the unbiased variance m2 / max(n - 1, 1)
-    # of each channel, with the roundings of the portable path's PyTorch operations: the
+    # grid (N layers, channel blocks): layer i's tensors are element i of each tuple. For the
+    # mean and the unbiased variance m2 / max(n - 1, 1) of each channel: run = keep run +
+    # momentum batch, with the roundings of the portable path's PyTorch operations: the
     # division correctly rounded, the product by keep rounded, then (FUSED) one fused
     # multiply-add
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < C
-    n = tl.load(count_ptr + offs * count_stride, mask=mask, other=1.0)
-    m2 = tl.load(m2_ptr + offs, mask=mask, other=0.0)
-    unbiased = tl.math.div_rn(m2, tl.maximum(n - 1.0, 1.0))
-    mean = tl.load(mean_ptr + offs, mask=mask, other=0.0)
-    _blend(run_mean_ptr, offs, mask, mean, keep, momentum, FUSED)
-    _blend(run_var_ptr, offs, mask, unbiased, keep, momentum, FUSED)
+    layer = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    for i in tl.static_range(N):  # one branch per layer: a tuple takes constant indices only
+        if layer == i:
+            mask = offs < sizes[i]
+            n = tl.load(counts[i] + offs * count_strides[i], mask=mask, other=1.0)
+            m2 = tl.load(m2s[i] + offs, mask=mask, other=0.0)
+            unbiased = tl.math.div_rn(m2, tl.maximum(n - 1.0, 1.0))
+            mean = tl.load(means[i] + offs, mask=mask, other=0.0)
+            _blend(run_means[i], offs, mask, mean, keeps[i], momenta[i], FUSED)
+            _blend(run_vars[i], offs, mask, unbiased, keeps[i], momenta[i], FUSED)
 
 
 @triton.jit
@@ -91,20 +102,36 @@ def _merge_rows(
         tl.store(count_ptr + offs, n32, mask=mask)
 
 
-def bn_running_update_triton(
-    running: tuple[torch.Tensor, torch.Tensor],
-    count: torch.Tensor,
-    mean: torch.Tensor,
-    m2: torch.Tensor,
-    momentum: float,
-) -> None:
-    """`mpsnn.ops.batch_norm.bn_running_update_portable` in one launch (its bits): float32
-    (C,) tensors on one device, ``count`` (1,) or (C,)."""
-    run_mean, run_var = running
-    c = run_mean.numel()
-    _running_update[(cdiv(c, _BLOCK),)](
-        run_mean, run_var, count, mean, m2, c, 0 if count.numel() == 1 else 1,
-        1.0 - momentum, momentum, FUSED=_RUNNING_FUSED, BLOCK=_BLOCK, enable_fp_fusion=False,
+def bn_running_updates_triton(updates: Sequence[RunningUpdate]) -> None:
+    """`mpsnn.ops.batch_norm.bn_running_updates` with each layer's bits of
+    `mpsnn.ops.batch_norm.bn_running_update_portable`: float32 (C,) tensors on one device,
+    ``count`` (1,) or (C,). One launch per `_MAX_LAYERS` layers whose running tensors are
+    distinct objects; a layer whose running tensors an earlier update in the list writes (a
+    data source behind two layers) waits for the next launch (launches run in order on the
+    stream)."""
+    batch: list[RunningUpdate] = []
+    written: set[int] = set()
+    for u in updates:
+        ids = (id(u.running[0]), id(u.running[1]))
+        if len(batch) == _MAX_LAYERS or written.intersection(ids):
+            _launch(batch)
+            batch, written = [], set()
+        batch.append(u)
+        written.update(ids)
+    _launch(batch)
+
+
+def _launch(batch: Sequence[RunningUpdate]) -> None:
+    if not batch:
+        return
+    c = max(u.mean.numel() for u in batch)
+    _running_updates[(len(batch), cdiv(c, _BLOCK))](
+        tuple(u.running[0] for u in batch), tuple(u.running[1] for u in batch),
+        tuple(u.count for u in batch), tuple(u.mean for u in batch),
+        tuple(u.m2 for u in batch), tuple(u.mean.numel() for u in batch),
+        tuple(0 if u.count.numel() == 1 else 1 for u in batch),
+        tuple(1.0 - u.momentum for u in batch), tuple(float(u.momentum) for u in batch),
+        N=len(batch), FUSED=_RUNNING_FUSED, BLOCK=_BLOCK, enable_fp_fusion=False,
     )  # fmt: skip
 
 

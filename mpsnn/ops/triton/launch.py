@@ -20,8 +20,8 @@ function generated once per *call shape* (the arguments' types and the keywords'
 Triton's own path still runs:
 
 * for the first call of each key (it compiles, or finds the compiled kernel, and launches);
-* for an argument this cannot key (a type other than tensor, int, float, bool or None, or a
-  tensor passed by keyword);
+* for an argument this cannot key (a type other than tensor, int, float, bool, None or a
+  tuple of these, or a tensor passed by keyword);
 * under the interpreter (``TRITON_INTERPRET=1``), which has no compiled kernels;
 * while a Triton launch hook is installed (a profiler), so the hook sees every launch;
 * for a grid given as a callable;
@@ -240,9 +240,9 @@ def _key(
     One flat tuple, the count of positional arguments first (so that keywords cannot read as
     positional items: ``f=1.0`` against a float and a constexpr). Each argument adds a tag that
     fixes how many items follow (a tensor's dtype, then its 16-byte alignment; ``"i"`` and four
-    properties of an int; ``"b"``, ``"f"`` or None alone; a constexpr's type, then its value),
-    so two argument lists with one key specialize alike. Flat, because a launch builds it on
-    the host: no tuple per argument."""
+    properties of an int; ``"b"``, ``"f"`` or None alone; a constexpr's type, then its value;
+    ``"t"``, a tuple's length, then its elements' items), so two argument lists with one key
+    specialize alike. Flat, because a launch builds it on the host: no tuple per argument."""
     key: list[Any] = [len(args)]  # the count first: the flat items then parse one way only
     add = key.append
     for i, a in enumerate(args):
@@ -268,6 +268,13 @@ def _key(
         elif isinstance(a, torch.Tensor):
             add(a.dtype)
             add(not a.data_ptr() & 15)
+        elif t is tuple:  # Triton specializes each element as an argument of its own
+            add("t")
+            add(len(a))
+            items = _key(a, {})
+            if items is None:
+                return None
+            key.extend(items[1:])
         else:
             return None
     for k, v in kwargs.items():
