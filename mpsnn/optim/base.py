@@ -451,7 +451,7 @@ class Optimizer(Kernel):
         values = [src._oihw, src._biases][:count]
         results = [res._oihw, res._biases][:count]
         states = self._vectors(vectors, values, lists=True, ohwi=True)
-        self._update(cb, values, lambda: [gs._sum(0), gs._sum(1)][:count], results, states)
+        self._update(cb, values, lambda: [gs._sum(i) for i in range(count)], results, states)
 
     def _encode_normalization(self, cb: CommandBuffer, form: dict, vectors: dict) -> None:
         who = type(self).__name__

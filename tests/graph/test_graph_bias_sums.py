@@ -75,7 +75,7 @@ def test_bias_sums_are_skipped_only_where_nothing_reads_them(monkeypatch, case) 
 
 def test_a_skipped_bias_gradient_refuses_to_be_read() -> None:
     g = gen(72)
-    ds = conv_ds(g, 3, 3, 2, 3, bias=False)
+    ds = conv_ds(g, 3, 3, 2, 3, sgd1(), bias=False)
     fwd, grad = m.Convolution(DEV, ds), m.ConvolutionGradient(DEV, ds)
     grad._bias_sums = False  # what a training graph sets
     cb = DEV.new_command_queue().command_buffer()
@@ -88,6 +88,19 @@ def test_a_skipped_bias_gradient_refuses_to_be_read() -> None:
     assert state.gradient_for_weights.abs().sum() > 0
     with pytest.raises(ValueError, match=r"\[ConvolutionGradientState\] gradient_for_biases must"):
         state.gradient_for_biases  # noqa: B018
+    # nothing made for the skipped sums: the state holds the weights' sums alone
+    assert len(state._slots[0]) == 1
+    # a data source given biases after the gradient ran updates them with the sums of no
+    # bias (zeros): plain SGD leaves them as they were, and moves the weights
+    biases = rand(g, 3)
+    before = ds.weights().clone()
+    ds.set_weights_and_biases(before, biases)
+    cb = DEV.new_command_queue().command_buffer()
+    ds.update(cb, state, None)
+    cb.commit()
+    cb.wait_until_completed()
+    assert torch.equal(ds.bias_terms(), biases)
+    assert not torch.equal(ds.weights(), before)
     # the kernel on its own keeps MPS's sums for a bias-less layer
     state2 = fwd.result_state(src)
     cb = DEV.new_command_queue().command_buffer()

@@ -316,7 +316,7 @@ class TensorConvolutionDataSource(ConvolutionDataSource):
                 kept.extend(new)
 
         def grads() -> list[torch.Tensor]:  # read when the update runs
-            return [gradient_state._sum(0), gradient_state._sum(1)][: len(values)]
+            return [gradient_state._sum(i) for i in range(len(values))]
 
         return values, grads, results, self._optimizer_state
 

@@ -47,7 +47,6 @@ from mpsnn.core.geometry import Window
 from mpsnn.core.gradient_command import Backward
 from mpsnn.core.registry import gradient_of
 from mpsnn.core.state import ForwardRecord
-from mpsnn.ops._dtypes import acc_dtype
 from mpsnn.ops.convolution import (
     conv_backward,
     conv_transpose_backward,
@@ -193,12 +192,10 @@ class ConvolutionGradient(GradientKernel):
             for state, _ in groups:
                 state._bias_sums_skipped = True
 
-        def sums(dw: torch.Tensor, db: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-            # skipped bias sums: zeros keep the state's layout (data-parallel buckets, the
-            # optimizer's lists); the public gradient_for_biases refuses to be read
-            return dw, db if db is not None else dw.new_zeros(
-                dw.shape[0], dtype=acc_dtype(dw.dtype)
-            )
+        def sums(dw: torch.Tensor, db: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+            # skipped bias sums are not stored (no zeros made at every step): the state's
+            # sums are the weights' alone (`ConvolutionGradientState._sum`)
+            return (dw,) if db is None else (dw, db)
 
         beside = self._weights_beside and need_data and need_w and len(groups) == 1
 

@@ -53,7 +53,8 @@ class ConvolutionGradientState(AccumulatorState):
         self._preactivation: torch.Tensor | None = None  # fused neuron input (run time)
         # or, for a plain ReLU on the CPU, its slope instead (`mpsnn.ops.neuron.relu_in_place`)
         self._relu_mask: torch.Tensor | None = None
-        self._bias_sums_skipped = False  # a graph's layer without biases: no bias sums
+        # a graph's layer without biases: no bias sums computed or stored (`_sum`)
+        self._bias_sums_skipped = False
 
     @property
     def convolution(self) -> Any:
@@ -89,10 +90,20 @@ class ConvolutionGradientState(AccumulatorState):
         weights = getattr(getattr(self._convolution, "_weights", None), "weight", None)
         dtype = torch.float64 if getattr(weights, "dtype", None) == torch.float64 else None
         dev = self._device.torch_device
-        return [
-            torch.zeros(self._oihw, device=dev, dtype=dtype),
-            torch.zeros(self._oihw[0], device=dev, dtype=dtype),
-        ]
+        zeros = [torch.zeros(self._oihw, device=dev, dtype=dtype)]
+        if not self._bias_sums_skipped:
+            zeros.append(torch.zeros(self._oihw[0], device=dev, dtype=dtype))
+        return zeros
+
+    def _sum(self, index: int, slot: int = 0) -> torch.Tensor:
+        """Sum ``index`` (0: weights, 1: biases). A layer whose training graph skipped the bias
+        sums stores the weights' alone; a reader of its bias sums after all (a data source
+        given biases since the gradient was encoded) gets zeros, the sums of no bias."""
+        sums = self._slots.get(slot)
+        if index == 1 and self._bias_sums_skipped and (sums is None or len(sums) == 1):
+            w = super()._sum(0, slot)
+            return w.new_zeros(w.shape[0])
+        return super()._sum(index, slot)
 
     @property
     def gradient_for_weights_layout(self) -> str:
