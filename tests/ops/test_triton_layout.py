@@ -253,6 +253,71 @@ def test_the_narrowing_transpose_refuses_other_tensors() -> None:
     assert (half == 7.0).all()  # nothing was written
 
 
+def _launches(monkeypatch, module, name) -> list[int]:
+    """The programs' first grid dimension of each launch of ``module.name``."""
+    seen: list[int] = []
+    real = getattr(module, name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            seen.append(grid[0])
+            return real[grid]
+
+    monkeypatch.setattr(module, name, Spy())
+    return seen
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_the_flat_narrowing_is_pytorchs_copy_in_one_launch(device, monkeypatch) -> None:
+    """Several contiguous float32 tensors (1x1 weights, a matrix, biases, one larger than a
+    program's block) into half-precision ones of their layout: every value but NaN gets
+    PyTorch's bits, exact ties included; one launch for all."""
+    from mpsnn.ops.triton import layout
+
+    shapes = [(8, 65, 1, 1), (10,), (3, 5000), (4097,)]
+    dtypes = [NARROW_DTYPES[i % len(NARROW_DTYPES)] for i in range(len(shapes))]
+    src, dst, want = [], [], []
+    for i, (shape, dtype) in enumerate(zip(shapes, dtypes, strict=True)):
+        t = _special_values(shape, torch.float32, 11 + i).to(device)
+        flat = t.view(-1)
+        for j, v in enumerate(TIES[dtype]):
+            flat[-1 - j] = v
+        src.append(t)
+        dst.append(torch.full(shape, 7.0, dtype=dtype, device=device))
+        want.append(torch.empty(shape, dtype=dtype, device=device).copy_(t))
+    seen = _launches(monkeypatch, layout, "_narrow_flat")
+    assert layout.narrow_flat_into(dst, src)
+    assert seen == [len(shapes)]
+    for got, w in zip(dst, want, strict=True):
+        nan = w.isnan()
+        assert torch.equal(got.isnan(), nan)
+        assert torch.equal(got[~nan].view(torch.int16), w[~nan].view(torch.int16))
+    # more tensors than a launch takes: several launches, the same values
+    monkeypatch.setattr(layout, "_MAX_FLAT", 3)
+    again = [torch.zeros_like(d) for d in dst]
+    assert layout.narrow_flat_into(again, src)
+    assert seen[1:] == [3, 1]
+    for got, d in zip(again, dst, strict=True):
+        assert torch.equal(got.view(torch.int16), d.view(torch.int16))
+
+
+def test_the_flat_narrowing_refuses_other_lists() -> None:
+    from mpsnn.ops.triton.layout import narrow_flat_into
+
+    t = torch.randn(4, 8)
+    half = torch.full((4, 8), 7.0, dtype=torch.bfloat16)
+    assert not narrow_flat_into([], [])
+    assert not narrow_flat_into([half], [t, t])  # lengths differ
+    assert not narrow_flat_into([half], [t.double()])  # not float32
+    assert not narrow_flat_into([torch.empty(4, 8)], [t])  # float32 destination
+    assert not narrow_flat_into([half], [t.t().contiguous().t()])  # source not contiguous
+    assert not narrow_flat_into([torch.empty(8, 4, dtype=torch.bfloat16).t()], [t])
+    assert not narrow_flat_into([half], [t[:2]])  # shapes differ
+    assert not narrow_flat_into([half, half], [t, t.double()])  # one pair of many
+    assert not fast_paths.narrow_into([half], [t])  # CPU tensors: PyTorch's copy
+    assert (half == 7.0).all()  # nothing was written
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the weight copies' CUDA path")
 def test_recorded_weight_copies_are_rewritten_through_the_transpose() -> None:
     """Recorded into a CUDA graph, a refresh rewrites a convolution's bfloat16 channels-last
@@ -280,3 +345,35 @@ def test_recorded_weight_copies_are_rewritten_through_the_transpose() -> None:
         want = ws.weight.to(torch.bfloat16, memory_format=torch.channels_last)
         assert torch.equal(w16.view(torch.int16), want.view(torch.int16))
     assert layout._nchw_to_nhwc.direct_launches == before + 1  # recorded once
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the weight copies' CUDA path")
+def test_recorded_copies_of_coinciding_layouts_take_the_flat_narrowing(monkeypatch) -> None:
+    """Recorded into a CUDA graph, the half-precision copies that need no transpose (a 1x1
+    kernel, its bias, a fully connected layer's matrix) are rewritten by one flat narrowing
+    with PyTorch's bits at every replay; an eager refresh keeps PyTorch's multi-tensor copy."""
+    from mpsnn.cnn.convolution.weights import ConvWeights
+    from mpsnn.ops.triton import layout
+
+    gen = torch.Generator().manual_seed(4)
+    one = ConvWeights(torch.randn(96, 80, 1, 1, generator=gen).cuda(),
+                      torch.randn(96, generator=gen).cuda())  # fmt: skip
+    fc = ConvWeights(torch.randn(10, 16, 2, 2, generator=gen).cuda(), None)
+    fc.channels_last_casts = False  # a fully connected layer's matrix
+    casts = [one.cast(torch.bfloat16), fc.cast(torch.bfloat16)]
+    seen = _launches(monkeypatch, layout, "_narrow_flat")
+    ConvWeights.refresh_all([one, fc])
+    assert seen == []  # eager: PyTorch's copy
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ConvWeights.refresh_all([one, fc])
+    assert seen == [3]  # one launch: the 1x1 weights, their bias, the matrix
+    for _ in range(2):
+        for ws in (one, fc):
+            ws.weight.copy_(torch.randn(ws.weight.shape, generator=gen).cuda())
+        one.bias.copy_(torch.randn(96, generator=gen).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        for ws, (w, _) in zip((one, fc), casts, strict=True):
+            assert torch.equal(w.view(torch.int16), ws.weight.to(torch.bfloat16).view(torch.int16))
+        assert torch.equal(casts[0][1], one.bias.to(torch.bfloat16))

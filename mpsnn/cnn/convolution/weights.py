@@ -110,10 +110,12 @@ class ConvWeights:
 
     @staticmethod
     def refresh_all(masters: Sequence[ConvWeights]) -> None:
-        """`refresh` of several kernels' masters as one multi-tensor copy; in work recorded
-        into a CUDA graph, a half-precision channels-last copy of NCHW float32 masters by a
-        Triton transpose each instead (PyTorch's strided copy is several times slower on the
-        device, but one call from the host, which bounds an eager step)."""
+        """`refresh` of several kernels' masters as one multi-tensor copy. In work recorded
+        into a CUDA graph, Triton instead: a transpose for each half-precision channels-last
+        copy of NCHW float32 masters, and one launch for the other half-precision copies
+        (PyTorch's strided copy is several times slower on the device, and its multi-tensor
+        copy gives each 64K elements one block; but each is one call from the host, which
+        bounds an eager step)."""
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         recorded = bool(masters) and recording(masters[0].weight)  # (one device)
@@ -125,7 +127,7 @@ class ConvWeights:
                 if b is not None:
                     dst.append(b)
                     src.append(ws._bias)  # type: ignore[arg-type]
-        if dst:
+        if dst and not (recorded and fast_paths.narrow_into(dst, src)):
             torch._foreach_copy_(dst, src)
 
     def cast(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -34,6 +34,7 @@ __all__ = [
     "few_channel_conv",
     "few_channel_conv_weight_grad",
     "max_pool_backward",
+    "narrow_into",
     "nchw_float32",
     "optimizer_tables",
     "pool_tiles",
@@ -360,6 +361,18 @@ def cast_into_channels_last(t: torch.Tensor, out: torch.Tensor) -> bool:
     from mpsnn.ops.triton.layout import nchw_to_nhwc_into
 
     return nchw_to_nhwc_into(t, out)
+
+
+def narrow_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> bool:
+    """``dst[i].copy_(src[i])`` for contiguous float32 CUDA ``src`` and contiguous
+    float16/bfloat16 ``dst`` of the same shapes on the current device through one Triton launch
+    (`mpsnn.ops.triton.layout.narrow_flat_into`; NaN payloads may differ from PyTorch's);
+    False, writing nothing, where it does not apply."""
+    if not (dst and _runs(*dst, *src) and _on_current_device(*dst, *src)):
+        return False
+    from mpsnn.ops.triton.layout import narrow_flat_into
+
+    return narrow_flat_into(dst, src)
 
 
 def nchw_float32(t: torch.Tensor) -> torch.Tensor | None:

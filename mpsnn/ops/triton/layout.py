@@ -14,7 +14,9 @@ included), with the strides PyTorch gives a channels-last tensor of that shape. 
 transposes convert as they move, for a convolution's weights: `nchw_float32_triton` widens a
 channels-last half-precision tensor into NCHW float32 (exact), and `nchw_to_nhwc_into` narrows
 NCHW float32 into an existing channels-last half-precision tensor (rounded to nearest, ties
-to even, as PyTorch does; only a NaN's payload may differ).
+to even, as PyTorch does; only a NaN's payload may differ). `narrow_flat_into` narrows several
+contiguous float32 tensors into half-precision ones of the same layout in one launch (the
+weight copies whose layouts coincide: 1x1 kernels, fully connected matrices, biases).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from mpsnn.ops.triton.launch import cdiv, fast_kernel, next_power_of_2
 __all__ = [
     "channels_last_copy",
     "nchw_float32_triton",
+    "narrow_flat_into",
     "nchw_to_nhwc_into",
     "nchw_to_nhwc_triton",
 ]
@@ -38,6 +41,8 @@ __all__ = [
 _TILE_ELEMENTS = 4096  # BC x BP: 8 KiB of bfloat16 a tile
 _MAX_GRID_YZ = 65535  # CUDA's limit on the grid's second and third dimensions
 _MAX_I32 = 2**31 - 1  # pixel indices within a plane are int32
+_FLAT_BLOCK = 4096  # elements a program of the flat narrowing
+_MAX_FLAT = 32  # tensors a launch of the flat narrowing (one branch per tensor)
 
 
 @fast_kernel
@@ -171,3 +176,47 @@ def nchw_float32_triton(t: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(t.shape, dtype=torch.float32, device=t.device)
     _nhwc_to_nchw[tiles.grid](t, out, *tiles.sizes, BC=tiles.bc, BP=tiles.bp, num_warps=4)
     return out
+
+
+@fast_kernel
+@triton.jit
+def _narrow_flat(srcs, dsts, sizes, N: tl.constexpr, BLOCK: tl.constexpr):
+    # grid (N tensors, blocks): elements [b BLOCK, (b + 1) BLOCK) of tensor i, rounded to
+    # nearest, ties to even (PyTorch's conversion)
+    which = tl.program_id(0)
+    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    for i in tl.static_range(N):  # one branch per tensor: a tuple takes constant indices only
+        if which == i:
+            mask = offs < sizes[i]
+            v = tl.load(srcs[i] + offs, mask=mask)
+            v = v.to(dsts[i].dtype.element_ty, fp_downcast_rounding="rtne")
+            tl.store(dsts[i] + offs, v, mask=mask)
+
+
+def narrow_flat_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> bool:
+    """``dst[i].copy_(src[i])`` for contiguous float32 ``src`` and contiguous float16/bfloat16
+    ``dst`` of the same shapes on one device, in one launch per `_MAX_FLAT` pairs (rounded to
+    nearest, ties to even: PyTorch's bits for every value but NaN, whose payload may differ);
+    False, writing nothing, for any other list. PyTorch's multi-tensor copy gives each 64K
+    elements one block: on an H200 it took 15 µs for ResNet-18's five weight copies of this
+    kind (177K elements)."""
+    if not dst or len(dst) != len(src):
+        return False
+    device = src[0].device
+    for d, s in zip(dst, src, strict=True):
+        if (
+            s.dtype is not torch.float32
+            or d.dtype not in (torch.float16, torch.bfloat16)
+            or d.shape != s.shape
+            or not (s.is_contiguous() and d.is_contiguous())
+            or s.device != device
+            or d.device != device
+        ):
+            return False
+    for i in range(0, len(dst), _MAX_FLAT):
+        d, s = tuple(dst[i : i + _MAX_FLAT]), tuple(src[i : i + _MAX_FLAT])
+        sizes = tuple(t.numel() for t in s)
+        _narrow_flat[(len(s), cdiv(max(sizes), _FLAT_BLOCK))](
+            s, d, sizes, N=len(s), BLOCK=_FLAT_BLOCK, num_warps=4
+        )
+    return True
