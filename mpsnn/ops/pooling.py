@@ -299,8 +299,24 @@ def _sum_pool_backward(g: torch.Tensor, t: torch.Tensor, geom: PoolGeometry) -> 
 
 
 def average_pool_forward(x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
-    t = widen(apply_extract(x, geom.plan))
-    return _divide(_sum_pool(t, geom), geom).to(x.dtype)
+    t = apply_extract(x, geom.plan)
+    if _half_average(t, geom):
+        k, s, _ = _kernel(geom)
+        return F.avg_pool2d(t, k, s, 0, False, True)
+    return _divide(_sum_pool(widen(t), geom), geom).to(x.dtype)
+
+
+def _half_average(t: torch.Tensor, geom: PoolGeometry) -> bool:
+    """Whether PyTorch's pooling of half-precision CUDA ``t`` gives the widened path's bits:
+    it sums each window in float32 in the same order and divides there by the window area,
+    rounding once; for an area that is a power of two (a global 4x4 pooling, 2x2 windows)
+    that division is the widened path's multiplication by the reciprocal. It reads the image
+    once, where the widened path writes and reads a float32 copy of it."""
+    if geom.counts is not None or t.dtype not in (torch.float16, torch.bfloat16) or not t.is_cuda:
+        return False
+    (ky, kx), _, d = _kernel(geom)
+    area = ky * kx
+    return d == (1, 1) and area & (area - 1) == 0
 
 
 def average_pool_backward(g: torch.Tensor, x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:

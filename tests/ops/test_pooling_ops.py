@@ -238,3 +238,52 @@ def test_tiled_average_gradient_equals_the_float32_sum_bit_for_bit(shape, dtype)
         nonzero = want != 0
         assert torch.equal(bits(got[nonzero]), bits(want[nonzero]))
         assert (got[~nonzero] == 0).all() and (g.numel() == 0 or (g == 0).any())
+
+
+AVERAGE = [
+    # (N, C, H, W, kh, kw, y0, x0, OH, OW): areas that are powers of two, and others
+    (8, 64, 4, 4, 4, 4, 0, 0, 1, 1),  # a global 4x4 pooling (ResNet's head)
+    (2, 16, 8, 8, 2, 2, 0, 0, 4, 4),
+    (2, 8, 9, 9, 3, 3, 0, 0, 3, 3),  # area 9
+    (2, 8, 6, 6, 2, 3, 0, 0, 3, 2),  # area 6
+]
+
+
+def _widened_average(x, geom):
+    """The widened path: float32 sums, the divisor's reciprocal, rounded once."""
+    t = P.widen(apply_extract(x, geom.plan))
+    return P._divide(P._sum_pool(t, geom), geom).to(x.dtype)
+
+
+@pytest.mark.parametrize("shape", AVERAGE, ids=str)
+def test_half_average_pooling_takes_pytorchs_pooling_only_where_the_bits_agree(shape) -> None:
+    """Half-precision CUDA data, every tap counted, no dilation, an area that is a power of
+    two: PyTorch's half-precision pooling (no float32 copy); anything else: the widened path."""
+    geom = _geometry(shape, EdgeMode.ZERO)
+    x = torch.zeros(shape[:4], dtype=torch.bfloat16)
+    area = shape[4] * shape[5]
+    assert not P._half_average(x, geom)  # on the CPU: never
+    if torch.cuda.is_available():
+        assert P._half_average(x.cuda(), geom) == (area & (area - 1) == 0)
+        assert not P._half_average(x.cuda().float(), geom)  # float32: nothing to widen
+        counted = pool_geometry(geom.y, geom.x, EdgeMode.ZERO, valid_y=(1, shape[2] - 1))
+        assert not P._half_average(x.cuda(), counted)  # a divisor per window
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="PyTorch's half-precision pooling on CUDA"
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("shape", AVERAGE, ids=str)
+def test_half_average_pooling_has_the_widened_paths_bits(shape, channels_last, dtype) -> None:
+    geom = _geometry(shape, EdgeMode.ZERO)
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(shape[:4], generator=gen) * 100).to(dtype).cuda()
+    x.view(-1)[::13] = 1e-3  # small values beside large ones: rounding matters
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    got = P.average_pool_forward(x, geom)
+    want = _widened_average(x, geom)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert torch.equal(bits(got), bits(want))
