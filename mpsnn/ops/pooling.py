@@ -254,10 +254,28 @@ def _divisor(counts: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
     return (cy.view(-1, 1) * cx.view(1, -1)).view(1, 1, len(counts[0]), len(counts[1]))
 
 
+def _uniform_area(geom: PoolGeometry) -> int | None:
+    """The window area when every tap of every window counts (no divisor per window, or one
+    that is the area everywhere), else None."""
+    counts = geom.counts
+    ky, kx = geom.y.kernel, geom.x.kernel
+    if counts is None or (all(c == ky for c in counts[0]) and all(c == kx for c in counts[1])):
+        return ky * kx
+    return None
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 def _divide(total: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
     """``total / N`` per output, and 0 where ``N = 0`` (a window wholly outside the count)."""
-    if geom.counts is None:
-        return total / (geom.y.kernel * geom.x.kernel)
+    area = _uniform_area(geom)
+    # one division by the area (by its reciprocal, as PyTorch divides by a number) where that
+    # is the per-window division's value: no divisor per window, or an area that is a power
+    # of two (both exact then)
+    if area is not None and (geom.counts is None or _power_of_two(area)):
+        return total / area
     counts = geom.counts
     div = device_constant(
         ("pool-divisor", counts), total.dtype, total.device, lambda: _divisor(counts)
@@ -308,15 +326,15 @@ def average_pool_forward(x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
 
 def _half_average(t: torch.Tensor, geom: PoolGeometry) -> bool:
     """Whether PyTorch's pooling of half-precision CUDA ``t`` gives the widened path's bits:
-    it sums each window in float32 in the same order and divides there by the window area,
-    rounding once; for an area that is a power of two (a global 4x4 pooling, 2x2 windows)
-    that division is the widened path's multiplication by the reciprocal. It reads the image
-    once, where the widened path writes and reads a float32 copy of it."""
-    if geom.counts is not None or t.dtype not in (torch.float16, torch.bfloat16) or not t.is_cuda:
+    every tap counts (`_uniform_area`) and the area is a power of two (a global 4x4 pooling,
+    2x2 windows), so that PyTorch's float32 sums, in the same order, divided there by the area
+    and rounded once, are the widened path's value. It reads the image once, where the widened
+    path writes and reads a float32 copy of it."""
+    if t.dtype not in (torch.float16, torch.bfloat16) or not t.is_cuda:
         return False
-    (ky, kx), _, d = _kernel(geom)
-    area = ky * kx
-    return d == (1, 1) and area & (area - 1) == 0
+    area = _uniform_area(geom)
+    _, _, d = _kernel(geom)
+    return d == (1, 1) and area is not None and _power_of_two(area)
 
 
 def average_pool_backward(g: torch.Tensor, x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:

@@ -268,6 +268,8 @@ def test_half_average_pooling_takes_pytorchs_pooling_only_where_the_bits_agree(s
         assert not P._half_average(x.cuda().float(), geom)  # float32: nothing to widen
         counted = pool_geometry(geom.y, geom.x, EdgeMode.ZERO, valid_y=(1, shape[2] - 1))
         assert not P._half_average(x.cuda(), counted)  # a divisor per window
+        whole = pool_geometry(geom.y, geom.x, EdgeMode.ZERO, valid_y=(0, shape[2]))
+        assert P._half_average(x.cuda(), whole) == (area & (area - 1) == 0)  # all taps count
 
 
 @pytest.mark.skipif(
@@ -277,13 +279,37 @@ def test_half_average_pooling_takes_pytorchs_pooling_only_where_the_bits_agree(s
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("shape", AVERAGE, ids=str)
 def test_half_average_pooling_has_the_widened_paths_bits(shape, channels_last, dtype) -> None:
-    geom = _geometry(shape, EdgeMode.ZERO)
+    """With no divisor per window, and with one that is the area everywhere (a window that
+    lies inside the image: ResNet's global pooling)."""
+    plain = _geometry(shape, EdgeMode.ZERO)
+    whole = pool_geometry(plain.y, plain.x, EdgeMode.ZERO, valid_y=(0, shape[2]))
     gen = torch.Generator().manual_seed(5)
     x = (torch.randn(shape[:4], generator=gen) * 100).to(dtype).cuda()
     x.view(-1)[::13] = 1e-3  # small values beside large ones: rounding matters
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
-    got = P.average_pool_forward(x, geom)
-    want = _widened_average(x, geom)
-    assert got.dtype == dtype and got.shape == want.shape
-    assert torch.equal(bits(got), bits(want))
+    for geom in (plain, whole):
+        got = P.average_pool_forward(x, geom)
+        want = _widened_average(x, geom)
+        assert got.dtype == dtype and got.shape == want.shape
+        assert torch.equal(bits(got), bits(want))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("shape", AVERAGE, ids=str)
+def test_a_divisor_that_is_the_area_everywhere_divides_once(shape, dtype) -> None:
+    """Windows whose taps all count: one division by the area where that is exact (an area
+    that is a power of two), with the per-window division's bits; other areas keep the
+    per-window division."""
+    plain = _geometry(shape, EdgeMode.ZERO)
+    whole = pool_geometry(plain.y, plain.x, EdgeMode.ZERO, valid_y=(0, shape[2]))
+    area = shape[4] * shape[5]
+    assert P._uniform_area(whole) == area == P._uniform_area(plain)
+    part = pool_geometry(plain.y, plain.x, EdgeMode.ZERO, valid_y=(1, shape[2]))
+    assert P._uniform_area(part) is None
+    gen = torch.Generator().manual_seed(8)
+    total = (torch.randn(2, shape[1], shape[8], shape[9], generator=gen) * 1e3).to(dtype)
+    total.view(-1)[::5] = 1e-40 if dtype == torch.float32 else 1e-310  # subnormal quotients
+    div = P._divisor(whole.counts).to(dtype)
+    per_window = torch.where(div > 0, total / div.clamp(min=1), 0.0)
+    assert torch.equal(bits(P._divide(total, whole)), bits(per_window))
