@@ -40,7 +40,7 @@ TRITON_KERNELS: dict[str, str] = {
     "_stats_partial": BN_STATS,
     "_stats_combine": BN_STATS,
     "_stats_partial_nhwc": BN_STATS,
-    "_running_update": BN_STATS,
+    "_running_updates": BN_STATS,
     "_merge_rows": BN_STATS,
     "_forward": BN_FWD,
     "_forward_nhwc": BN_FWD,
@@ -60,6 +60,7 @@ TRITON_KERNELS: dict[str, str] = {
     "_dropout_planes": DROPOUT,
     "_nchw_to_nhwc": LAYOUT,
     "_nhwc_to_nchw": LAYOUT,
+    "_narrow_flat": EW_COPY,
     "_few_channel_conv": CONV_FWD,
     "_few_channel_conv_wgrad": CONV_WGRAD,
 }

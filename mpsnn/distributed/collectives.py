@@ -261,7 +261,8 @@ def _fold(state: AccumulatorState, extras: list[AccumulatorState], slot: int) ->
 
 
 def _gradient_bytes(state: Any, kernel: Any) -> int:
-    """float32 bytes of a layer's gradient sums (the bucket plan: the same on every rank)."""
+    """The bucket plan's estimate of a layer's float32 gradient bytes (the same on every rank;
+    a skipped bias sum still counts)."""
     shape = getattr(state, "_oihw", None)
     if shape is not None:
         return 4 * (math.prod(shape) + shape[0])

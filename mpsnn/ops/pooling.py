@@ -271,12 +271,14 @@ def _power_of_two(n: int) -> bool:
 def _divide(total: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
     """``total / N`` per output, and 0 where ``N = 0`` (a window wholly outside the count)."""
     area = _uniform_area(geom)
-    # one division by the area (by its reciprocal, as PyTorch divides by a number) where that
-    # is the per-window division's value: no divisor per window, or an area that is a power
-    # of two (both exact then)
-    if area is not None and (geom.counts is None or _power_of_two(area)):
-        return total / area
     counts = geom.counts
+    # one division by the area (on CUDA PyTorch multiplies by its reciprocal) where that is
+    # the per-window division's value: no divisor per window, or an area that is a power of
+    # two (both exact then)
+    if area is not None and (counts is None or _power_of_two(area)):
+        return total / area
+    if counts is None:  # (every tap counts: the branch above)
+        return total / (geom.y.kernel * geom.x.kernel)
     div = device_constant(
         ("pool-divisor", counts), total.dtype, total.device, lambda: _divisor(counts)
     )

@@ -110,3 +110,57 @@ def test_a_skipped_bias_gradient_refuses_to_be_read() -> None:
     cb.commit()
     cb.wait_until_completed()
     assert_close(state2.gradient_for_biases, gt.sum((0, 2, 3)), "bias gradient", TOL)
+
+
+@pytest.mark.parametrize("layer", ["fc", "conv"])
+def test_an_exported_bias_less_state_read_before_the_work_runs(layer) -> None:
+    """A training graph's exported gradient state of a bias-less layer, read at encode time
+    (MPS: the tensor the gradient adds into): the work adds the weights' sums into it, and
+    the state holds those alone (a fully connected layer sums the bias anyway, unstored)."""
+    g = gen(73)
+    ds = m.TensorConvolutionDataSource(m.ConvolutionDescriptor(3, 3, 2, 4),
+                                       rand(g, 4, 3, 3, 2), None, optimizer=sgd1())  # fmt: skip
+    node = (m.FullyConnectedNode if layer == "fc" else m.ConvolutionNode)(m.ImageNode("x"), ds)
+    node.result_state.export_from_graph = True
+    graph, _ = training(mse_loss(node.result_image))
+    tgt = rand(g, 2, 4, 1, 1) if layer == "fc" else rand(g, 2, 4, 3, 3)
+    cb = DEV.new_command_queue().command_buffer()
+    graph.encode_batch(cb, [m.ImageBatch.from_tensor(rand(g, 2, 2, 3, 3))],
+                       [m.LossLabels(DEV, tgt)])  # fmt: skip
+    state = graph.result_states[0][0]
+    early = state.gradient_for_weights
+    cb.commit()
+    cb.wait_until_completed()
+    assert cb.error is None
+    assert early.abs().sum() > 0
+    assert len(state._slots[0]) == 1
+
+
+def test_sums_of_other_lengths_in_one_state() -> None:
+    """Zeros made by a read before the gradient's encode skipped the bias sums, then a write
+    that sums the bias into the same state: each adds what it has, the missing side counting
+    as zeros, and the state reports the bias sums once a write made them."""
+    g = gen(74)
+    ds = conv_ds(g, 3, 3, 2, 3, sgd1(), bias=False)
+    fwd, grad = m.Convolution(DEV, ds), m.ConvolutionGradient(DEV, ds)
+    src = m.Image.from_tensor(rand(g, 1, 2, 5, 4))
+    state = fwd.result_state(src)
+    cb = DEV.new_command_queue().command_buffer()
+    fwd.encode(cb, src, destination_state=state)
+    early = state.gradient_for_weights  # zeros with a bias slot: nothing skipped yet
+    g1, g2 = rand(g, 1, 3, 5, 4), rand(g, 1, 3, 5, 4)
+    grad._bias_sums = False  # what a training graph sets: the first write skips the bias
+    grad.encode(cb, m.Image.from_tensor(g1), src, state)
+    cb.commit()
+    cb.wait_until_completed()
+    assert cb.error is None and early.abs().sum() > 0
+    first = early.clone()
+    grad._bias_sums = True  # the second sums the bias into the same state
+    cb = DEV.new_command_queue().command_buffer()
+    fwd.encode(cb, src, destination_state=state)
+    grad.encode(cb, m.Image.from_tensor(g2), src, state)
+    cb.commit()
+    cb.wait_until_completed()
+    assert cb.error is None
+    assert not torch.equal(state.gradient_for_weights, first)  # added into
+    assert_close(state.gradient_for_biases, g2.sum((0, 2, 3)), "bias gradient", TOL)

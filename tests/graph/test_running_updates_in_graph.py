@@ -84,4 +84,3 @@ def test_one_command_updates_every_layer_as_the_per_layer_updates_do(shared) -> 
     # and the running statistics moved (the updates ran)
     start = _sources(7, m.TensorBatchNormalizationDataSource, shared)
     assert not torch.equal(got[0], start[0].mean())
-

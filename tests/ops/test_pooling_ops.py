@@ -272,32 +272,64 @@ def test_half_average_pooling_takes_pytorchs_pooling_only_where_the_bits_agree(s
         assert P._half_average(x.cuda(), whole) == (area & (area - 1) == 0)  # all taps count
 
 
+def _half_specials(shape, dtype, channels_last):
+    """Random half-precision CUDA images with infinities (one window with both: NaN), NaNs,
+    subnormals, and for bfloat16 values whose window sums overflow float32."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(shape[:4], generator=gen) * 100
+    x.view(-1)[::13] = 1e-3  # small values beside large ones: rounding matters
+    flat = x.view(-1)
+    flat[0], flat[1] = float("inf"), float("-inf")
+    flat[7] = float("nan")
+    flat[9] = float("inf")
+    x = x.to(dtype)
+    tiny = 2.0**-24 if dtype == torch.float16 else torch.finfo(torch.bfloat16).tiny / 4
+    x.view(-1)[20:24] = tiny
+    if dtype == torch.bfloat16:
+        x[-1, -1] = 3e38  # a window of them sums past float32's largest value
+    x = x.cuda()
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="PyTorch's half-precision pooling on CUDA"
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("shape", AVERAGE, ids=str)
-def test_half_average_pooling_has_the_widened_paths_bits(shape, channels_last, dtype) -> None:
+def test_half_average_pooling_has_the_widened_paths_bits(
+    shape, channels_last, dtype, monkeypatch
+) -> None:
     """With no divisor per window, and with one that is the area everywhere (a window that
-    lies inside the image: ResNet's global pooling)."""
+    lies inside the image: ResNet's global pooling); special values included. Where the area
+    is a power of two no float32 copy is made (the widened path's sum never runs)."""
     plain = _geometry(shape, EdgeMode.ZERO)
     whole = pool_geometry(plain.y, plain.x, EdgeMode.ZERO, valid_y=(0, shape[2]))
-    gen = torch.Generator().manual_seed(5)
-    x = (torch.randn(shape[:4], generator=gen) * 100).to(dtype).cuda()
-    x.view(-1)[::13] = 1e-3  # small values beside large ones: rounding matters
-    if channels_last:
-        x = x.contiguous(memory_format=torch.channels_last)
+    x = _half_specials(shape, dtype, channels_last)
+    area = shape[4] * shape[5]
+    widened: list[torch.dtype] = []
+    real = P._sum_pool
+
+    def spy(t, g):
+        widened.append(t.dtype)
+        return real(t, g)
+
     for geom in (plain, whole):
+        widened.clear()
+        monkeypatch.setattr(P, "_sum_pool", spy)
         got = P.average_pool_forward(x, geom)
+        monkeypatch.setattr(P, "_sum_pool", real)
+        assert widened == ([] if area & (area - 1) == 0 else [torch.float32])
         want = _widened_average(x, geom)
         assert got.dtype == dtype and got.shape == want.shape
-        assert torch.equal(bits(got), bits(want))
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan)
+        assert torch.equal(bits(got[~nan]), bits(want[~nan]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("shape", AVERAGE, ids=str)
-def test_a_divisor_that_is_the_area_everywhere_divides_once(shape, dtype) -> None:
+def test_a_divisor_that_is_the_area_everywhere_divides_once(shape, dtype, monkeypatch) -> None:
     """Windows whose taps all count: one division by the area where that is exact (an area
     that is a power of two), with the per-window division's bits; other areas keep the
     per-window division."""
@@ -312,4 +344,9 @@ def test_a_divisor_that_is_the_area_everywhere_divides_once(shape, dtype) -> Non
     total.view(-1)[::5] = 1e-40 if dtype == torch.float32 else 1e-310  # subnormal quotients
     div = P._divisor(whole.counts).to(dtype)
     per_window = torch.where(div > 0, total / div.clamp(min=1), 0.0)
+    built = []
+    real = P.device_constant
+    monkeypatch.setattr(P, "device_constant", lambda *a: (built.append(a[0][0]), real(*a))[1])
     assert torch.equal(bits(P._divide(total, whole)), bits(per_window))
+    # no divisor tensor where one division is exact
+    assert built == ([] if area & (area - 1) == 0 else ["pool-divisor"])

@@ -68,6 +68,10 @@ def test_tuples_are_keyed_by_their_elements() -> None:
     assert _key(((2,), 2), {}) != _key(((2, 2),), {})  # where the tuple ends
     assert _key(((1.0, (base,)),), {}) == _key(((2.0, (base,)),), {})  # nested
     assert _key(((base, "text"),), {}) is None  # an element it cannot key
+    # by keyword a tuple is never keyed: it may hold tensors, which a key would hold by
+    # identity (a new entry, pinning them, at every call)
+    assert _key((), {"X": (base,)}) is None
+    assert _key((), {"X": (1, 2)}) is None
 
 
 def test_keywords_never_read_as_positional_items() -> None:

@@ -254,13 +254,13 @@ def test_the_narrowing_transpose_refuses_other_tensors() -> None:
 
 
 def _launches(monkeypatch, module, name) -> list[int]:
-    """The programs' first grid dimension of each launch of ``module.name``."""
+    """The tensors (the grid's second dimension) of each launch of ``module.name``."""
     seen: list[int] = []
     real = getattr(module, name)
 
     class Spy:
         def __getitem__(self, grid):
-            seen.append(grid[0])
+            seen.append(grid[1])
             return real[grid]
 
     monkeypatch.setattr(module, name, Spy())
@@ -299,6 +299,26 @@ def test_the_flat_narrowing_is_pytorchs_copy_in_one_launch(device, monkeypatch) 
     assert seen[1:] == [3, 1]
     for got, d in zip(again, dst, strict=True):
         assert torch.equal(got.view(torch.int16), d.view(torch.int16))
+
+
+def test_the_flat_narrowing_puts_the_blocks_on_the_grids_long_axis(monkeypatch) -> None:
+    """The blocks on the first axis (2^31 - 1 of them), the tensors on the second (65535):
+    a tensor of more than 65535 blocks still launches."""
+    from mpsnn.ops.triton import layout
+
+    grids = []
+
+    class Spy:  # records the launch without running it (70001 programs)
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(layout, "_narrow_flat", Spy())
+    monkeypatch.setattr(layout, "_FLAT_BLOCK", 16)
+    src = [torch.randn(16 * 70000 + 3), torch.randn(5)]
+    dst = [torch.empty(t.shape, dtype=torch.float16) for t in src]
+    assert layout.narrow_flat_into(dst, src)
+    assert grids == [(70001, 2)]
 
 
 def test_the_flat_narrowing_refuses_other_lists() -> None:

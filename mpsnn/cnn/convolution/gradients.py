@@ -188,14 +188,15 @@ class ConvolutionGradient(GradientKernel):
         need_data = option & _WITH_DATA != 0
         need_w = option & _WITH_WEIGHTS != 0
         groups = _group_by_state(states)
-        if need_w and not need_b:
+        if need_w:
             for state, _ in groups:
-                state._bias_sums_skipped = True
+                state._bias_sums_skipped = not need_b
 
         def sums(dw: torch.Tensor, db: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
             # skipped bias sums are not stored (no zeros made at every step): the state's
-            # sums are the weights' alone (`ConvolutionGradientState._sum`)
-            return (dw,) if db is None else (dw, db)
+            # sums are the weights' alone (`ConvolutionGradientState._sum`); the families that
+            # sum the bias anyway (fully connected, transposed) do not store it either
+            return (dw,) if db is None or not need_b else (dw, db)
 
         beside = self._weights_beside and need_data and need_w and len(groups) == 1
 

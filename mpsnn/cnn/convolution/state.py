@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -94,6 +95,27 @@ class ConvolutionGradientState(AccumulatorState):
         if not self._bias_sums_skipped:
             zeros.append(torch.zeros(self._oihw[0], device=dev, dtype=dtype))
         return zeros
+
+    def _accumulate(
+        self,
+        cb: CommandBuffer,
+        values: Sequence[torch.Tensor],
+        merge: Callable[[list[torch.Tensor], Sequence[torch.Tensor]], None] | None = None,
+        *,
+        fresh: bool = True,
+        slot: int = 0,
+    ) -> None:
+        """`AccumulatorState._accumulate`, where the sums and the values may differ in length
+        by the bias sums: zeros made before an encode skipped them (a sum read early), or bias
+        sums that begin (a layer given biases since the state was written) add zeros for what
+        the other side lacks."""
+        sums = self._slots.get(slot)
+        if sums is not None and len(values) != len(sums):
+            if len(values) < len(sums):
+                values = (*values, *(torch.zeros_like(s) for s in sums[len(values) :]))
+            else:
+                sums.extend(torch.zeros_like(v, dtype=sums[0].dtype) for v in values[len(sums) :])
+        super()._accumulate(cb, values, merge, fresh=fresh, slot=slot)
 
     def _sum(self, index: int, slot: int = 0) -> torch.Tensor:
         """Sum ``index`` (0: weights, 1: biases). A layer whose training graph skipped the bias

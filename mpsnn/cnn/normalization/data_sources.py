@@ -429,7 +429,9 @@ def update_means_and_variances(
     pairs: Sequence[tuple[TensorBatchNormalizationDataSource, Any]],
 ) -> list[NormalizationMeanAndVarianceState]:
     """``data_source.update_mean_and_variance(command_buffer, state)`` for every ``(data_source,
-    state)`` pair, as one command: on CUDA one launch updates a whole network's layers
+    state)`` pair, as mpsnn's `TensorBatchNormalizationDataSource` does it (a subclass's override
+    of that method is not called: a graph groups only data sources without one), as one
+    command: on CUDA one launch updates a whole network's layers
     (`mpsnn.ops.batch_norm.bn_running_updates`), where the per-layer form costs a launch and
     its host dispatch per layer at every training step. Every state is checked before anything
     is recorded; the updates behave as if made in list order (a data source listed twice

@@ -228,12 +228,12 @@ def batch_norm_statistics(
 
 def batch_norm_running_updates(updates: Sequence[RunningUpdate]) -> bool:
     """Run the Triton running-statistics updates (`mpsnn.ops.batch_norm.bn_running_updates`)
-    when every tensor of every update is a contiguous float32 CUDA vector of one device
+    when every tensor of every update is a contiguous float32 CUDA vector of the current device
     (``count``: 1 or C elements); False, with nothing run, where one does not apply."""
     device = updates[0].mean.device
     for u in updates:
         ts = (*u.running, u.count, u.mean, u.m2)
-        if not _runs(*ts):
+        if not (_runs(*ts) and _on_current_device(*ts)):
             return False
         c = u.mean.numel()
         for t in ts:
@@ -365,9 +365,9 @@ def cast_into_channels_last(t: torch.Tensor, out: torch.Tensor) -> bool:
 
 def narrow_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> bool:
     """``dst[i].copy_(src[i])`` for contiguous float32 CUDA ``src`` and contiguous
-    float16/bfloat16 ``dst`` of the same shapes on the current device through one Triton launch
-    (`mpsnn.ops.triton.layout.narrow_flat_into`; NaN payloads may differ from PyTorch's);
-    False, writing nothing, where it does not apply."""
+    float16/bfloat16 ``dst`` of the same shapes on the current device through one Triton
+    launch per 32 pairs (`mpsnn.ops.triton.layout.narrow_flat_into`; NaN payloads may differ
+    from PyTorch's); False, writing nothing, where it does not apply."""
     if not (dst and _runs(*dst, *src) and _on_current_device(*dst, *src)):
         return False
     from mpsnn.ops.triton.layout import narrow_flat_into

@@ -206,7 +206,7 @@ def _keyer(
             items.append("'f'")
         elif t is type(None):
             items.append("None")
-        else:  # a subclass of tensor, or a type `_key` refuses
+        else:  # a type `_key` keys per call (a tensor subclass, a tuple) or refuses
             return None
     checks = []
     for j, name in enumerate(names):
@@ -279,8 +279,10 @@ def _key(
             return None
     for k, v in kwargs.items():
         if type(v) not in _PLAIN:
-            if isinstance(v, torch.Tensor):
-                return None  # a tensor by keyword
+            if isinstance(v, torch.Tensor | tuple):
+                # a tensor by keyword, or a tuple (which may hold tensors: keyed by identity,
+                # each new one would make and pin an entry)
+                return None
             try:
                 hash(v)
             except TypeError:  # a value a key cannot hold (a list)

@@ -32,8 +32,8 @@ from mpsnn.ops.triton.launch import cdiv, fast_kernel, next_power_of_2
 
 __all__ = [
     "channels_last_copy",
-    "nchw_float32_triton",
     "narrow_flat_into",
+    "nchw_float32_triton",
     "nchw_to_nhwc_into",
     "nchw_to_nhwc_triton",
 ]
@@ -181,10 +181,11 @@ def nchw_float32_triton(t: torch.Tensor) -> torch.Tensor | None:
 @fast_kernel
 @triton.jit
 def _narrow_flat(srcs, dsts, sizes, N: tl.constexpr, BLOCK: tl.constexpr):
-    # grid (N tensors, blocks): elements [b BLOCK, (b + 1) BLOCK) of tensor i, rounded to
-    # nearest, ties to even (PyTorch's conversion)
-    which = tl.program_id(0)
-    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    # grid (blocks, N tensors): elements [b BLOCK, (b + 1) BLOCK) of tensor i, rounded to
+    # nearest, ties to even (PyTorch's conversion); the blocks on the first axis, which takes
+    # 2^31 - 1 of them (the others 65535)
+    which = tl.program_id(1)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     for i in tl.static_range(N):  # one branch per tensor: a tuple takes constant indices only
         if which == i:
             mask = offs < sizes[i]
@@ -214,9 +215,9 @@ def narrow_flat_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> bool:
         ):
             return False
     for i in range(0, len(dst), _MAX_FLAT):
-        d, s = tuple(dst[i : i + _MAX_FLAT]), tuple(src[i : i + _MAX_FLAT])
-        sizes = tuple(t.numel() for t in s)
-        _narrow_flat[(len(s), cdiv(max(sizes), _FLAT_BLOCK))](
-            s, d, sizes, N=len(s), BLOCK=_FLAT_BLOCK, num_warps=4
+        outs, ins = tuple(dst[i : i + _MAX_FLAT]), tuple(src[i : i + _MAX_FLAT])
+        sizes = tuple(t.numel() for t in ins)
+        _narrow_flat[(cdiv(max(sizes), _FLAT_BLOCK), len(ins))](
+            ins, outs, sizes, N=len(ins), BLOCK=_FLAT_BLOCK, num_warps=4
         )
     return True
