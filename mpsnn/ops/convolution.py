@@ -346,9 +346,11 @@ def fc_backward(
     need_data: bool = True,
     need_weights: bool = True,
     matrix: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """Gradients of `fc_forward`: ``dx = E W``, ``dW = E^T x`` (float32), ``db = sum E``;
-    ``matrix``: `fc_matrix` of ``weight``, when the caller keeps it."""
+    need_bias: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of `fc_forward`: ``dx = E W``, ``dW = E^T x`` (float32), ``db = sum E``
+    (None unless ``need_bias``); ``matrix``: `fc_matrix` of ``weight``, when the caller keeps
+    it."""
     n, c, h, w = x.shape
     o, _, kh, kw = weight.shape
     g2 = grad.reshape(n, o)
@@ -361,7 +363,7 @@ def fc_backward(
             dx = F.pad(dx, (0, w - kw, 0, h - kh))
     if need_weights:
         dw = float32_call(torch.mm, g2, g2.t(), _pixels(x, kh, kw)).view(o, c, kh, kw)
-    return dx, dw, g2.sum(0, dtype=acc_dtype(grad.dtype))
+    return dx, dw, g2.sum(0, dtype=acc_dtype(grad.dtype)) if need_bias else None
 
 
 # -- convolution transpose -------------------------------------------------------------------
@@ -451,15 +453,19 @@ def conv_transpose_backward(
     stride: tuple[int, int],
     need_data: bool = True,
     need_weights: bool = True,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """Gradients of `conv_transpose_forward` (dx like ``x``; dW OIHW float32; db float32)."""
+    need_bias: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of `conv_transpose_forward` (dx like ``x``; dW OIHW float32; db float32,
+    None unless ``need_bias``)."""
     if _cpu_half(x) or _cpu_half(grad):
-        dx, dw, db = conv_transpose_backward(grad.float(), x.float(), weight.float(), geom,
-                                             stride, need_data, need_weights)  # fmt: skip
+        dx, dw, db = conv_transpose_backward(
+            grad.float(), x.float(), weight.float(), geom, stride, need_data, need_weights,
+            need_bias,
+        )  # fmt: skip
         return (None if dx is None else dx.to(x.dtype),
                 None if dw is None else dw.to(weight.dtype), db)  # fmt: skip
     sy, sx = stride
-    db = grad.sum((0, 2, 3), dtype=acc_dtype(grad.dtype))
+    db = grad.sum((0, 2, 3), dtype=acc_dtype(grad.dtype)) if need_bias else None
     if geom.edge is EdgeMode.CLAMP:
         dxe, dw, _ = conv_backward(
             grad, insert_zeros(x, sy, sx), weight, geom, need_data, need_weights, False

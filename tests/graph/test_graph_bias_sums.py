@@ -164,3 +164,26 @@ def test_sums_of_other_lengths_in_one_state() -> None:
     assert cb.error is None
     assert not torch.equal(state.gradient_for_weights, first)  # added into
     assert_close(state.gradient_for_biases, g2.sum((0, 2, 3)), "bias gradient", TOL)
+
+
+def test_a_bias_less_fully_connected_layer_sums_no_bias(monkeypatch) -> None:
+    """The fully connected gradient is told the bias sums are skipped and computes none."""
+    import mpsnn.cnn.convolution.gradients as grads
+
+    seen = []
+    real = grads.fc_backward
+
+    def spy(*args):
+        out = real(*args)
+        seen.append((args[-1], out[2]))
+        return out
+
+    monkeypatch.setattr(grads, "fc_backward", spy)
+    g = gen(75)
+    ds = m.TensorConvolutionDataSource(m.ConvolutionDescriptor(3, 3, 2, 4),
+                                       rand(g, 4, 3, 3, 2), None, optimizer=sgd1())  # fmt: skip
+    node = m.FullyConnectedNode(m.ImageNode("x"), ds)
+    graph, _ = training(mse_loss(node.result_image))
+    out = encode(graph, [rand(g, 2, 2, 3, 3)], [m.LossLabels(DEV, rand(g, 2, 4, 1, 1))])
+    assert out is not None
+    assert seen and all(need is False and db is None for need, db in seen)

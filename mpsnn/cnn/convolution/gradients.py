@@ -55,7 +55,7 @@ from mpsnn.ops.convolution import (
 
 __all__ = ["ConvolutionGradient", "ConvolutionTransposeGradient", "FullyConnectedGradient"]
 
-Grads = tuple["torch.Tensor | None", "torch.Tensor | None", torch.Tensor]
+Grads = tuple["torch.Tensor | None", "torch.Tensor | None", "torch.Tensor | None"]
 _WITH_DATA = int(ConvolutionGradientOption.GRADIENT_WITH_DATA)
 _WITH_WEIGHTS = int(ConvolutionGradientOption.GRADIENT_WITH_WEIGHTS_AND_BIAS)
 
@@ -173,8 +173,8 @@ class ConvolutionGradient(GradientKernel):
         return int(self._option) & _WITH_DATA != 0
 
     def _grads(self, record: ForwardRecord, need_bias: bool = True) -> Callable[..., Grads]:
-        """``(g, x, w, need_data, need_weights) -> (dx, dw, db)``; ``db`` may be None when
-        ``need_bias`` is False (families that always sum it ignore the flag)."""
+        """``(g, x, w, need_data, need_weights) -> (dx, dw, db)``; ``db`` is None when
+        ``need_bias`` is False."""
         geom = record.params.geometry  # the forward's windows and edge mode
         return lambda g, x, w, nd, nw: conv_backward(g, x, w, geom, nd, nw, need_bias)
 
@@ -194,8 +194,8 @@ class ConvolutionGradient(GradientKernel):
 
         def sums(dw: torch.Tensor, db: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
             # skipped bias sums are not stored (no zeros made at every step): the state's
-            # sums are the weights' alone (`ConvolutionGradientState._sum`); the families that
-            # sum the bias anyway (fully connected, transposed) do not store it either
+            # sums are the weights' alone (`ConvolutionGradientState._sum`), also where a
+            # subclass's `_grads` sums the bias anyway
             return (dw,) if db is None or not need_b else (dw, db)
 
         beside = self._weights_beside and need_data and need_w and len(groups) == 1
@@ -253,7 +253,7 @@ class FullyConnectedGradient(ConvolutionGradient):
 
     def _grads(self, record: ForwardRecord, need_bias: bool = True) -> Callable[..., Grads]:
         ws = record.params.weights
-        return lambda g, x, w, nd, nw: fc_backward(g, x, w, nd, nw, ws.matrix(w))
+        return lambda g, x, w, nd, nw: fc_backward(g, x, w, nd, nw, ws.matrix(w), need_bias)
 
 
 @gradient_of(ConvolutionTranspose)
@@ -267,4 +267,6 @@ class ConvolutionTransposeGradient(ConvolutionGradient):
     def _grads(self, record: ForwardRecord, need_bias: bool = True) -> Callable[..., Grads]:
         geom = record.params.geometry  # the forward's windows and edge mode
         stride = record.params.stride
-        return lambda g, x, w, nd, nw: conv_transpose_backward(g, x, w, geom, stride, nd, nw)
+        return lambda g, x, w, nd, nw: conv_transpose_backward(
+            g, x, w, geom, stride, nd, nw, need_bias
+        )
