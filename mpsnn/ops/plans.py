@@ -16,7 +16,9 @@ class PoolGeometry(NamedTuple):
 
     ``valid_y``/``valid_x``: the per-axis interval ``[lo, hi)`` whose taps count in an average's
     divisor (None: every tap counts). ``counts``: for each output row and column, how many taps
-    lie inside it (None when every tap counts: the divisor is the window area).
+    lie inside it (None when every tap counts: the divisor is the window area). ``area``: the
+    window area when every tap of every window counts (no ``counts``, or counts that are the
+    kernel's extent everywhere), else None.
     """
 
     y: AxisWindow
@@ -26,6 +28,7 @@ class PoolGeometry(NamedTuple):
     valid_y: tuple[int, int] | None
     valid_x: tuple[int, int] | None
     counts: tuple[tuple[int, ...], tuple[int, ...]] | None
+    area: int | None
 
 
 class DropoutGeometry(NamedTuple):

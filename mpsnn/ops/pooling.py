@@ -72,7 +72,11 @@ def pool_geometry(
     counts = None
     if valid_y is not None or valid_x is not None:
         counts = (_axis_counts(y, valid_y), _axis_counts(x, valid_x))
-    return PoolGeometry(y, x, edge, plan, valid_y, valid_x, counts)
+    full = counts is None or (
+        all(c == y.kernel for c in counts[0]) and all(c == x.kernel for c in counts[1])
+    )
+    return PoolGeometry(y, x, edge, plan, valid_y, valid_x, counts,
+                        y.kernel * x.kernel if full else None)  # fmt: skip
 
 
 def _axis_counts(a: AxisWindow, valid: tuple[int, int] | None) -> tuple[int, ...]:
@@ -256,12 +260,8 @@ def _divisor(counts: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
 
 def _uniform_area(geom: PoolGeometry) -> int | None:
     """The window area when every tap of every window counts (no divisor per window, or one
-    that is the area everywhere), else None."""
-    counts = geom.counts
-    ky, kx = geom.y.kernel, geom.x.kernel
-    if counts is None or (all(c == ky for c in counts[0]) and all(c == kx for c in counts[1])):
-        return ky * kx
-    return None
+    that is the area everywhere), else None (`pool_geometry` works it out once)."""
+    return geom.area
 
 
 def _power_of_two(n: int) -> bool:
