@@ -36,9 +36,6 @@ from mpsnn.nodes import LossNode
 __all__ = ["Model", "batch_norm_source", "conv_source", "image_shape"]
 
 
-_CL = torch.channels_last
-
-
 def conv_source(
     module: nn.Conv2d | nn.Linear,
     descriptor: ConvolutionDescriptor,
@@ -54,7 +51,8 @@ def conv_source(
     )  # fmt: skip
     bias = None if module.bias is None else module.bias.detach()
     ohwi = w.permute(0, 2, 3, 1).to(device.torch_device, dtype, copy=True)
-    if isinstance(module, nn.Conv2d) and master_layout(dtype, device.torch_device) is _CL:
+    masters = master_layout(dtype, device.torch_device)
+    if isinstance(module, nn.Conv2d) and masters is torch.channels_last:
         # the kernel's masters are channels-last OIHW there, which is OHWI memory: the same
         # layout here makes each reload a plain copy and the optimizer's operands alike
         ohwi = ohwi.contiguous()

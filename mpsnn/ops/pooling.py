@@ -258,26 +258,17 @@ def _divisor(counts: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
     return (cy.view(-1, 1) * cx.view(1, -1)).view(1, 1, len(counts[0]), len(counts[1]))
 
 
-def _uniform_area(geom: PoolGeometry) -> int | None:
-    """The window area when every tap of every window counts (no divisor per window, or one
-    that is the area everywhere), else None (`pool_geometry` works it out once)."""
-    return geom.area
-
-
 def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
 def _divide(total: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
     """``total / N`` per output, and 0 where ``N = 0`` (a window wholly outside the count)."""
-    area = _uniform_area(geom)
     counts = geom.counts
-    # one division by the area (on CUDA PyTorch multiplies by its reciprocal) where that is
-    # the per-window division's value: no divisor per window, or an area that is a power of
-    # two (both exact then)
-    if area is not None and (counts is None or _power_of_two(area)):
-        return total / area
-    if counts is None:  # (every tap counts: the branch above)
+    # one division by the window area (on CUDA PyTorch multiplies by its reciprocal) where
+    # that is the per-window division's value: no divisor per window, or one that is the area
+    # everywhere (`PoolGeometry.area`) when the area is a power of two (both exact then)
+    if counts is None or (geom.area is not None and _power_of_two(geom.area)):
         return total / (geom.y.kernel * geom.x.kernel)
     div = device_constant(
         ("pool-divisor", counts), total.dtype, total.device, lambda: _divisor(counts)
@@ -328,15 +319,14 @@ def average_pool_forward(x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:
 
 def _half_average(t: torch.Tensor, geom: PoolGeometry) -> bool:
     """Whether PyTorch's pooling of half-precision CUDA ``t`` gives the widened path's bits:
-    every tap counts (`_uniform_area`) and the area is a power of two (a global 4x4 pooling,
+    every tap counts (`PoolGeometry.area`) and the area is a power of two (a global 4x4 pooling,
     2x2 windows), so that PyTorch's float32 sums, in the same order, divided there by the area
     and rounded once, are the widened path's value. It reads the image once, where the widened
     path writes and reads a float32 copy of it."""
     if t.dtype not in (torch.float16, torch.bfloat16) or not t.is_cuda:
         return False
-    area = _uniform_area(geom)
-    _, _, d = _kernel(geom)
-    return d == (1, 1) and area is not None and _power_of_two(area)
+    area = geom.area
+    return geom.y.dilation == geom.x.dilation == 1 and area is not None and _power_of_two(area)
 
 
 def average_pool_backward(g: torch.Tensor, x: torch.Tensor, geom: PoolGeometry) -> torch.Tensor:

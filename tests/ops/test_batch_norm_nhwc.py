@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mpsnn.core.layout import channels_last_only
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops.batch_norm import (
     bn_backward_portable,
@@ -38,7 +39,7 @@ def _inputs(shape, dtype, device, seed=21):
     g = torch.randn(n, c, h, w, generator=gen).to(device=device, dtype=dtype)
     gamma = (torch.randn(c, generator=gen) + 0.5).to(device)
     beta = torch.randn(c, generator=gen).to(device)
-    assert nhwc.is_nhwc(x)
+    assert channels_last_only(x)
     return x, g.contiguous(memory_format=CL), gamma, beta
 
 
@@ -62,7 +63,7 @@ def test_nhwc_passes_equal_portable(shape, dtype, device) -> None:
             y = nhwc.nhwc_forward(x, p, **tile)
             want_y = bn_forward_portable(x, p)
             assert y.dtype == dtype and torch.equal(y, want_y), f"y {what}"
-            assert nhwc.is_nhwc(y), "the result keeps the channels-last layout"
+            assert channels_last_only(y), "the result keeps the channels-last layout"
             sums = nhwc.nhwc_gradient_sums(g, x, p, **split)
             want = bn_gradient_sums_portable(g, x, p)
             assert_close(sums[0], want[0], f"sum_gy {what}", tol=1e-5)
@@ -78,17 +79,19 @@ def test_nhwc_passes_equal_portable(shape, dtype, device) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast paths run on CUDA only")
 def test_dispatch_sends_channels_last_sources_to_the_nhwc_passes() -> None:
     x, g, gamma, beta = _inputs((2, 4, 3, 3), torch.float32, "cuda")
-    assert not nhwc.is_nhwc(x.contiguous()) and not nhwc.is_nhwc(torch.zeros(2, 4, 1, 1))
+    assert not channels_last_only(x.contiguous()) and not channels_last_only(
+        torch.zeros(2, 4, 1, 1)
+    )
     assert fast_paths.batch_norm_eligible(x)
     count, mean, m2 = fast_paths.batch_norm_statistics(x)
     var = bn_variance(count, m2)
     p = P(mean, var, gamma, beta, 1e-3)
     y = fast_paths.batch_norm_forward(x, p)
-    assert nhwc.is_nhwc(y)
+    assert channels_last_only(y)
     assert torch.equal(y, bn_forward_portable(x.contiguous(), p))
     sums = fast_paths.batch_norm_gradient_sums(g, x, p)
     dx = fast_paths.batch_norm_backward(g, x, p, S(*sums, count))
-    assert nhwc.is_nhwc(dx)
+    assert channels_last_only(dx)
     want = bn_backward_portable(g, x, p, S(*sums, count))
     assert torch.equal(dx, want)
 

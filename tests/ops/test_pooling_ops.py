@@ -336,9 +336,9 @@ def test_a_divisor_that_is_the_area_everywhere_divides_once(shape, dtype, monkey
     plain = _geometry(shape, EdgeMode.ZERO)
     whole = pool_geometry(plain.y, plain.x, EdgeMode.ZERO, valid_y=(0, shape[2]))
     area = shape[4] * shape[5]
-    assert P._uniform_area(whole) == area == P._uniform_area(plain)
+    assert whole.area == area == plain.area
     part = pool_geometry(plain.y, plain.x, EdgeMode.ZERO, valid_y=(1, shape[2]))
-    assert P._uniform_area(part) is None
+    assert part.area is None
     gen = torch.Generator().manual_seed(8)
     total = (torch.randn(2, shape[1], shape[8], shape[9], generator=gen) * 1e3).to(dtype)
     total.view(-1)[::5] = 1e-40 if dtype == torch.float32 else 1e-310  # subnormal quotients

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from mpsnn.core.layout import channels_last_only
 from mpsnn.ops.batch_norm_params import BatchNormParams, BatchNormSums, RunningUpdate
 
 __all__ = [
@@ -221,7 +222,7 @@ def batch_norm_statistics(
     from mpsnn.ops.triton import batch_norm_nhwc as nhwc
     from mpsnn.ops.triton.batch_norm import bn_statistics_triton
 
-    if nhwc.is_nhwc(x):  # channels-last storage (half-precision convolution outputs)
+    if channels_last_only(x):  # channels-last storage (half-precision convolution outputs)
         return nhwc.nhwc_statistics(x, variance=variance)
     return bn_statistics_triton(x, variance=variance)
 
@@ -257,7 +258,7 @@ def batch_norm_forward(x: torch.Tensor, p: BatchNormParams) -> torch.Tensor | No
     from mpsnn.ops.triton import batch_norm_nhwc as nhwc
     from mpsnn.ops.triton.batch_norm import bn_forward_triton
 
-    if nhwc.is_nhwc(x):  # channels-last storage (half-precision convolution outputs)
+    if channels_last_only(x):  # channels-last storage (half-precision convolution outputs)
         return nhwc.nhwc_forward(x, p)
     return bn_forward_triton(x, p)
 
@@ -272,7 +273,7 @@ def batch_norm_add_relu(
         return None
     from mpsnn.ops.triton import batch_norm_nhwc as nhwc
 
-    if not nhwc.is_nhwc(x) or r.stride() != x.stride():
+    if not channels_last_only(x) or r.stride() != x.stride():
         return None
     return nhwc.nhwc_forward_add_relu(x, p, r, first=first)
 
@@ -286,7 +287,7 @@ def batch_norm_gradient_sums(
     from mpsnn.ops.triton import batch_norm_nhwc as nhwc
     from mpsnn.ops.triton.batch_norm import bn_gradient_sums_triton
 
-    if nhwc.is_nhwc(x):  # channels-last storage (half-precision convolution outputs)
+    if channels_last_only(x):  # channels-last storage (half-precision convolution outputs)
         return nhwc.nhwc_gradient_sums(g, x, p)
     return bn_gradient_sums_triton(g, x, p)
 
@@ -300,7 +301,7 @@ def batch_norm_backward(
     from mpsnn.ops.triton import batch_norm_nhwc as nhwc
     from mpsnn.ops.triton.batch_norm import bn_backward_triton
 
-    if nhwc.is_nhwc(x):  # channels-last storage (half-precision convolution outputs)
+    if channels_last_only(x):  # channels-last storage (half-precision convolution outputs)
         return nhwc.nhwc_backward(g, x, p, sums)
     return bn_backward_triton(g, x, p, sums)
 
@@ -336,7 +337,7 @@ def channel_sums(g: torch.Tensor) -> torch.Tensor | None:
         return None
     from mpsnn.ops.triton import batch_norm_nhwc as nhwc
 
-    return nhwc.nhwc_channel_sums(g) if nhwc.is_nhwc(g) else None
+    return nhwc.nhwc_channel_sums(g) if channels_last_only(g) else None
 
 
 def to_channels_last(t: torch.Tensor) -> torch.Tensor:

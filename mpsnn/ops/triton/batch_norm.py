@@ -35,7 +35,6 @@ size read from it instead of memory: most useful for bfloat16, where more of ``x
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -43,7 +42,7 @@ import triton
 import triton.language as tl
 
 from mpsnn.ops.batch_norm_params import BatchNormParams, BatchNormSums
-from mpsnn.ops.triton.launch import cdiv, fast_kernel, next_power_of_2
+from mpsnn.ops.triton.launch import cdiv, fast_kernel, next_power_of_2, sm_count
 
 __all__ = [
     "bn_backward_triton",
@@ -291,14 +290,9 @@ def _backward(
 # -- launch plans ---------------------------------------------------------------------------
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _programs_wanted(device: torch.device) -> int:
     # Triton's interpreter (CPU tensors) runs programs one after the other: few suffice.
-    sms = _sm_count(device.index or 0) if device.type == "cuda" else 1
+    sms = sm_count(device.index or 0) if device.type == "cuda" else 1
     return _PROGRAMS_PER_SM * sms
 
 

@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mpsnn.core.layout import channels_last_only
 from mpsnn.ops.batch_norm_params import BatchNormParams, BatchNormSums
 from mpsnn.ops.triton.batch_norm import (
     _MAX_PARTS,
@@ -43,7 +42,6 @@ from mpsnn.ops.triton.launch import cdiv, fast_kernel, next_power_of_2
 from mpsnn.ops.triton.layout import channels_last_copy
 
 __all__ = [
-    "is_nhwc",
     "nhwc_backward",
     "nhwc_channel_sums",
     "nhwc_forward",
@@ -51,10 +49,6 @@ __all__ = [
     "nhwc_gradient_sums",
     "nhwc_statistics",
 ]
-
-
-# whether ``x`` is a channels-last 4-D tensor that is not also NCHW-contiguous
-is_nhwc = channels_last_only
 
 
 @fast_kernel

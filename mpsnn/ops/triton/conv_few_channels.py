@@ -30,14 +30,13 @@ given GPU the result does not depend on the run.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from mpsnn.ops.triton.launch import cdiv, fast_kernel, next_power_of_2
+from mpsnn.ops.triton.launch import cdiv, fast_kernel, next_power_of_2, sm_count
 
 __all__ = ["MAX_PATCH", "few_channel_conv_forward", "few_channel_conv_weight_grad", "fits"]
 
@@ -234,9 +233,4 @@ def few_channel_conv_weight_grad(
 def _default_ranges(device: torch.device) -> int:
     if device.type != "cuda":
         return 2  # the interpreter runs programs one after the other
-    return _WGRAD_PROGRAMS_PER_SM * _sm_count(device.index or 0)
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return _WGRAD_PROGRAMS_PER_SM * sm_count(device.index or 0)

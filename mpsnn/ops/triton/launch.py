@@ -33,6 +33,7 @@ seen: change them before launching, not between launches.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -41,7 +42,7 @@ import torch
 
 from mpsnn.core.device import _raw_stream
 
-__all__ = ["FastKernel", "cdiv", "fast_kernel", "next_power_of_2"]
+__all__ = ["FastKernel", "cdiv", "fast_kernel", "next_power_of_2", "sm_count"]
 
 _I32 = (-(1 << 31), 1 << 31)
 _U64 = 1 << 63
@@ -59,6 +60,13 @@ def cdiv(a: int, b: int) -> int:
     `constexpr` function whose wrapper unwraps its arguments at every call (microseconds on a
     slow host, and a normalization layer's step makes a dozen such calls)."""
     return -(-a // b)
+
+
+@functools.cache
+def sm_count(index: int) -> int:
+    """The streaming multiprocessors of CUDA device ``index`` (asked once: launch plans read
+    it at every call)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def next_power_of_2(n: int) -> int:
