@@ -109,3 +109,25 @@ def test_nhwc_channel_sums_equal_torch(shape, device) -> None:
     if device == "cuda":  # the dispatch: channels-last CUDA tensors only
         assert_close(fast_paths.channel_sums(g), want, "dispatched", tol=1e-5)
         assert fast_paths.channel_sums(g.contiguous()) is None
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("split", TILES, ids=str)
+def test_nhwc_statistics_far_from_zero_with_an_outlier_first(split, device) -> None:
+    # Each lane's running triple is of the values shifted by the channel's first sample: a
+    # first sample 100 standard deviations out, on a large common offset, must not cost the
+    # variance its digits (a sum of squares about that shift would lose about 3 of 7)
+    gen = torch.Generator().manual_seed(5)
+    n, c, h, w = 4, 3, 9, 7
+    x = 1e4 + torch.randn(n, c, h, w, generator=gen, dtype=torch.float64)
+    x[0, :, 0, 0] += 100.0
+    x32 = x.float()
+    ref = x32.double()
+    var = ref.var((0, 2, 3), unbiased=False)
+    xd = x32.to(device).contiguous(memory_format=CL)
+    count, mean, m2, v = nhwc.nhwc_statistics(xd, variance=True, **split)
+    assert float(count) == n * h * w
+    assert_close(mean.double().cpu(), ref.mean((0, 2, 3)), "mean", tol=1e-7)
+    for name, got in (("variance", v), ("m2 / count", m2 / count)):
+        rel = ((got.double().cpu() - var) / var).abs().max().item()
+        assert rel < 2e-6, f"{name} relative error {rel}"

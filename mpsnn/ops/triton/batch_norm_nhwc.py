@@ -10,6 +10,12 @@ element needs an integer division, and the per-element operations are the NCHW k
 their order: the normalization and ``dx`` passes give the portable path's bits; the statistics
 and gradient sums equal it up to summation order (partial results per channel, merged as in the
 NCHW path).
+
+Statistics: every lane of a program's tile (a pixel row and a channel) keeps a running Welford
+triple (count, mean, m2) of the values it reads, shifted by the channel's first sample; the
+lanes of a channel are merged with Chan's update once, after the loop. No cancellation,
+whatever the channel's mean or where its first sample lies, and no reduction across the tile
+inside the loop.
 """
 
 from __future__ import annotations
@@ -25,7 +31,6 @@ from mpsnn.ops.batch_norm_params import BatchNormParams, BatchNormSums
 from mpsnn.ops.triton.batch_norm import (
     _MAX_PARTS,
     _bfloat16_bits,
-    _chan_merge,
     _channel_params,
     _channel_sums,
     _coefficients,
@@ -51,12 +56,25 @@ __all__ = [
 ]
 
 
+@triton.jit
+def _welford_merge(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
+    """Chan's merge of two (mean, m2, count) triples (a reduction's combine: empty lanes,
+    count 0, merge to the other triple)."""
+    n = n_a + n_b
+    w = tl.where(n == 0.0, 0.0, n_b / tl.where(n == 0.0, 1.0, n))
+    delta = mean_b - mean_a
+    return mean_a + delta * w, m2_a + m2_b + delta * delta * n_a * w, n
+
+
 @fast_kernel
 @triton.jit
 def _stats_partial_nhwc(
     x_ptr, part_ptr, M, C, rows, BM: tl.constexpr, BC: tl.constexpr,
 ):  # fmt: skip
-    # grid (channel blocks, chunks): channels [c0, c0 + BC), pixels [m0, m1)
+    # grid (channel blocks, chunks): channels [c0, c0 + BC), pixels [m0, m1). Each lane (a
+    # tile row and channel) keeps a running Welford triple of the values shifted by x[0, c]
+    # (no reduction across the tile inside the loop: the tile's loads are the loop's only
+    # wait), merged across the tile's rows once at the end.
     cs = tl.program_id(0) * BC + tl.arange(0, BC)
     chunk = tl.program_id(1)
     parts = tl.num_programs(1)
@@ -65,25 +83,34 @@ def _stats_partial_nhwc(
     m1 = tl.minimum(m0 + rows, M)
     shift = tl.load(x_ptr + cs, mask=cmask, other=0.0).to(tl.float32)  # x[0, c]
     ms = tl.arange(0, BM)
-    cnt = 0.0
-    mean = tl.zeros((BC,), tl.float32)
-    m2 = tl.zeros((BC,), tl.float32)
+    n = tl.zeros((BM, 1), tl.float32)  # samples seen by each row's lanes
+    mean = tl.zeros((BM, BC), tl.float32)
+    m2 = tl.zeros((BM, BC), tl.float32)
     for m in range(m0, m1, BM):
         r = m + ms
-        mask = (r < m1)[:, None] & cmask[None, :]
+        live = (r < m1)[:, None]
+        mask = live & cmask[None, :]
         idx = r.to(tl.int64)[:, None] * C + cs[None, :]
-        v = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        d = tl.where(mask, v - shift[None, :], 0.0)
-        k = tl.minimum(m1 - m, BM).to(tl.float32)
-        bmean = tl.sum(d, axis=0) / k
-        e = tl.where(mask, d - bmean[None, :], 0.0)
-        bm2 = tl.sum(e * e, axis=0)
-        cnt, mean, m2 = _chan_merge(cnt, mean, m2, k, bmean, bm2)  # per channel
+        d = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32) - shift[None, :]
+        n = n + live.to(tl.float32)
+        step = tl.where(live, 1.0 / tl.maximum(n, 1.0), 0.0)
+        delta = d - mean
+        mean = mean + delta * step
+        m2 = m2 + tl.where(live, delta * (d - mean), 0.0)
+    cnt, mean_c, m2_c = _lane_merge(mean, m2, n, BC)
     p = cs * parts + chunk
     plane = C * parts
-    tl.store(part_ptr + p, tl.zeros((BC,), tl.float32) + cnt, mask=cmask)
-    tl.store(part_ptr + plane + p, mean, mask=cmask)
-    tl.store(part_ptr + 2 * plane + p, m2, mask=cmask)
+    tl.store(part_ptr + p, cnt, mask=cmask)
+    tl.store(part_ptr + plane + p, mean_c, mask=cmask)
+    tl.store(part_ptr + 2 * plane + p, m2_c, mask=cmask)
+
+
+@triton.jit
+def _lane_merge(mean, m2, n, BC: tl.constexpr):
+    """The (count, mean, m2) of each channel from its lanes' triples (rows of the tile)."""
+    counts = tl.broadcast_to(n, (n.shape[0], BC))
+    mean_c, m2_c, cnt = tl.reduce((mean, m2, counts), 0, _welford_merge)
+    return cnt, mean_c, m2_c
 
 
 @triton.jit
@@ -238,24 +265,33 @@ class _Tile(NamedTuple):
 # The reductions' tile bytes, and their programs per SM relative to the NCHW module's: the
 # fastest of tiles from 32 to 256 pixels by 32 to 128 channels and of 4x fewer and more
 # programs on an H100 (ResNet-18's 20 normalization layers, batch 512, bfloat16, CUDA-graph
-# timings). Against 8 KiB tiles everywhere with 8 programs per SM they took the statistics
-# from 0.56 to 0.39 ms, the gradient sums from 0.81 to 0.54 and the channel sums from 0.35 to
-# 0.27 (the same sweep set the element-wise passes' first tiles).
+# timings). Against 8 KiB tiles everywhere with 8 programs per SM they took the gradient sums
+# from 0.81 to 0.54 ms and the channel sums from 0.35 to 0.27 (the same sweep set the
+# element-wise passes' first tiles).
 #
 # The element-wise passes run on half-precision data only (float32 CUDA storage is NCHW).
 # Sweeps of 64 to 512 pixels by 64 channels with 4, 8 and 16 warps on an H200 (bfloat16,
 # ResNet-18's four layer shapes at batch 512) favour 4 warps, with 256 pixels for the
 # normalization and dx and 64 for the normalization inside the residual addition (three
 # tensors): 512x64x32x32 took 35.9 / 61.2 / 58.3 µs against 40.2 / 69.8 / 64.7 µs with
-# 128-pixel tiles and 8 warps (a plain copy of that tensor: 33.4 µs). The statistics keep
-# their tiles with 4 warps too: 31.4, 12.7, 7.5 and 5.1 µs for the four shapes against 34.0,
-# 16.5, 9.2 and 5.8 with 8 (a program's per-tile sums then merge in another order).
-_STATS_TILE_BYTES = 32768  # statistics and channel sums: one tensor
+# 128-pixel tiles and 8 warps (a plain copy of that tensor: 33.4 µs).
+#
+# The statistics keep a Welford triple per lane, so a program's loop has no reduction
+# across its tile and small tiles with many programs keep the most loads in flight: 32
+# pixels by 64 channels, 2 warps, at least 384 pixels a program (up to 8 programs per SM and
+# 1,024 partial results). On an H200 (bfloat16, CUDA-graph timings of the pass and its
+# combine) 512x64x32x32 took 25.0 µs against 33.7 with a two-pass sum of each 256-pixel tile
+# merged per loop step, and 256x64x56x56 35.0 against 47.0; the small layers (8x8 and 4x4
+# pixels, where the launch and the combine dominate) took about 0.5 µs more.
+_STATS_TILE_BYTES = 32768  # channel sums: one tensor
 _SUMS_TILE_BYTES = 8192  # gradient sums: two tensors and two accumulators per tile
 _EW_TILE_BYTES = 32768  # normalization and dx
 _ADD_TILE_BYTES = 8192  # normalization inside the residual addition
-_EW_WARPS = 4  # most warps a program runs: element-wise passes and statistics
+_EW_WARPS = 4  # most warps a program runs: element-wise passes
 _FEWER_PROGRAMS = 4
+_STATS_PIXELS = 32  # a statistics tile's pixels (its channels: up to 64)
+_STATS_WARPS = 2
+_STATS_MIN_ROWS = 384  # the fewest pixels a statistics program reduces (when there are that many)
 
 
 def _ew_warps(block: int) -> int:
@@ -297,6 +333,33 @@ def _make_tile(
     return _Tile(bm, bc, rows, cdiv(m, rows))
 
 
+def _stats_tile(x: torch.Tensor, tile: tuple[int, int] | None, rows: int | None) -> _Tile:
+    if tile is None and rows is None:  # every training step asks again: once per shape
+        return _default_stats_tile(x.shape, x.device)
+    return _make_stats_tile(x.shape, x.device, tile, rows)
+
+
+@functools.lru_cache(maxsize=1024)
+def _default_stats_tile(shape: torch.Size, device: torch.device) -> _Tile:
+    return _make_stats_tile(shape, device, None, None)
+
+
+def _make_stats_tile(
+    shape: torch.Size, device: torch.device, tile: tuple[int, int] | None, rows: int | None
+) -> _Tile:
+    n, c, h, w = shape
+    m = n * h * w
+    if tile is None:
+        bm, bc = min(_STATS_PIXELS, next_power_of_2(m)), min(64, next_power_of_2(c))
+    else:
+        bm, bc = tile
+    if rows is None:
+        want = min(_MAX_PARTS, cdiv(_programs_wanted(device), cdiv(c, bc)),
+                   cdiv(m, _STATS_MIN_ROWS))  # fmt: skip
+        rows = cdiv(m, max(1, want))
+    return _Tile(bm, bc, rows, cdiv(m, rows))
+
+
 _nhwc = channels_last_copy  # an incoming gradient in the layout of the passes
 
 
@@ -307,10 +370,11 @@ def nhwc_statistics(
     """``(count, mean, m2)`` of channels-last ``x``, and ``var`` with ``variance`` (see the
     NCHW `bn_statistics_triton`)."""
     n, c, h, w = x.shape
-    t = _tile(x, _STATS_TILE_BYTES, tile, rows)
+    t = _stats_tile(x, tile, rows)
     part = torch.empty(3, c, t.chunks, dtype=torch.float32, device=x.device)
+    warps = max(1, min(_STATS_WARPS, t.bm * t.bc // 256))
     _stats_partial_nhwc[(cdiv(c, t.bc), t.chunks)](
-        x, part, n * h * w, c, t.rows, BM=t.bm, BC=t.bc, num_warps=_ew_warps(t.bm * t.bc)
+        x, part, n * h * w, c, t.rows, BM=t.bm, BC=t.bc, num_warps=warps
     )
     # the shift of channel c is x[0, c, 0, 0], at element c of channels-last memory
     return combine_statistics(part, x, 1, variance)
