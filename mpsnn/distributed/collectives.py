@@ -3,7 +3,7 @@ each hook records on the step's command buffer, the gradient buckets, and the he
 move the sums in and out of the states. The math and the order of the collectives are in
 `mpsnn.distributed.data_parallel`'s docstring; this module sits below it and knows the
 `DataParallel` only through the methods it calls (``_all_gather``, ``_all_reduce``,
-``_all_reduce_each``, ``_coalesces``, ``_collective``, ``_count_step``)."""
+``_all_reduce_each``, ``_coalesces``, ``_collective``, ``_count_step``, ``_sum_now``)."""
 
 from __future__ import annotations
 
@@ -85,8 +85,7 @@ class _StepCollectives:
             sums = state._slots[1]  # [Σgy·xhat, Σgy]
             whole = _adjacent(sums, ordered=False)  # the gradient sums' one buffer
             flat = whole if whole is not None else torch.cat([t.reshape(-1) for t in sums])
-            work = dp._all_reduce(what, flat)  # in place when it is the sums' own memory
-            dp._collective(what, work.wait)
+            dp._sum_now(what, flat)  # in place when it is the sums' own memory
             if whole is None:
                 _copy_back(sums, flat)
 

@@ -40,6 +40,15 @@ implements them) at four places of its step; each records its collective as a co
   the data sources' updates then read the global gradients, so every rank applies the same
   update.
 
+**Which communicator** (CUDA, NCCL backend): the collectives that the next kernel waits for —
+the statistics all-gathers, the gradient-sum all-reduces and the weight check — run on a NCCL
+communicator of mpsnn's own (`mpsnn.distributed.nccl.NcclComm`, made by every rank at the first
+such collective outside a CUDA graph capture), launched on the queue's stream with no event or
+work object around them: less host time and latency than a process-group call, the same
+values. The buckets keep the process group's asynchronous all-reduces, which overlap the
+backward. ``direct_nccl=False``, or a rank without a usable NCCL library, keeps every
+collective on the process group.
+
 A collective that fails raises `DistributedError` from its command (``cb.error``, re-raised by
 ``wait_until_completed``), naming the rank that died or hung where the rank's `RankMonitor`
 tells; later commands of the step do not run.
@@ -71,15 +80,15 @@ mark, weight check when due) is `DataParallel.program_step`, which every such en
 
 **Replayed steps** (`Graph.compile` on CUDA with the NCCL backend: ``capturable``). Every
 collective above is recorded in the step's CUDA graph: NCCL launches captured on the queue's
-stream (NCCL's own stream joins the capture through events), so a replay runs the whole step,
-collectives included, with one launch and no host work — each rank replays its own recording
-of the same sequence of collectives, which NCCL requires. What is host work is done around the
-replays instead: `DataParallel.replayed` counts the step, marks the monitor's progress and runs
-the weight check when one is due (outside the recording; its comparison needs the host).
-A collective that fails inside a replay cannot raise from its command (nothing runs on the host
-then): the `RankMonitor` ends a rank whose peer died or hung within its timeout, naming the
-peer. With Gloo (CPU) nothing is captured: ``capturable`` is False and compiled steps run
-eagerly.
+stream (the process group's stream joins the capture through events), so a replay runs the
+whole step, collectives included, with one launch and no host work — each rank replays its own
+recording of the same sequence of collectives, which NCCL requires. What is host work is done
+around the replays instead: `DataParallel.replayed` counts the step, marks the monitor's
+progress and runs the weight check when one is due (outside the recording; its comparison needs
+the host). A collective that fails inside a replay cannot raise from its command (nothing runs
+on the host then): the `RankMonitor` ends a rank whose peer died or hung within its timeout,
+naming the peer. With Gloo (CPU) nothing is captured: ``capturable`` is False and compiled
+steps run eagerly.
 """
 
 from __future__ import annotations
@@ -93,6 +102,7 @@ import torch.distributed as dist
 
 from mpsnn.cnn.dropout import Dropout
 from mpsnn.distributed.collectives import _StepCollectives
+from mpsnn.distributed.nccl import NcclComm
 from mpsnn.distributed.runtime import current_monitor
 from mpsnn.errors import DistributedError
 
@@ -121,6 +131,13 @@ class DataParallel:
             PyTorch's ``DistributedDataParallel`` does without ``SyncBatchNorm`` (no collective
             on the critical path of a normalization; see "local batch normalization" in the
             module docstring).
+        direct_nccl: with the NCCL backend, run the collectives that the next kernel waits
+            for (statistics all-gathers, gradient-sum all-reduces, the weight check) on a NCCL
+            communicator of mpsnn's own, on the queue's stream (`mpsnn.distributed.nccl`:
+            less host time and latency than a process-group call; the same values). Made at
+            the first such collective that runs outside a CUDA graph capture, by every rank;
+            where a rank has no usable NCCL library, every rank keeps ``torch.distributed``.
+            False: always ``torch.distributed``.
 
     Attributes:
         rank, world_size: this process in the group.
@@ -136,6 +153,7 @@ class DataParallel:
         check_every: int = 0,
         monitor: Any = None,
         sync_batch_norm: bool = True,
+        direct_nccl: bool = True,
     ) -> None:
         who = "DataParallel"
         if not dist.is_available() or not dist.is_initialized():
@@ -155,7 +173,10 @@ class DataParallel:
             raise TypeError(
                 f"[{who}] sync_batch_norm must be a bool, got {type(sync_batch_norm).__name__}"
             )
+        if not isinstance(direct_nccl, bool):
+            raise TypeError(f"[{who}] direct_nccl must be a bool, got {type(direct_nccl).__name__}")
         self.sync_batch_norm = sync_batch_norm
+        self.direct_nccl = direct_nccl
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
@@ -165,6 +186,9 @@ class DataParallel:
         self.backend = str(dist.get_backend(process_group)).lower()
         self.steps = 0
         self._named: list[tuple[str, torch.Tensor]] | None = None  # the last step's weights
+        # the direct communicator: None until decided, False when every rank keeps
+        # torch.distributed (`_comm`)
+        self._direct: NcclComm | bool | None = None if direct_nccl else False
 
     @property
     def capturable(self) -> bool:
@@ -183,7 +207,7 @@ class DataParallel:
     def program_settings(self) -> tuple[Any, ...]:
         """What a lowered step's collectives were made from: a change lowers again."""
         return (self.process_group, self.rank, self.world_size, self.sync_batch_norm,
-                self.bucket_bytes, self.check_every)  # fmt: skip
+                self.bucket_bytes, self.check_every, self.direct_nccl)  # fmt: skip
 
     def program_step(self, command_buffer: Any) -> None:
         """The host work of one encode that runs (or lowers) a step program: count the step,
@@ -262,8 +286,43 @@ class DataParallel:
             ) from exc
 
     def _all_reduce(self, what: str, flat: torch.Tensor) -> Any:
+        """Sum ``flat`` over the ranks in place, asynchronously (on NCCL's stream with that
+        backend); returns what to ``wait()`` for."""
         group = self.process_group
         return self._collective(what, lambda: dist.all_reduce(flat, group=group, async_op=True))
+
+    def _sum_now(self, what: str, flat: torch.Tensor) -> None:
+        """Sum ``flat`` over the ranks in place, before the work launched after this call
+        (the direct communicator where there is one: `_comm`)."""
+        comm = self._comm(flat)
+        if comm is not None:
+            self._collective(what, lambda: comm.all_reduce_(flat))
+            return
+        work = self._all_reduce(what, flat)
+        self._collective(what, work.wait)
+
+    def _comm(self, t: torch.Tensor) -> NcclComm | None:
+        """The direct communicator for a collective of CUDA ``t`` (made on first use: every
+        rank reaches the same collectives in the same order, so every rank decides at the same
+        one), or None: ``torch.distributed`` then. Not made during a CUDA graph capture
+        (NCCL's initialization cannot be recorded): that collective takes the process group's
+        path, and a later one outside the capture decides."""
+        direct = self._direct
+        if direct is False or not t.is_cuda:
+            return None
+        if direct is None:
+            if self.backend != "nccl" or self.world_size == 1:
+                self._direct = False
+                return None
+            if torch.cuda.is_current_stream_capturing():
+                return None
+            group, device = self.process_group, t.device
+            made = self._collective(
+                "making the direct NCCL communicator", lambda: NcclComm.create(group, device)
+            )
+            self._direct = made if made is not None else False
+            return made
+        return direct  # type: ignore[return-value]
 
     def _coalesces(self, tensors: list[torch.Tensor]) -> bool:
         """Whether ``tensors`` can be all-reduced in place as one coalesced collective:
@@ -291,8 +350,12 @@ class DataParallel:
         """``(world_size, len(values))``: every rank's ``values``, in rank order (waited)."""
         out = values.new_empty(self.world_size * values.numel())
         group = self.process_group
+        comm = self._comm(values) if values.is_contiguous() else None
 
         def run() -> None:
+            if comm is not None:
+                comm.all_gather_(out, values)
+                return
             _gather(out, values, group=group, async_op=True).wait()
 
         self._collective(what, run)

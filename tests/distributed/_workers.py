@@ -123,7 +123,9 @@ def nccl_replay(out: Path, run: m.DistributedRun) -> None:
         return [t.detach().clone() for _, t in _weights_of(graph)]
 
     _, eager = model()
-    eager.data_parallel = m.DataParallel()
+    # the eager graph's collectives through torch.distributed, the compiled graph's (eager
+    # warm-up, then recorded) through the direct NCCL communicator: the same bits
+    eager.data_parallel = m.DataParallel(direct_nccl=False)
     queue = dev.new_command_queue()
     _, graph = model()
     dp = graph.data_parallel = m.DataParallel(check_every=2)
@@ -151,7 +153,11 @@ def nccl_replay(out: Path, run: m.DistributedRun) -> None:
         message = "no error"
     except m.DistributedError as exc:
         message = str(exc)
-    lines += [f"replays={compiled.replays} steps={dp.steps}", message]
+    lines += [
+        f"replays={compiled.replays} steps={dp.steps}",
+        message,
+        f"direct={type(dp._direct).__name__} other={eager.data_parallel._direct}",
+    ]
     (out / f"nccl-rank{run.rank}.txt").write_text("\n".join(lines))
 
 

@@ -112,7 +112,8 @@ def test_the_host_work_of_a_replayed_step_counts_it_and_checks_the_weights(
 )
 def test_nccl_steps_replayed_with_their_collectives_equal_eager_steps(tmp_path: Path) -> None:
     """Two GPUs, NCCL: a compiled ResNet-18 data-parallel step (collectives recorded in its
-    CUDA graph) gives the eager steps' weights bit for bit at every step, and the periodic
+    CUDA graph, the critical-path ones on the direct NCCL communicator) gives the eager steps'
+    weights (collectives through torch.distributed) bit for bit at every step, and the periodic
     weight check runs after replays and names the rank that drifted."""
     ranks, _ = spawn("nccl_replay", tmp_path, deadline=300, timeout=120)
     for r, rank in enumerate(ranks):
@@ -124,6 +125,7 @@ def test_nccl_steps_replayed_with_their_collectives_equal_eager_steps(tmp_path: 
         assert lines[5] == "replays=5 steps=6", lines
         assert lines[6].startswith("[DataParallel] the weights diverged after step 6: rank 1 "
                                    "differs from rank 0"), lines  # fmt: skip
+        assert lines[7] == "direct=NcclComm other=False", lines
 
 
 def test_local_batch_normalization_sums_the_shards_gradients(equivalence_run: Path) -> None:

@@ -93,12 +93,11 @@ def test_the_gradient_sums_are_all_reduced_in_their_own_buffer(fast_device) -> N
     src, gb = m.ImageBatch.from_tensor(x), m.ImageBatch.from_tensor(g)
     reduced = []
 
-    def all_reduce(what: str, flat: torch.Tensor) -> object:
+    def sum_now(what: str, flat: torch.Tensor) -> None:
         reduced.append(flat)
         flat.mul_(2.0)  # another rank with the same sums
-        return SimpleNamespace(wait=lambda: None)
 
-    dp = SimpleNamespace(world_size=2, sync_batch_norm=True, _all_reduce=all_reduce,
+    dp = SimpleNamespace(world_size=2, sync_batch_norm=True, _sum_now=sum_now,
                          _collective=lambda what, fn: fn())  # fmt: skip
     q = fast_device.new_command_queue()
     sums = []
