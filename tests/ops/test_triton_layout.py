@@ -334,8 +334,44 @@ def test_the_flat_narrowing_refuses_other_lists() -> None:
     assert not narrow_flat_into([torch.empty(8, 4, dtype=torch.bfloat16).t()], [t])
     assert not narrow_flat_into([half], [t[:2]])  # shapes differ
     assert not narrow_flat_into([half, half], [t, t.double()])  # one pair of many
-    assert not fast_paths.narrow_into([half], [t])  # CPU tensors: PyTorch's copy
+    left = fast_paths.narrow_into([half], [t])  # CPU tensors: all left for PyTorch's copy
+    assert left[0] == [half] and left[1] == [t]
     assert (half == 7.0).all()  # nothing was written
+
+
+def test_narrow_into_writes_the_pairs_it_takes_and_returns_the_others(monkeypatch) -> None:
+    """One refused pair (a float64 source, a strided destination) no longer sends every pair
+    to PyTorch's copy: the flat narrowing takes the others, in their order."""
+    from mpsnn.ops.triton import layout
+
+    device = TRITON_DEVICES[0]
+    if device == "cpu":  # the interpreter runs the launch; the dispatch wants CUDA otherwise
+        monkeypatch.setattr(fast_paths, "_runs", lambda *ts: True)
+        monkeypatch.setattr(fast_paths, "_on_current_device", lambda *ts: True)
+    taken = []
+    original = layout.narrow_flat_into
+
+    def spy(dst, src):
+        taken.append((list(dst), list(src)))
+        return original(dst, src)
+
+    monkeypatch.setattr(layout, "narrow_flat_into", spy)
+    g = torch.Generator().manual_seed(3)
+    src = [torch.randn(5, 3, generator=g).to(device) for _ in range(4)]
+    src[1] = src[1].double()
+    half = NARROW_DTYPES[-1]
+    dst = [torch.full((5, 3), 7.0, dtype=half, device=device) for _ in range(4)]
+    dst[3] = torch.full((3, 5), 7.0, dtype=half, device=device).t()  # strided
+    rest_dst, rest_src = fast_paths.narrow_into(dst, src)
+    assert [d is e for d, e in zip(rest_dst, [dst[1], dst[3]], strict=True)] == [True, True]
+    assert [s is e for s, e in zip(rest_src, [src[1], src[3]], strict=True)] == [True, True]
+    ((got_dst, got_src),) = taken
+    assert all(a is b for a, b in zip(got_dst, [dst[0], dst[2]], strict=True))
+    assert all(a is b for a, b in zip(got_src, [src[0], src[2]], strict=True))
+    for i in (0, 2):
+        assert torch.equal(dst[i], src[i].to(half))
+    for i in (1, 3):
+        assert (dst[i] == 7.0).all()  # left for the caller
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the weight copies' CUDA path")

@@ -112,10 +112,11 @@ class ConvWeights:
     def refresh_all(masters: Sequence[ConvWeights]) -> None:
         """`refresh` of several kernels' masters as one multi-tensor copy. In work recorded
         into a CUDA graph, Triton instead: a transpose for each half-precision channels-last
-        copy of NCHW float32 masters, and one launch for the other half-precision copies
-        (PyTorch's strided copy is several times slower on the device, and its multi-tensor
+        copy of NCHW float32 masters, and one launch for the other half-precision copies of
+        float32 masters; what is left (a float64 cast, say) takes the multi-tensor copy.
+        PyTorch's strided copy is several times slower on the device, and its multi-tensor
         copy gives each 64K elements one block; but each is one call from the host, which
-        bounds an eager step)."""
+        bounds an eager step."""
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         recorded = bool(masters) and recording(masters[0].weight)  # (one device)
@@ -127,7 +128,9 @@ class ConvWeights:
                 if b is not None:
                     dst.append(b)
                     src.append(ws._bias)  # type: ignore[arg-type]
-        if dst and not (recorded and fast_paths.narrow_into(dst, src)):
+        if dst and recorded:  # the pairs the flat narrowing takes, in one launch
+            dst, src = fast_paths.narrow_into(dst, src)
+        if dst:
             torch._foreach_copy_(dst, src)
 
     def cast(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -364,16 +364,25 @@ def cast_into_channels_last(t: torch.Tensor, out: torch.Tensor) -> bool:
     return nchw_to_nhwc_into(t, out)
 
 
-def narrow_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> bool:
-    """``dst[i].copy_(src[i])`` for contiguous float32 CUDA ``src`` and contiguous
-    float16/bfloat16 ``dst`` of the same shapes on the current device through one Triton
+def narrow_into(
+    dst: list[torch.Tensor], src: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``dst[i].copy_(src[i])`` for the pairs of contiguous float32 CUDA ``src`` and contiguous
+    float16/bfloat16 ``dst`` of the same shapes on the current device, through one Triton
     launch per 32 pairs (`mpsnn.ops.triton.layout.narrow_flat_into`; NaN payloads may differ
-    from PyTorch's); False, writing nothing, where it does not apply."""
+    from PyTorch's). Returns the pairs it did not write (all of them where Triton does not
+    run), for the caller's own copy."""
     if not (dst and _runs(*dst, *src) and _on_current_device(*dst, *src)):
-        return False
-    from mpsnn.ops.triton.layout import narrow_flat_into
+        return dst, src
+    from mpsnn.ops.triton.layout import flat_narrowable, narrow_flat_into
 
-    return narrow_flat_into(dst, src)
+    device = src[0].device
+    take = [flat_narrowable(d, s, device) for d, s in zip(dst, src, strict=True)]
+    if any(take):
+        narrow_flat_into([d for d, t in zip(dst, take, strict=True) if t],
+                         [s for s, t in zip(src, take, strict=True) if t])  # fmt: skip
+    rest = [i for i, t in enumerate(take) if not t]
+    return [dst[i] for i in rest], [src[i] for i in rest]
 
 
 def nchw_float32(t: torch.Tensor) -> torch.Tensor | None:

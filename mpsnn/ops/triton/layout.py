@@ -32,6 +32,7 @@ from mpsnn.ops.triton.launch import cdiv, fast_kernel, next_power_of_2
 
 __all__ = [
     "channels_last_copy",
+    "flat_narrowable",
     "narrow_flat_into",
     "nchw_float32_triton",
     "nchw_to_nhwc_into",
@@ -194,6 +195,19 @@ def _narrow_flat(srcs, dsts, sizes, N: tl.constexpr, BLOCK: tl.constexpr):
             tl.store(dsts[i] + offs, v, mask=mask)
 
 
+def flat_narrowable(d: torch.Tensor, s: torch.Tensor, device: torch.device) -> bool:
+    """Whether `narrow_flat_into` takes the pair ``d <- s`` on ``device``."""
+    return (
+        s.dtype is torch.float32
+        and (d.dtype is torch.float16 or d.dtype is torch.bfloat16)
+        and d.shape == s.shape
+        and s.is_contiguous()
+        and d.is_contiguous()
+        and s.device == device
+        and d.device == device
+    )
+
+
 def narrow_flat_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> bool:
     """``dst[i].copy_(src[i])`` for contiguous float32 ``src`` and contiguous float16/bfloat16
     ``dst`` of the same shapes on one device, in one launch per `_MAX_FLAT` pairs (rounded to
@@ -204,16 +218,8 @@ def narrow_flat_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> bool:
     if not dst or len(dst) != len(src):
         return False
     device = src[0].device
-    for d, s in zip(dst, src, strict=True):
-        if (
-            s.dtype is not torch.float32
-            or d.dtype not in (torch.float16, torch.bfloat16)
-            or d.shape != s.shape
-            or not (s.is_contiguous() and d.is_contiguous())
-            or s.device != device
-            or d.device != device
-        ):
-            return False
+    if not all(flat_narrowable(d, s, device) for d, s in zip(dst, src, strict=True)):
+        return False
     for i in range(0, len(dst), _MAX_FLAT):
         outs, ins = tuple(dst[i : i + _MAX_FLAT]), tuple(src[i : i + _MAX_FLAT])
         sizes = tuple(t.numel() for t in ins)
