@@ -6,24 +6,13 @@ weights are equal bit for bit)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import mpsnn as m
 from mpsnn.distributed import nccl
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_direct_nccl_must_be_a_bool(one_rank: None) -> None:

@@ -3,12 +3,10 @@ sees, and that a graph without them behaves as before (one process, no process g
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import mpsnn as m
 from tests.distributed import _nets
@@ -83,16 +81,6 @@ def test_a_graph_with_hooks_equals_one_without() -> None:
     assert not compiled.is_captured
     for u, v in zip(_nets.values(sa), _nets.values(sb), strict=True):
         assert torch.equal(u, v)
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    """A process group of this process alone (Gloo, in-memory store)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_data_parallel_on_one_rank_is_one_process(one_rank: None) -> None:
