@@ -317,9 +317,13 @@ class DataParallel:
             if torch.cuda.is_current_stream_capturing():
                 return None
             group, device = self.process_group, t.device
-            made = self._collective(
-                "making the direct NCCL communicator", lambda: NcclComm.create(group, device)
-            )
+            try:
+                made = self._collective(
+                    "making the direct NCCL communicator", lambda: NcclComm.shared(group, device)
+                )
+            except DistributedError:
+                self._direct = False  # no second attempt: the other ranks may not make one
+                raise
             self._direct = made if made is not None else False
             return made
         return direct  # type: ignore[return-value]

@@ -16,13 +16,23 @@ host, for a 1,537-float all-gather with one small kernel before it
     =========================  =======================  ======================
 
 `NcclComm` is a communicator of the process group's ranks of its own (NCCL's C API through
-``ctypes``: no extension to build; the library is the one PyTorch's CUDA build ships), whose
-collectives run on the current stream of the tensor's device: nothing to wait for, ordered
-with the kernels around them as any kernel is, and recorded into a CUDA graph like them. The
-values are NCCL's, as through ``torch.distributed`` (the same library, the same reduction).
+``ctypes``: no extension to build; the library of PyTorch's own NCCL version, which its CUDA
+build ships), whose collectives run on the current stream of the tensor's device: nothing to
+wait for, ordered with the kernels around them as any kernel is, and recorded into a CUDA
+graph like them. The values are NCCL's, as through ``torch.distributed`` (the same library;
+with more than two ranks the two communicators may choose other algorithms, and a sum's last
+bits may differ).
 
 Only latency-bound, synchronous collectives go this way; the weight-gradient buckets keep the
-process group's asynchronous all-reduces, which overlap the backward on NCCL's stream.
+process group's asynchronous all-reduces, which overlap the backward on NCCL's stream. The two
+communicators' kernels may then run at once; every rank issues both sequences in one program
+order, and NCCL's kernels take a few dozen thread blocks at most, so they fit on the device
+together (what NCCL asks of communicators used concurrently).
+
+One communicator per process group and device (`shared`), ended by `close_all` (which
+`mpsnn.DistributedRun.close` calls). Faults: a collective launched here returns at once; a
+peer that died or hung leaves its kernel waiting, and the rank's `mpsnn.RankMonitor` ends it
+within its timeout (the process group's own timeout does not watch these kernels).
 """
 
 from __future__ import annotations
@@ -38,12 +48,12 @@ import torch.distributed as dist
 
 from mpsnn.core.device import _raw_stream
 
-__all__ = ["NcclComm"]
+__all__ = ["NcclComm", "close_all"]
 
 # ncclDataType_t and ncclRedOp_t (nccl.h; stable since NCCL 2.0, bfloat16 since 2.10)
 _DTYPES = {
-    torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6,
-    torch.float32: 7, torch.float64: 8, torch.bfloat16: 9,
+    torch.int8: 0, torch.uint8: 1, torch.bool: 1, torch.int32: 2, torch.int64: 4,
+    torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9,
 }  # fmt: skip
 _SUM = 0
 _MIN_VERSION = 21000  # 2.10.0: bfloat16
@@ -67,9 +77,21 @@ def _candidates() -> list[str]:
     return [*found, "libnccl.so.2"]
 
 
+def _torch_version() -> int | None:
+    """The version code (``major * 10000 + minor * 100 + patch``) of the NCCL PyTorch was built
+    with, or None where PyTorch has none."""
+    try:
+        major, minor, patch = torch.cuda.nccl.version()[:3]
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+    return major * 10000 + minor * 100 + patch
+
+
 @functools.cache
 def _library() -> Any:
-    """NCCL's C library with the signatures used here, or None (not found, too old)."""
+    """NCCL's C library with the signatures used here, or None: none found, older than 2.10,
+    or another version than PyTorch's own (whose process groups the values must match)."""
+    want = _torch_version()
     for path in _candidates():
         try:
             lib = ctypes.CDLL(path)
@@ -77,6 +99,8 @@ def _library() -> Any:
             continue
         version = ctypes.c_int()
         if lib.ncclGetVersion(ctypes.byref(version)) != 0 or version.value < _MIN_VERSION:
+            continue
+        if want is not None and version.value != want:
             continue
         vp, size = ctypes.c_void_p, ctypes.c_size_t
         lib.ncclGetErrorString.restype = ctypes.c_char_p
@@ -103,9 +127,12 @@ class NcclComm:
 
     @classmethod
     def create(cls, group: Any, device: torch.device) -> NcclComm | None:
-        """A communicator of ``group``'s ranks on CUDA ``device``, or None where some rank
-        cannot make one (no NCCL library there). Collective: every rank of ``group`` calls it
-        at the same point (two collectives of ``group``, then NCCL's initialization)."""
+        """A new communicator of ``group``'s ranks on CUDA ``device``, or None where some rank
+        cannot make one (no usable NCCL library there, or no unique id on rank 0): then on
+        every rank. Collective: every rank of ``group`` calls it at the same point (two
+        collectives of ``group``, then NCCL's initialization, which waits for every rank: a
+        rank whose initialization fails raises, and the others wait until their
+        `mpsnn.RankMonitor` ends them)."""
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         lib = _library()
         ok = torch.tensor([1 if lib is not None else 0], device=device)
@@ -113,11 +140,14 @@ class NcclComm:
         if not int(ok.item()):
             return None
         uid = _UniqueId()
-        if rank == 0:
-            _check(lib, lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
-        box: list[Any] = [bytes(uid.internal) if rank == 0 else None]
+        box: list[Any] = [None]
+        if rank == 0:  # an empty id tells every rank that rank 0 could not make one
+            got = lib.ncclGetUniqueId(ctypes.byref(uid))
+            box[0] = bytes(uid.internal) if got == 0 else b""
         src = 0 if group is None else dist.get_global_rank(group, 0)
         dist.broadcast_object_list(box, src=src, group=group, device=device)
+        if not box[0]:
+            return None
         ctypes.memmove(ctypes.byref(uid), box[0], ctypes.sizeof(uid))
         comm = ctypes.c_void_p()
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -125,6 +155,18 @@ class NcclComm:
             _check(lib, lib.ncclCommInitRank(ctypes.byref(comm), world, uid, rank),
                    "ncclCommInitRank")  # fmt: skip
         return cls(lib, comm, index, rank, world)
+
+    @classmethod
+    def shared(cls, group: Any, device: torch.device) -> NcclComm | None:
+        """The communicator of ``group`` on ``device`` that `create` made for an earlier
+        caller in this process, else `create`'s (collective, as `create`)."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        # the group object itself, the default one included: a group made again after
+        # destroy_process_group is another object, and gets a communicator of its own
+        key = (group if group is not None else dist.group.WORLD, index)
+        if key not in _SHARED:
+            _SHARED[key] = cls.create(group, torch.device("cuda", index))
+        return _SHARED[key]
 
     def all_reduce_(self, t: torch.Tensor) -> None:
         """Sum ``t`` over the ranks, in place (contiguous, on this communicator's device)."""
@@ -152,7 +194,7 @@ class NcclComm:
         """End the communicator (its pending collectives too); later calls raise."""
         if self._comm is not None:
             comm, self._comm = self._comm, None
-            self._lib.ncclCommAbort(comm)
+            _check(self._lib, self._lib.ncclCommAbort(comm), "ncclCommAbort")
 
     def _operand(self, t: torch.Tensor) -> None:
         if self._comm is None:
@@ -167,6 +209,21 @@ class NcclComm:
 
     def __repr__(self) -> str:
         return f"<NcclComm rank {self.rank}/{self.world_size} on cuda:{self.device}>"
+
+
+# (process group, device index) -> the communicator `shared` made, or None (refused there)
+_SHARED: dict[tuple[Any, int], NcclComm | None] = {}
+
+
+def close_all() -> None:
+    """End every communicator `shared` made (after the device's work: a normal end; a
+    recorded step that uses one must not be replayed after this)."""
+    comms = [c for c in _SHARED.values() if c is not None]
+    _SHARED.clear()
+    if comms:
+        torch.cuda.synchronize()
+    for comm in comms:
+        comm.abort()
 
 
 def _check(lib: Any, result: int, what: str) -> None:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from mpsnn.core.device import Device
 from mpsnn.distributed.monitor import RankMonitor
+from mpsnn.distributed.nccl import close_all
 from mpsnn.errors import DistributedError
 
 __all__ = [
@@ -113,6 +114,7 @@ class DistributedRun:
         self._closed = True
         self.monitor.stop()
         _forget(self.monitor)
+        close_all()  # the direct NCCL communicators (`mpsnn.distributed.nccl`)
         if dist.is_initialized():
             dist.destroy_process_group()
 

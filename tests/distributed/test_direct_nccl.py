@@ -91,12 +91,125 @@ def test_nccl_failures_raise_with_nccl_s_message() -> None:
     nccl._check(lib, 0, "ncclAllReduce")  # success: nothing
 
 
-def test_every_supported_dtype_has_nccl_s_code() -> None:
-    # nccl.h: ncclInt8 0, ncclUint8 1, ncclInt32 2, ncclInt64 4, ncclFloat16 6, ncclFloat32 7,
-    # ncclFloat64 8, ncclBfloat16 9
-    assert nccl._DTYPES[torch.float32] == 7 and nccl._DTYPES[torch.bfloat16] == 9
-    assert nccl._DTYPES[torch.float64] == 8 and nccl._DTYPES[torch.int64] == 4
-    assert len(set(nccl._DTYPES.values())) == len(nccl._DTYPES)
+class _FakeCDLL:
+    """A library that reports ``version`` (what `_library` asks before anything else)."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.ncclGetErrorString = SimpleNamespace()
+        self.ncclCommInitRank = SimpleNamespace()
+        self.ncclAllReduce = SimpleNamespace()
+        self.ncclAllGather = SimpleNamespace()
+        self.ncclCommAbort = SimpleNamespace()
+
+    def ncclGetVersion(self, ref) -> int:
+        ref._obj.value = self.version
+        return 0
+
+
+@pytest.mark.parametrize(
+    ("found", "torch_has", "usable"),
+    [(21000, None, True), (20903, None, False), (22809, 22809, True), (22807, 22809, False)],
+    ids=["2.10", "older than 2.10", "pytorch's version", "another version than pytorch's"],
+)
+def test_the_library_must_be_new_enough_and_pytorch_s_own(
+    monkeypatch: pytest.MonkeyPatch, found: int, torch_has: int | None, usable: bool
+) -> None:
+    monkeypatch.setattr(nccl, "_candidates", lambda: ["fake"])
+    monkeypatch.setattr(nccl.ctypes, "CDLL", lambda path: _FakeCDLL(found))
+    monkeypatch.setattr(nccl, "_torch_version", lambda: torch_has)
+    nccl._library.cache_clear()
+    try:
+        lib = nccl._library()
+        assert (lib is not None) == usable
+        if usable:  # the signatures were set
+            assert lib.ncclAllReduce.argtypes[2] is nccl.ctypes.c_size_t
+    finally:
+        nccl._library.cache_clear()
+
+
+def _nccl_dp() -> m.DataParallel:
+    dp = m.DataParallel()
+    dp.backend, dp.world_size = "nccl", 2  # as on a two-rank NCCL group
+    return dp
+
+
+_CUDA_LIKE = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+
+
+def test_no_communicator_is_made_during_a_capture(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made = []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(nccl.NcclComm, "shared", classmethod(lambda c, g, d: made.append(d)))
+    dp = _nccl_dp()
+    assert dp._comm(_CUDA_LIKE) is None and dp._direct is None  # decided later
+    assert made == []
+
+
+def test_the_communicator_is_made_once_then_kept(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made = []
+    comm = object()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(nccl.NcclComm, "shared",
+                        classmethod(lambda c, g, d: made.append(d) or comm))  # fmt: skip
+    dp = _nccl_dp()
+    assert dp._comm(_CUDA_LIKE) is comm and dp._comm(_CUDA_LIKE) is comm
+    assert made == [_CUDA_LIKE.device]
+
+
+@pytest.mark.parametrize("outcome", ["refused", "raised"])
+def test_a_refused_or_failed_communicator_is_not_asked_for_again(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch, outcome: str
+) -> None:
+    made = []
+
+    def shared(cls, group, device):
+        made.append(device)
+        if outcome == "raised":
+            raise RuntimeError("ncclCommInitRank failed: unhandled system error")
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(nccl.NcclComm, "shared", classmethod(shared))
+    dp = _nccl_dp()
+    if outcome == "raised":
+        with pytest.raises(m.DistributedError, match=r"\[DataParallel\] making the direct NCCL "
+                           r"communicator failed on rank 0: ncclCommInitRank failed"):  # fmt: skip
+            dp._comm(_CUDA_LIKE)
+    else:
+        assert dp._comm(_CUDA_LIKE) is None
+    assert dp._direct is False
+    assert dp._comm(_CUDA_LIKE) is None and len(made) == 1
+
+
+def test_the_critical_path_collectives_take_the_communicator(one_rank: None) -> None:
+    calls = []
+
+    class Comm:
+        def all_reduce_(self, t):
+            calls.append(("all_reduce_", t))
+            t.mul_(2)
+
+        def all_gather_(self, out, t):
+            calls.append(("all_gather_", t))
+            out.copy_(torch.cat([t, t]))
+
+    dp = _nccl_dp()
+    asked = []
+    dp._comm = lambda t: asked.append(t) or Comm()
+    flat = torch.ones(3)
+    dp._sum_now("the sums", flat)
+    assert calls == [("all_reduce_", flat)] and torch.equal(flat, torch.full((3,), 2.0))
+    rows = dp._all_gather("the statistics", torch.arange(3.0))
+    assert calls[1][0] == "all_gather_" and rows.shape == (2, 3)
+    assert torch.equal(rows[1], torch.arange(3.0))
+    strided = torch.arange(6.0)[::2]
+    dp.world_size = 1  # (the process group's own path, on this one-rank group)
+    dp._all_gather("strided values", strided)
+    assert len(asked) == 2  # a strided tensor is not offered to the communicator
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA tensor")

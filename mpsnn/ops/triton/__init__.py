@@ -198,12 +198,18 @@ def softmax_cross_entropy(
     return softmax_cross_entropy_triton(y, labels, weight, divisor, index_bounds)
 
 
+_MAX_PIXELS = 1 << 30  # a channel's pixels: chunk bounds up to twice that stay int32
+
+
 def batch_norm_eligible(x: torch.Tensor, neuron: Any = None, *more: torch.Tensor) -> bool:
     """The batch-normalization kernels' case: non-empty CUDA (N, C, H, W) tensors in float16,
-    bfloat16 or float32 (``more``, an incoming gradient, of the same shape and dtype), and no
-    neuron, NONE or RELU (type codes 0 and 1, any slope). float64 and other neurons run on the
-    portable path."""
+    bfloat16 or float32 (``more``, an incoming gradient, of the same shape and dtype) with
+    fewer than 2^30 pixels per channel (the channels-last passes count a channel's pixels in
+    32-bit integers), and no neuron, NONE or RELU (type codes 0 and 1, any slope). float64,
+    other neurons and larger tensors run on the portable path."""
     if not _runs(x, *more) or x.dim() != 4 or x.numel() == 0:
+        return False
+    if x.numel() // x.shape[1] >= _MAX_PIXELS:
         return False
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False

@@ -188,7 +188,9 @@ def _stats_combine(
     m2 = tl.sum(q + n * dev * dev, axis=0)
     shift = tl.load(x_ptr + c.to(tl.int64) * L).to(tl.float64)
     tl.store(mean_ptr + c, (shift + mean).to(tl.float32))
-    m2 = tl.maximum(m2, 0.0).to(tl.float32)
+    # rounding may leave a tiny negative sum: 0 then; a NaN stays NaN (a bare maximum would
+    # drop it, and the variance of a channel holding a NaN would read 0)
+    m2 = tl.where(m2 != m2, m2, tl.maximum(m2, 0.0)).to(tl.float32)
     tl.store(m2_ptr + c, m2)
     if VARIANCE:
         tl.store(var_ptr + c, tl.math.div_rn(m2, tl.maximum(total.to(tl.float32), 1.0)))

@@ -278,8 +278,8 @@ class _Tile(NamedTuple):
 #
 # The statistics keep a Welford triple per lane, so a program's loop has no reduction
 # across its tile and small tiles with many programs keep the most loads in flight: 32
-# pixels by 64 channels, 2 warps, at least 384 pixels a program (up to 8 programs per SM and
-# 1,024 partial results). On an H200 (bfloat16, CUDA-graph timings of the pass and its
+# pixels by 64 channels, 2 warps, about 384 pixels a program or more (up to 8 programs per SM
+# and 1,024 partial results). On an H200 (bfloat16, CUDA-graph timings of the pass and its
 # combine) 512x64x32x32 took 25.0 µs against 33.7 with a two-pass sum of each 256-pixel tile
 # merged per loop step, and 256x64x56x56 35.0 against 47.0; the small layers (8x8 and 4x4
 # pixels, where the launch and the combine dominate) took about 0.5 µs more.
@@ -291,7 +291,7 @@ _EW_WARPS = 4  # most warps a program runs: element-wise passes
 _FEWER_PROGRAMS = 4
 _STATS_PIXELS = 32  # a statistics tile's pixels (its channels: up to 64)
 _STATS_WARPS = 2
-_STATS_MIN_ROWS = 384  # the fewest pixels a statistics program reduces (when there are that many)
+_STATS_MIN_ROWS = 384  # programs: at most one per this many pixels (so about this many each)
 
 
 def _ew_warps(block: int) -> int:
