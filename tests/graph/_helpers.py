@@ -158,11 +158,12 @@ def training(
     needed: bool = True,
     fmt: m.FeatureChannelFormat = F64,
     handler: Any = None,
+    device: m.Device = DEV,
 ) -> tuple[m.Graph, list[Any]]:
     """The training graph of ``loss`` (one terminal gradient node expected) as a `Graph`."""
     terminals = loss.training_graph(None, handler)
     assert len(terminals) == 1, terminals
-    graph = m.Graph(DEV, terminals[0].result_image, needed)
+    graph = m.Graph(device, terminals[0].result_image, needed)
     graph.format = fmt
     return graph, terminals
 

@@ -62,7 +62,8 @@ def _net(seed: int, sources: list[m.TensorBatchNormalizationDataSource], dev: m.
     pool = m.PoolingAverageNode(src, 2)
     fc = m.FullyConnectedNode(pool.result_image, m.TensorConvolutionDataSource(
         m.ConvolutionDescriptor(3, 3, 3, 4), put(rand(g, 4, 3, 3, 3)), optimizer=m.Adam(dev)))  # fmt: skip
-    graph, _ = training(ce_loss(fc.result_image, 4), fmt=F32 if dev.type != "cpu" else F64)
+    fmt = F32 if dev.type != "cpu" else F64
+    graph, _ = training(ce_loss(fc.result_image, 4), fmt=fmt, device=dev)
     return graph
 
 
