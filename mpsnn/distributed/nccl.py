@@ -4,16 +4,10 @@ Synchronized batch normalization makes two collectives per layer and step that t
 kernel waits for: the all-gather of the statistics and the all-reduce of the gradient sums, a
 few KiB each. Through ``torch.distributed`` each one is a process-group call: it records an
 event on the caller's stream, makes NCCL's own stream wait for it, launches there, records
-another event and builds a work object, and the caller waits for that. On two H200s of one
-host, for a 1,537-float all-gather with one small kernel before it
-(``python -m benchmarks.tools.nccl_latency``, µs per collective):
-
-    =========================  =======================  ======================
-    path                       eager: wall / host       in a CUDA graph: wall
-    =========================  =======================  ======================
-    ``torch.distributed``      65.5 / 36.2              11.3
-    direct (this module)       27.7 / 18.7              8.2
-    =========================  =======================  ======================
+another event and builds a work object, and the caller waits for that: on two H200s of one
+host about twice the host time and wall time of a direct call, and 3 µs more inside a CUDA
+graph (``python -m benchmarks.tools.nccl_latency``; benchmarks/RESULTS.md, "The critical-path
+collectives on a direct NCCL communicator").
 
 `NcclComm` is a communicator of the process group's ranks of its own (NCCL's C API through
 ``ctypes``: no extension to build; the library of PyTorch's own NCCL version, which its CUDA

@@ -279,10 +279,8 @@ class _Tile(NamedTuple):
 # The statistics keep a Welford triple per lane, so a program's loop has no reduction
 # across its tile and small tiles with many programs keep the most loads in flight: 32
 # pixels by 64 channels, 2 warps, about 384 pixels a program or more (up to 8 programs per SM
-# and 1,024 partial results). On an H200 (bfloat16, CUDA-graph timings of the pass and its
-# combine) 512x64x32x32 took 25.0 µs against 33.7 with a two-pass sum of each 256-pixel tile
-# merged per loop step, and 256x64x56x56 35.0 against 47.0; the small layers (8x8 and 4x4
-# pixels, where the launch and the combine dominate) took about 0.5 µs more.
+# and 1,024 partial results): the fastest plan on ResNet-18's layer shapes (H200; the sweep is
+# in benchmarks/RESULTS.md, "Statistics with a running triple per lane").
 _STATS_TILE_BYTES = 32768  # channel sums: one tensor
 _SUMS_TILE_BYTES = 8192  # gradient sums: two tensors and two accumulators per tile
 _EW_TILE_BYTES = 32768  # normalization and dx
