@@ -100,8 +100,11 @@ def _mpsnn(rank: int, world: int, args: argparse.Namespace, x: torch.Tensor,
     graph = model.training_graph(args.batch_per_gpu * world, storage=storage)
     local = mode.endswith("-local")
     if world > 1:
+        # direct_nccl: the critical-path collectives on mpsnn's own NCCL communicator, which
+        # `mpsnn train --nproc` gets from its rank monitor; these processes run none
         graph.data_parallel = m.DataParallel(bucket_mib=args.bucket_mib,
-                                             sync_batch_norm=not local)  # fmt: skip
+                                             sync_batch_norm=not local,
+                                             direct_nccl=True)  # fmt: skip
     queue = dev.new_command_queue()
     images = [_batch(x, storage)]  # in the graph's format, as `mpsnn train` feeds it
     labels = [m.LossLabels(dev, y.view(-1, 1, 1), max_index=9)]

@@ -46,8 +46,9 @@ communicator of mpsnn's own (`mpsnn.distributed.nccl.NcclComm`, made by every ra
 such collective outside a CUDA graph capture), launched on the queue's stream with no event or
 work object around them: less host time and latency than a process-group call, the same
 values. The buckets keep the process group's asynchronous all-reduces, which overlap the
-backward. ``direct_nccl=False``, or a rank without a usable NCCL library, keeps every
-collective on the process group.
+backward. By default only where a `RankMonitor` watches the ranks (it ends a rank stuck in
+such a collective; the process group's timeout does not); ``direct_nccl=False``, or a rank
+without a usable NCCL library, keeps every collective on the process group.
 
 A collective that fails raises `DistributedError` from its command (``cb.error``, re-raised by
 ``wait_until_completed``), naming the rank that died or hung where the rank's `RankMonitor`
@@ -134,10 +135,13 @@ class DataParallel:
         direct_nccl: with the NCCL backend, run the collectives that the next kernel waits
             for (statistics all-gathers, gradient-sum all-reduces, the weight check) on a NCCL
             communicator of mpsnn's own, on the queue's stream (`mpsnn.distributed.nccl`:
-            less host time and latency than a process-group call; the same values). Made at
-            the first such collective that runs outside a CUDA graph capture, by every rank;
-            where a rank has no usable NCCL library, every rank keeps ``torch.distributed``.
-            False: always ``torch.distributed``.
+            less host time and latency than a process-group call; the same values). None
+            (the default): where a `RankMonitor` watches the rank (`mpsnn.init_distributed`,
+            ``mpsnn train --nproc``), which is what ends a rank stuck in such a collective
+            (the process group's timeout does not watch them). True: with or without one.
+            False: always ``torch.distributed``. Made at the first such collective that runs
+            outside a CUDA graph capture, by every rank; unless every rank wants it and can
+            make it (a usable NCCL library), every rank keeps ``torch.distributed``.
 
     Attributes:
         rank, world_size: this process in the group.
@@ -153,7 +157,7 @@ class DataParallel:
         check_every: int = 0,
         monitor: Any = None,
         sync_batch_norm: bool = True,
-        direct_nccl: bool = True,
+        direct_nccl: bool | None = None,
     ) -> None:
         who = "DataParallel"
         if not dist.is_available() or not dist.is_initialized():
@@ -173,8 +177,10 @@ class DataParallel:
             raise TypeError(
                 f"[{who}] sync_batch_norm must be a bool, got {type(sync_batch_norm).__name__}"
             )
-        if not isinstance(direct_nccl, bool):
-            raise TypeError(f"[{who}] direct_nccl must be a bool, got {type(direct_nccl).__name__}")
+        if direct_nccl is not None and not isinstance(direct_nccl, bool):
+            raise TypeError(
+                f"[{who}] direct_nccl must be a bool or None, got {type(direct_nccl).__name__}"
+            )
         self.sync_batch_norm = sync_batch_norm
         self.direct_nccl = direct_nccl
         self.process_group = process_group
@@ -188,7 +194,7 @@ class DataParallel:
         self._named: list[tuple[str, torch.Tensor]] | None = None  # the last step's weights
         # the direct communicator: None until decided, False when every rank keeps
         # torch.distributed (`_comm`)
-        self._direct: NcclComm | bool | None = None if direct_nccl else False
+        self._direct: NcclComm | bool | None = None if direct_nccl is not False else False
 
     @property
     def capturable(self) -> bool:
@@ -317,9 +323,12 @@ class DataParallel:
             if torch.cuda.is_current_stream_capturing():
                 return None
             group, device = self.process_group, t.device
+            # every rank takes part in the decision (a rank without a monitor says no there)
+            willing = self.direct_nccl is True or (self.monitor or current_monitor()) is not None
             try:
                 made = self._collective(
-                    "making the direct NCCL communicator", lambda: NcclComm.shared(group, device)
+                    "making the direct NCCL communicator",
+                    lambda: NcclComm.shared(group, device, willing),
                 )
             except DistributedError:
                 self._direct = False  # no second attempt: the other ranks may not make one

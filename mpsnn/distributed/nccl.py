@@ -120,15 +120,15 @@ class NcclComm:
         self.world_size = world
 
     @classmethod
-    def create(cls, group: Any, device: torch.device) -> NcclComm | None:
-        """A new communicator of ``group``'s ranks on CUDA ``device``, or None where some rank
-        cannot make one (no usable NCCL library there, or no unique id on rank 0): then on
-        every rank. Collective: every rank of ``group`` calls it at the same point (two
-        collectives of ``group``, then NCCL's initialization, which waits for every rank: a
-        rank whose initialization fails raises, and the others wait until their
+    def create(cls, group: Any, device: torch.device, willing: bool = True) -> NcclComm | None:
+        """A new communicator of ``group``'s ranks on CUDA ``device``, or None where some
+        rank is not ``willing`` or cannot make one (no usable NCCL library there, or no unique
+        id on rank 0): then on every rank. Collective: every rank of ``group`` calls it at the
+        same point (two collectives of ``group``, then NCCL's initialization, which waits for
+        every rank: a rank whose initialization fails raises, and the others wait until their
         `mpsnn.RankMonitor` ends them)."""
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        lib = _library()
+        lib = _library() if willing else None
         ok = torch.tensor([1 if lib is not None else 0], device=device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
         if not int(ok.item()):
@@ -151,16 +151,20 @@ class NcclComm:
         return cls(lib, comm, index, rank, world)
 
     @classmethod
-    def shared(cls, group: Any, device: torch.device) -> NcclComm | None:
+    def shared(cls, group: Any, device: torch.device, willing: bool = True) -> NcclComm | None:
         """The communicator of ``group`` on ``device`` that `create` made for an earlier
-        caller in this process, else `create`'s (collective, as `create`)."""
+        caller in this process, else `create`'s (collective, as `create`: every rank asks at
+        the same point, and gets one where every rank got one)."""
         index = device.index if device.index is not None else torch.cuda.current_device()
         # the group object itself, the default one included: a group made again after
         # destroy_process_group is another object, and gets a communicator of its own
         key = (group if group is not None else dist.group.WORLD, index)
-        if key not in _SHARED:
-            _SHARED[key] = cls.create(group, torch.device("cuda", index))
-        return _SHARED[key]
+        comm = _SHARED.get(key)
+        if comm is None:
+            comm = cls.create(group, torch.device("cuda", index), willing)
+            if comm is not None:
+                _SHARED[key] = comm
+        return comm
 
     def all_reduce_(self, t: torch.Tensor) -> None:
         """Sum ``t`` over the ranks, in place (contiguous, on this communicator's device)."""
@@ -205,14 +209,14 @@ class NcclComm:
         return f"<NcclComm rank {self.rank}/{self.world_size} on cuda:{self.device}>"
 
 
-# (process group, device index) -> the communicator `shared` made, or None (refused there)
-_SHARED: dict[tuple[Any, int], NcclComm | None] = {}
+# (process group, device index) -> the communicator `shared` made
+_SHARED: dict[tuple[Any, int], NcclComm] = {}
 
 
 def close_all() -> None:
     """End every communicator `shared` made (after the device's work: a normal end; a
     recorded step that uses one must not be replayed after this)."""
-    comms = [c for c in _SHARED.values() if c is not None]
+    comms = list(_SHARED.values())
     _SHARED.clear()
     if comms:
         torch.cuda.synchronize()

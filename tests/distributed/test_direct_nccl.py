@@ -15,8 +15,9 @@ import mpsnn as m
 from mpsnn.distributed import nccl
 
 
-def test_direct_nccl_must_be_a_bool(one_rank: None) -> None:
-    with pytest.raises(TypeError, match=r"\[DataParallel\] direct_nccl must be a bool, got str"):
+def test_direct_nccl_must_be_a_bool_or_none(one_rank: None) -> None:
+    with pytest.raises(TypeError, match=r"\[DataParallel\] direct_nccl must be a bool or None, "
+                                        r"got str"):  # fmt: skip
         m.DataParallel(direct_nccl="yes")
 
 
@@ -142,7 +143,7 @@ def test_no_communicator_is_made_during_a_capture(
 ) -> None:
     made = []
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    monkeypatch.setattr(nccl.NcclComm, "shared", classmethod(lambda c, g, d: made.append(d)))
+    monkeypatch.setattr(nccl.NcclComm, "shared", classmethod(lambda c, g, d, w: made.append(d)))
     dp = _nccl_dp()
     assert dp._comm(_CUDA_LIKE) is None and dp._direct is None  # decided later
     assert made == []
@@ -155,7 +156,7 @@ def test_the_communicator_is_made_once_then_kept(
     comm = object()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(nccl.NcclComm, "shared",
-                        classmethod(lambda c, g, d: made.append(d) or comm))  # fmt: skip
+                        classmethod(lambda c, g, d, w: made.append(d) or comm))  # fmt: skip
     dp = _nccl_dp()
     assert dp._comm(_CUDA_LIKE) is comm and dp._comm(_CUDA_LIKE) is comm
     assert made == [_CUDA_LIKE.device]
@@ -167,7 +168,7 @@ def test_a_refused_or_failed_communicator_is_not_asked_for_again(
 ) -> None:
     made = []
 
-    def shared(cls, group, device):
+    def shared(cls, group, device, willing):
         made.append(device)
         if outcome == "raised":
             raise RuntimeError("ncclCommInitRank failed: unhandled system error")
@@ -226,3 +227,54 @@ def test_a_strided_or_mis_sized_operand_is_refused_on_cuda() -> None:
     comm.all_reduce_(t)
     (call,) = lib.calls
     assert call[:7] == ("all_reduce", t.data_ptr(), t.data_ptr(), 16, 7, 0, "comm")
+
+
+@pytest.mark.parametrize(
+    ("setting", "monitored", "willing"),
+    [(None, False, False), (None, True, True), (True, False, True)],
+    ids=["default, no monitor", "default, a monitor", "forced"],
+)
+def test_by_default_only_a_monitored_rank_wants_the_communicator(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch, setting, monitored, willing
+) -> None:
+    """Nothing but a rank's monitor ends it when a direct collective's peer is gone (the
+    process group's timeout does not watch them): by default a rank without one says no,
+    in the decision every rank takes part in."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(nccl.NcclComm, "shared",
+                        classmethod(lambda c, g, d, w: asked.append(w)))  # fmt: skip
+    monitor = SimpleNamespace(progress=lambda: None) if monitored else None
+    dp = m.DataParallel(direct_nccl=setting, monitor=monitor)
+    dp.backend, dp.world_size = "nccl", 2
+    assert dp._comm(_CUDA_LIKE) is None  # (the patched decision made none)
+    assert asked == [willing]
+
+
+def test_an_unwilling_rank_makes_no_communicator(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_library_lookup():
+        raise AssertionError("an unwilling rank does not look for NCCL")
+
+    monkeypatch.setattr(nccl, "_library", no_library_lookup)
+    assert nccl.NcclComm.create(None, torch.device("cpu"), willing=False) is None
+
+
+def test_only_made_communicators_are_shared(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made = iter([None, "comm"])
+    calls = []
+
+    def create(cls, group, device, willing=True):
+        calls.append(willing)
+        return next(made)
+
+    monkeypatch.setattr(nccl.NcclComm, "create", classmethod(create))
+    monkeypatch.setattr(nccl, "_SHARED", {})
+    device = torch.device("cuda", 0)
+    assert nccl.NcclComm.shared(None, device, False) is None  # refused: not kept
+    assert nccl.NcclComm.shared(None, device, True) == "comm"
+    assert nccl.NcclComm.shared(None, device, True) == "comm"  # kept
+    assert calls == [False, True]
