@@ -237,14 +237,13 @@ def batch_norm_running_updates(updates: Sequence[RunningUpdate]) -> bool:
     """Run the Triton running-statistics updates (`mpsnn.ops.batch_norm.bn_running_updates`)
     when every tensor of every update is a contiguous float32 CUDA vector of the current device
     (``count``: 1 or C elements); False, with nothing run, where one does not apply."""
-    device = updates[0].mean.device
     for u in updates:
         ts = (*u.running, u.count, u.mean, u.m2)
-        if not (_runs(*ts) and _on_current_device(*ts)):
+        if not (_runs(*ts) and _on_current_device(*ts)):  # (one device, then)
             return False
         c = u.mean.numel()
         for t in ts:
-            if t.dtype is not torch.float32 or not t.is_contiguous() or t.device != device:
+            if t.dtype is not torch.float32 or not t.is_contiguous():
                 return False
             if t.numel() != c and t is not u.count:
                 return False

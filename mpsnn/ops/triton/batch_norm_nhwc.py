@@ -281,79 +281,58 @@ class _Tile(NamedTuple):
 # pixels by 64 channels, 2 warps, about 384 pixels a program or more (up to 8 programs per SM
 # and 1,024 partial results): the fastest plan on ResNet-18's layer shapes (H200; the sweep is
 # in benchmarks/RESULTS.md, "Statistics with a running triple per lane").
-_STATS_TILE_BYTES = 32768  # channel sums: one tensor
-_SUMS_TILE_BYTES = 8192  # gradient sums: two tensors and two accumulators per tile
-_EW_TILE_BYTES = 32768  # normalization and dx
-_ADD_TILE_BYTES = 8192  # normalization inside the residual addition
+class _Spec(NamedTuple):
+    """How a pass chooses its tiles (`_tile`): ``pixels`` per tile, or as many as fit in
+    ``budget`` bytes of 64 channels; reductions: ``programs_per_sm / fewer`` programs (SMs x
+    `_PROGRAMS_PER_SM` of the NCHW module, divided), at most one per ``min_rows`` pixels."""
+
+    budget: int = 0
+    pixels: int = 0
+    fewer: int = 1
+    min_rows: int = 1
+
+
+_STATS = _Spec(pixels=32, min_rows=384)  # statistics: one tensor, a triple per lane
+_CHANNEL_SUMS = _Spec(budget=32768, fewer=4)  # channel sums: one tensor
+_SUMS = _Spec(budget=8192, fewer=4)  # gradient sums: two tensors and two accumulators
+_EW = _Spec(budget=32768)  # normalization and dx
+_ADD = _Spec(budget=8192)  # normalization inside the residual addition
 _EW_WARPS = 4  # most warps a program runs: element-wise passes
-_FEWER_PROGRAMS = 4
-_STATS_PIXELS = 32  # a statistics tile's pixels (its channels: up to 64)
 _STATS_WARPS = 2
-_STATS_MIN_ROWS = 384  # programs: at most one per this many pixels (so about this many each)
 
 
 def _ew_warps(block: int) -> int:
     return max(1, min(_EW_WARPS, block // 256))
 
 
-def _tile(
-    x: torch.Tensor, budget_bytes: int, tile: tuple[int, int] | None, rows: int | None
-) -> _Tile:
+def _tile(x: torch.Tensor, spec: _Spec, tile: tuple[int, int] | None, rows: int | None) -> _Tile:
     if tile is None:  # every training step asks again: once per shape
-        return _default_tile(x.shape, x.element_size(), x.device, budget_bytes, rows)
-    return _make_tile(x.shape, x.element_size(), x.device, budget_bytes, tile, rows)
+        return _default_tile(x.shape, x.element_size(), x.device, spec, rows)
+    return _make_tile(x.shape, x.element_size(), x.device, spec, tile, rows)
 
 
 @functools.lru_cache(maxsize=1024)
 def _default_tile(
-    shape: torch.Size, element_size: int, device: torch.device, budget_bytes: int,
-    rows: int | None,
-) -> _Tile:  # fmt: skip
-    return _make_tile(shape, element_size, device, budget_bytes, None, rows)
+    shape: torch.Size, element_size: int, device: torch.device, spec: _Spec, rows: int | None
+) -> _Tile:
+    return _make_tile(shape, element_size, device, spec, None, rows)
 
 
 def _make_tile(
-    shape: torch.Size, element_size: int, device: torch.device, budget_bytes: int,
+    shape: torch.Size, element_size: int, device: torch.device, spec: _Spec,
     tile: tuple[int, int] | None, rows: int | None,
 ) -> _Tile:  # fmt: skip
     n, c, h, w = shape
     m = n * h * w
     if tile is None:
         bc = min(64, next_power_of_2(c))  # 128-byte rows in bfloat16
-        bm = max(1, min(budget_bytes // element_size // bc, next_power_of_2(m)))
+        bm = spec.pixels or spec.budget // element_size // bc
+        bm = max(1, min(bm, next_power_of_2(m)))
     else:
         bm, bc = tile
     if rows is None:
-        blocks = cdiv(c, bc)
-        programs = cdiv(_programs_wanted(device), _FEWER_PROGRAMS)
-        want = min(_MAX_PARTS, max(1, cdiv(programs, blocks)))
-        rows = cdiv(m, want)
-    return _Tile(bm, bc, rows, cdiv(m, rows))
-
-
-def _stats_tile(x: torch.Tensor, tile: tuple[int, int] | None, rows: int | None) -> _Tile:
-    if tile is None and rows is None:  # every training step asks again: once per shape
-        return _default_stats_tile(x.shape, x.device)
-    return _make_stats_tile(x.shape, x.device, tile, rows)
-
-
-@functools.lru_cache(maxsize=1024)
-def _default_stats_tile(shape: torch.Size, device: torch.device) -> _Tile:
-    return _make_stats_tile(shape, device, None, None)
-
-
-def _make_stats_tile(
-    shape: torch.Size, device: torch.device, tile: tuple[int, int] | None, rows: int | None
-) -> _Tile:
-    n, c, h, w = shape
-    m = n * h * w
-    if tile is None:
-        bm, bc = min(_STATS_PIXELS, next_power_of_2(m)), min(64, next_power_of_2(c))
-    else:
-        bm, bc = tile
-    if rows is None:
-        want = min(_MAX_PARTS, cdiv(_programs_wanted(device), cdiv(c, bc)),
-                   cdiv(m, _STATS_MIN_ROWS))  # fmt: skip
+        programs = cdiv(_programs_wanted(device), spec.fewer)
+        want = min(_MAX_PARTS, cdiv(programs, cdiv(c, bc)), cdiv(m, spec.min_rows))
         rows = cdiv(m, max(1, want))
     return _Tile(bm, bc, rows, cdiv(m, rows))
 
@@ -368,7 +347,7 @@ def nhwc_statistics(
     """``(count, mean, m2)`` of channels-last ``x``, and ``var`` with ``variance`` (see the
     NCHW `bn_statistics_triton`)."""
     n, c, h, w = x.shape
-    t = _stats_tile(x, tile, rows)
+    t = _tile(x, _STATS, tile, rows)
     part = torch.empty(3, c, t.chunks, dtype=torch.float32, device=x.device)
     warps = max(1, min(_STATS_WARPS, t.bm * t.bc // 256))
     _stats_partial_nhwc[(cdiv(c, t.bc), t.chunks)](
@@ -385,7 +364,7 @@ def nhwc_forward(
     n, c, h, w = x.shape
     relu, slope = _relu(p.neuron)
     y = torch.empty_like(x)  # keeps the channels-last layout
-    t = _tile(x, _EW_TILE_BYTES, tile, 1)
+    t = _tile(x, _EW, tile, 1)
     m = n * h * w
     _forward_nhwc[(cdiv(m, t.bm), cdiv(c, t.bc))](
         x, y, *_channel_params(p, x), m, c, float(p.eps), slope, RELU=relu, BM=t.bm, BC=t.bc,
@@ -404,7 +383,7 @@ def nhwc_forward_add_relu(
     ``bn(x)``. ``first``: ``bn(x)`` is the sum's first operand. The result is channels-last."""
     n, c, h, w = x.shape
     y = torch.empty_like(x)
-    t = _tile(x, _ADD_TILE_BYTES, tile, 1)
+    t = _tile(x, _ADD, tile, 1)
     m = n * h * w
     _forward_add_relu_nhwc[(cdiv(m, t.bm), cdiv(c, t.bc))](
         x, r, y, *_channel_params(p, x), m, c, float(p.eps), FIRST=bool(first), BM=t.bm, BC=t.bc,
@@ -421,7 +400,7 @@ def nhwc_gradient_sums(
     n, c, h, w = x.shape
     relu, slope = _relu(p.neuron)
     g = _nhwc(g)
-    t = _tile(x, _SUMS_TILE_BYTES, tile, rows)
+    t = _tile(x, _SUMS, tile, rows)
     part = torch.empty(2, c, t.chunks, dtype=torch.float32, device=x.device)
     _gradient_sums_partial_nhwc[(cdiv(c, t.bc), t.chunks)](
         g, x, part, *_channel_params(p, x), n * h * w, c, t.rows, float(p.eps), slope,
@@ -441,7 +420,7 @@ def nhwc_backward(
     relu, slope = _relu(p.neuron)
     g = _nhwc(g)
     dx = torch.empty_like(x)
-    t = _tile(x, _EW_TILE_BYTES, tile, 1)
+    t = _tile(x, _EW, tile, 1)
     cnt = _count(sums, x)
     m = n * h * w
     _backward_nhwc[(cdiv(m, t.bm), cdiv(c, t.bc))](
@@ -460,7 +439,7 @@ def nhwc_channel_sums(
     over the outer dimension of the ``(N H W, C)`` view reaches about a fifth of the memory
     bandwidth for bfloat16 there."""
     n, c, h, w = g.shape
-    t = _tile(g, _STATS_TILE_BYTES, tile, rows)
+    t = _tile(g, _CHANNEL_SUMS, tile, rows)
     part = torch.empty(c, t.chunks, dtype=torch.float32, device=g.device)
     _channel_sums_partial[(cdiv(c, t.bc), t.chunks)](
         g, part, n * h * w, c, t.rows, BM=t.bm, BC=t.bc, num_warps=_warps(t.bm * t.bc)
