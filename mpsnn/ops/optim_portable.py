@@ -186,12 +186,21 @@ def _float32(x: float) -> float:
 _FUSED_ADAM: Callable[..., None] | None = getattr(torch, "_fused_adam_", None)
 
 
-def _nhwc_views(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """`nhwc_view` of each of ``tensors`` when all are `channels_last_only` (an element-wise
-    update may read them in that order), else None."""
-    if all(channels_last_only(t) for t in tensors):
-        return [nhwc_view(t) for t in tensors]
-    return None
+def _nhwc_views(grad: torch.Tensor, written: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """`nhwc_view` of a parameter's gradient and of the tensors the update writes, when the
+    written ones are all `channels_last_only` (an element-wise update may then read and write
+    them in that order), else None. A gradient in another layout is copied channels-last first:
+    it is only read, so one copy of it replaces a copy and a copy back of each written tensor
+    (a fully connected layer's NCHW-ordered gradient against OHWI weights and Adam state)."""
+    if not all(channels_last_only(t) for t in written):
+        return None
+    if not channels_last_only(grad):
+        if grad.dim() != 4:
+            return None
+        grad = grad.contiguous(memory_format=torch.channels_last)
+        if not channels_last_only(grad):  # (a shape whose two layouts coincide: not here)
+            return None
+    return [nhwc_view(t) for t in (grad, *written)]
 
 
 def cpu_fused_adam(
@@ -218,12 +227,14 @@ def cpu_fused_adam(
     from the portable path's by the roundings of that division (a few float32 ulps of the
     step). A non-finite gradient leaves other non-finite state than the portable path (``m`` is
     updated as a lerp: NaN where that path keeps an infinity; AMSGrad's maximum drops NaN in the
-    kernel's scalar tail only); the weights are NaN on both. A parameter whose tensors are all
-    channels-last (the CPU's float32 convolutions) is updated through contiguous NHWC views of
-    them, in place: a copy and back would cost more than the update. The kernel's scalar tail
-    (its last elements in memory order) may round one unit in the last place apart from its
-    vector body, so such a parameter's bits can differ there from a contiguous one's. Mixed
-    layouts go through contiguous copies."""
+    kernel's scalar tail only); the weights are NaN on both. A parameter whose written tensors
+    (its result and state) are all channels-last (the CPU's float32 convolutions; OHWI weights
+    a data source holds) is updated through contiguous NHWC views of them, in place, its
+    gradient copied channels-last first where it is not: a copy and back of each written
+    tensor would cost more than the update. The kernel's scalar tail (its last elements in
+    memory order) may round one unit in the last place apart from its vector body, so such a
+    parameter's bits can differ there from a contiguous one's. Other layouts go through
+    contiguous copies."""
     # `apply_update` checked the lists: results and states share the values' dtype, and the
     # gradients are read in it (`_gradients`)
     if _FUSED_ADAM is None or hyper.device.type != "cpu" or values[0].dtype is not torch.float32:
@@ -241,10 +252,10 @@ def cpu_fused_adam(
     lr_t = _float32(lr_t)  # rounded as `_adam`'s
     grads_now = _gradients(values, grads, h32, clip, regularization)
     # what the kernel updates in place: contiguous tensors as they are; a parameter whose
-    # tensors are all channels-last (the CPU's float32 convolution masters, their gradients
-    # and state) through contiguous NHWC views of them, written in place; others through copies
+    # written tensors are all channels-last (the CPU's float32 convolution masters and their
+    # state) through contiguous NHWC views of them, written in place; others through copies
     written = [_results(results, values), *(list(s) for s in states)]
-    views = [_nhwc_views([g, *(xs[i] for xs in written)]) for i, g in enumerate(grads_now)]
+    views = [_nhwc_views(g, [xs[i] for xs in written]) for i, g in enumerate(grads_now)]
     g = [v[0] if v is not None else x.contiguous() for v, x in zip(views, grads_now, strict=True)]
     dense = [
         [v[1 + k] if v is not None else (x if x.is_contiguous() else x.contiguous())

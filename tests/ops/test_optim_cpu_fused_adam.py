@@ -2,8 +2,9 @@
 (`mpsnn.ops.optim_portable.cpu_fused_adam`): it runs exactly where it applies, computes MPS's update
 (``eps`` rescaled to PyTorch's placement) as accurately as the portable path against the
 float64 formulas, over every option and a changing, once negative, learning rate, and leaves
-what it does not take (float64, ``beta2 = 1``) to the portable path; a tensor's layout never
-changes its bits."""
+what it does not take (float64, ``beta2 = 1``) to the portable path. A parameter's bits follow
+the memory order of its storage (contiguous, or channels-last within a vector tail's roundings),
+never the gradient's layout."""
 
 from __future__ import annotations
 
@@ -80,33 +81,67 @@ def test_what_the_fused_kernel_does_not_take_runs_the_portable_path(monkeypatch)
     assert calls == [] and step.tolist() == [1, 0] and not torch.isfinite(w).all()
 
 
+def _updated(rule, w: torch.Tensor, states, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``w`` and its state after one update per gradient, in place; their bits."""
+    hyper = optim_hyper.make_hyper("cpu", learning_rate=0.01, momentum_scale=0.9, beta2=0.99)
+    step = optim_hyper.make_step("cpu")
+    held = w
+    for g in grads:
+        optim.apply_update(rule, [w], [g], [w], states, hyper, step)
+    assert w is held  # updated in place
+    return [t.contiguous().view(torch.int32) for t in (w, *(s[0] for s in states))]
+
+
 @pytest.mark.parametrize("rule", ADAMS, ids=lambda r: r.name)
-def test_a_layout_does_not_change_the_bits(rule, monkeypatch) -> None:
-    """Non-contiguous values and state vectors (a weights state's OIHW view of OHWI storage)
-    are updated through contiguous copies: the bits of contiguous tensors, and in place."""
-    calls = _spy(monkeypatch)
+def test_a_gradients_layout_does_not_change_the_bits(rule, monkeypatch) -> None:
+    """A channels-last parameter and state (a weights state's OIHW view of OHWI storage, as a
+    data source that holds MPS's OHWI weights gives them) are updated in place through NHWC
+    views of them whatever the gradient's layout: a contiguous gradient is copied
+    channels-last (it is only read), so it gives the bits a channels-last one gives, and no
+    written tensor is copied."""
+    real = optim_portable._FUSED_ADAM
+    seen: list[torch.Tensor] = []
+
+    def fused(*args, **kwargs):
+        seen.append(args[0][0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(optim_portable, "_FUSED_ADAM", fused)
     gen = torch.Generator().manual_seed(7)
-    ohwi = torch.randn(5, 3, 3, 4, generator=gen)
+    ohwi = torch.randn(5, 3, 3, 4, generator=gen)  # 180 values: a vector tail in either order
+    grads = [torch.randn(5, 4, 3, 3, generator=gen) for _ in range(4)]  # OIHW, contiguous
+    runs = []
+    for grad_fmt in (torch.contiguous_format, torch.channels_last):
+        w = ohwi.permute(0, 3, 1, 2).clone(memory_format=torch.preserve_format)  # OIHW view
+        states = [list(x) for x in zip(optim_hyper.init_state(rule, w), strict=True)]
+        assert all(s[0].stride() == w.stride() for s in states) and not w.is_contiguous()
+        seen.clear()
+        runs.append(
+            _updated(rule, w, states, [g.contiguous(memory_format=grad_fmt) for g in grads])
+        )
+        assert all(v._base is w and v.is_contiguous() for v in seen)  # views of w: no copy
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rule", ADAMS, ids=lambda r: r.name)
+def test_other_layouts_are_updated_through_contiguous_copies(rule) -> None:
+    """A parameter in a layout that is neither contiguous nor channels-last (here OIHW values
+    in (I, O, H, W) memory) is updated through contiguous copies, written back in place: the
+    bits of the contiguous parameter."""
+    gen = torch.Generator().manual_seed(9)
+    w0 = torch.randn(5, 4, 3, 3, generator=gen)
+    grads = [torch.randn(w0.shape, generator=gen) for _ in range(4)]
     runs = []
     for dense in (True, False):
-        w = ohwi.permute(0, 3, 1, 2)  # OIHW view: not contiguous
-        w = w.contiguous() if dense else w.clone(memory_format=torch.preserve_format)
+        w = w0.clone() if dense else w0.transpose(0, 1).contiguous().transpose(0, 1)
         states = [list(x) for x in zip(optim_hyper.init_state(rule, w), strict=True)]
         if not dense:
-            states = [[s.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)] for [s] in states]
-        assert w.is_contiguous() is dense and all(s[0].is_contiguous() is dense for s in states)
-        hyper = optim_hyper.make_hyper("cpu", learning_rate=0.01, momentum_scale=0.9, beta2=0.99)
-        step = optim_hyper.make_step("cpu")
-        held = w
-        g_gen = torch.Generator().manual_seed(8)
-        for _ in range(4):
-            g = torch.randn(w.shape, generator=g_gen)
-            optim.apply_update(rule, [w], [g], [w], states, hyper, step)
-        assert w is held and w.is_contiguous() is dense  # updated in place, layout kept
-        runs.append([w.clone(), *(s[0].clone() for s in states)])
-    assert len(calls) == 8
+            states = [[s.transpose(0, 1).contiguous().transpose(0, 1)] for [s] in states]
+            assert not w.is_contiguous() and not w.is_contiguous(memory_format=torch.channels_last)
+        runs.append(_updated(rule, w, states, grads))
     for a, b in zip(*runs, strict=True):
-        assert torch.equal(a.view(torch.int32), b.contiguous().view(torch.int32))
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("rule", ADAMS, ids=lambda r: r.name)
