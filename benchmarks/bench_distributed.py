@@ -101,10 +101,11 @@ def _mpsnn(rank: int, world: int, args: argparse.Namespace, x: torch.Tensor,
     local = mode.endswith("-local")
     if world > 1:
         # direct_nccl: the critical-path collectives on mpsnn's own NCCL communicator, which
-        # `mpsnn train --nproc` gets from its rank monitor; these processes run none
+        # `mpsnn train --nproc` gets from its rank monitor; these processes run none, so it
+        # is asked for (or, with --direct-nccl off, refused) explicitly
         graph.data_parallel = m.DataParallel(bucket_mib=args.bucket_mib,
                                              sync_batch_norm=not local,
-                                             direct_nccl=True)  # fmt: skip
+                                             direct_nccl=args.direct_nccl == "on")  # fmt: skip
     queue = dev.new_command_queue()
     images = [_batch(x, storage)]  # in the graph's format, as `mpsnn train` feeds it
     labels = [m.LossLabels(dev, y.view(-1, 1, 1), max_index=9)]
@@ -251,6 +252,9 @@ def main() -> None:
     parser.add_argument("--mpsnn-modes", default="replay,replay-local,eager",
                         help="mpsnn steps: replay (CUDA graph), replay-local (each GPU's own "
                         "batch-norm statistics) and/or eager")  # fmt: skip
+    parser.add_argument("--direct-nccl", choices=("on", "off"), default="on",
+                        help="the collectives a kernel waits for on mpsnn's direct NCCL "
+                        "communicator (on) or on the process group (off)")  # fmt: skip
     parser.add_argument("--json", default=None, help="write the rows to this file")
     args = parser.parse_args()
     os.environ.update(NCCL_ENV)  # before anything initializes NCCL (inherited by the workers)
@@ -268,6 +272,7 @@ def main() -> None:
 
     info = {"model": args.model, "device": args.device, "batch_per_gpu": args.batch_per_gpu,
             "warmup": args.warmup, "steps": args.steps, "bucket_mib": args.bucket_mib,
+            "direct_nccl": args.direct_nccl,
             "torch": torch.__version__, "seconds": time.perf_counter() - start,
             "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
             "precision": describe_precision()}  # fmt: skip

@@ -1,17 +1,29 @@
-"""Which GPU kernels one convolution gradient runs, mpsnn beside PyTorch (NCHW and
-channels-last), with each kernel's time: the tool behind the bfloat16 convolution-gradient
-investigation (3x3, 64->64, 56x56, batch 64 by default).
+"""Which GPU kernels one convolution gradient (and one forward-and-gradient step) runs, mpsnn
+beside PyTorch (NCHW and channels-last), with each kernel's time and the host's time per call:
+the tool behind the bfloat16 convolution-gradient investigation (3x3, 64->64, 56x56, batch 64
+by default).
 
-    python -m benchmarks.tools.profile_conv --dtype bfloat16
+    python -m benchmarks.tools.profile_conv --dtype bfloat16 [--python]
+
+Three times per call: "wall" (back-to-back calls, the device synchronized at the end: what
+the standard table measures), "host" (one call's own duration, started on an idle device and
+queue, median of many: the time the device waits for when the host is the slower side) and
+"kernels" (the sum of the profiler's GPU kernel times). A call is host-bound when host > kernels.
+``--python`` adds a cProfile listing of mpsnn's calls (Python functions per call, the most
+expensive first).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
+import statistics
 import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import mpsnn as m
@@ -40,12 +52,37 @@ def _kernels(fn: Callable[[], object], iters: int = 20) -> tuple[float, list[tup
     return wall, rows
 
 
+def _host(fn: Callable[[], object], iters: int = 100) -> float:
+    """Median ms of one call's own duration, each started on an idle device."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e3
+
+
+def _python(name: str, fn: Callable[[], object], iters: int = 200) -> None:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof)
+    print(f"== {name}: {stats.total_calls / iters:.0f} Python calls per call")  # type: ignore[attr-defined]
+    stats.sort_stats("tottime").print_stats(18)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--channels", type=int, default=64)
     p.add_argument("--size", type=int, default=56)
+    p.add_argument("--python", action="store_true", help="cProfile mpsnn's calls")
     a = p.parse_args()
     dt = getattr(torch, a.dtype)
     n, c, hw = a.batch, a.channels, a.size
@@ -78,6 +115,25 @@ def main() -> None:
 
         return run
 
+    def mps_step(dy: m.ImageBatch, xs: m.ImageBatch) -> Callable[[], object]:
+        def run() -> object:
+            cb = q.command_buffer()
+            st = conv.result_state_batch(xs)
+            conv.encode_batch(cb, xs, destination_states=st)
+            out = grad.encode_batch(cb, dy, xs, st)
+            cb.commit()
+            return out
+
+        return run
+
+    def torch_step(xt: torch.Tensor, gt: torch.Tensor, wt: torch.Tensor) -> Callable[[], object]:
+        def run() -> object:
+            F.conv2d(xt, wt, None, padding=1)
+            return _bwd(gt, xt, wt, [c], [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+                        [True, True, True])  # fmt: skip
+
+        return run
+
     cases = {
         "torch NCHW": lambda: _bwd(
             gy, x, w, [c], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True]
@@ -87,17 +143,24 @@ def main() -> None:
         ),
         "mpsnn NCHW images": mps(dsrc, src),
         "mpsnn channels-last images": mps(dsrccl, srccl),
+        "torch step NCHW": torch_step(x, gy, w),
+        "mpsnn step NCHW images": mps_step(dsrc, src),
+        "torch step channels-last": torch_step(xcl, gycl, wcl),
+        "mpsnn step channels-last images": mps_step(dsrccl, srccl),
     }
     summary = []
     for name, fn in cases.items():
         wall, rows = _kernels(fn)
-        print(f"== {name}: {wall:.3f} ms/call (wall), kernels:")
+        host = _host(fn)
+        print(f"== {name}: {wall:.3f} ms/call (wall), {host:.3f} ms host, kernels:")
         for k, ms in rows[:8]:
             print(f"   {ms:8.3f} ms  {k}")
-        summary.append((name, wall, sum(ms for _, ms in rows)))
-    print(f"{'case':<30}{'wall ms':>10}{'kernel ms':>11}")
-    for name, wall, kms in summary:
-        print(f"{name:<30}{wall:>10.3f}{kms:>11.3f}")
+        summary.append((name, wall, host, sum(ms for _, ms in rows)))
+        if a.python and name.startswith("mpsnn"):
+            _python(name, fn)
+    print(f"{'case':<34}{'wall ms':>10}{'host ms':>10}{'kernel ms':>11}")
+    for name, wall, host, kms in summary:
+        print(f"{name:<34}{wall:>10.3f}{host:>10.3f}{kms:>11.3f}")
 
 
 if __name__ == "__main__":
