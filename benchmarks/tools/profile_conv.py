@@ -10,7 +10,10 @@ the standard table measures), "host" (one call's own duration, started on an idl
 queue, median of many: the time the device waits for when the host is the slower side) and
 "kernels" (the sum of the profiler's GPU kernel times). A call is host-bound when host > kernels.
 ``--python`` adds a cProfile listing of mpsnn's calls (Python functions per call, the most
-expensive first).
+expensive first). ``--ops`` times instead, back-to-back at this size and at 1xCx8x8 (where the
+device work is negligible: host time alone), PyTorch's call, the operations one mpsnn gradient
+runs issued directly (transposes, cuDNN, channel sums, widening, accumulation; NCHW and
+channels-last operands) and ``ConvolutionGradient``'s encode and commit around them.
 """
 
 from __future__ import annotations
@@ -76,6 +79,81 @@ def _python(name: str, fn: Callable[[], object], iters: int = 200) -> None:
     stats.sort_stats("tottime").print_stats(18)
 
 
+def _back_to_back(fn: Callable[[], object], iters: int = 300, runs: int = 5) -> tuple[float, float]:
+    """(minimum, median) µs per call over ``runs`` runs of ``iters`` back-to-back calls."""
+    for _ in range(20):
+        fn()
+    times = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / iters * 1e6)
+    return min(times), statistics.median(times)
+
+
+def _ops(n: int, c: int, hw: int, dt: torch.dtype) -> dict[str, Callable[[], object]]:
+    """PyTorch's gradient call, mpsnn's operations for one gradient issued directly, and
+    mpsnn's encode, for a 3x3 convolution of (n, c, hw, hw) images."""
+    from mpsnn.ops.triton.batch_norm_nhwc import nhwc_channel_sums
+    from mpsnn.ops.triton.layout import channels_last_copy
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, c, hw, hw, generator=g).cuda().to(dt)
+    gy = torch.randn(n, c, hw, hw, generator=g).cuda().to(dt)
+    w = (torch.randn(c, c, 3, 3, generator=g) * 0.05).cuda().to(dt)
+    cl = torch.channels_last
+    xcl, gycl, wcl = (t.contiguous(memory_format=cl) for t in (x, gy, w))
+    acc_w, acc_b = torch.zeros(c, c, 3, 3, device="cuda"), torch.zeros(c, device="cuda")
+    one, pad = [1, 1], [1, 1]
+
+    def ops(gi: torch.Tensor, xi: torch.Tensor) -> Callable[[], object]:
+        def run() -> object:
+            gt, xt = channels_last_copy(gi), channels_last_copy(xi)
+            dx, dw, _ = _bwd(gt, xt, wcl, None, one, pad, one, False, [0, 0], 1,
+                             [True, True, False])  # fmt: skip
+            db = nhwc_channel_sums(gt)
+            wide = dw.to(torch.float32, memory_format=torch.contiguous_format)
+            torch._foreach_add_([acc_w, acc_b], [wide, db])
+            return dx
+
+        return run
+
+    dev = m.Device("cuda")
+    q = dev.new_command_queue()
+    desc = m.ConvolutionDescriptor(3, 3, c, c)
+    ds = m.TensorConvolutionDataSource(desc, w.float().cpu().permute(0, 2, 3, 1), torch.zeros(c))
+    conv, grad = m.Convolution(dev, ds), m.ConvolutionGradient(dev, ds)
+
+    def encode(gi: torch.Tensor, xi: torch.Tensor) -> Callable[[], object]:
+        src, dsrc = m.ImageBatch.from_tensor(xi), m.ImageBatch.from_tensor(gi)
+        states = conv.result_state_batch(src)
+        cb = q.command_buffer()
+        conv.encode_batch(cb, src, destination_states=states)
+        cb.commit()
+        cb.wait_until_completed()
+
+        def run() -> object:
+            cb = q.command_buffer()
+            out = grad.encode_batch(cb, dsrc, src, states)
+            cb.commit()
+            return out
+
+        return run
+
+    return {
+        "PyTorch's call, NCHW": lambda: _bwd(
+            gy, x, w, [c], one, pad, one, False, [0, 0], 1, [True, True, True]
+        ),
+        "mpsnn's operations, NCHW": ops(gy, x),
+        "mpsnn's operations, channels-last": ops(gycl, xcl),
+        "mpsnn's encode + commit, NCHW": encode(gy, x),
+        "mpsnn's encode + commit, channels-last": encode(gycl, xcl),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="bfloat16")
@@ -83,9 +161,19 @@ def main() -> None:
     p.add_argument("--channels", type=int, default=64)
     p.add_argument("--size", type=int, default=56)
     p.add_argument("--python", action="store_true", help="cProfile mpsnn's calls")
+    p.add_argument("--ops", action="store_true", help="time the operations of one gradient")
     a = p.parse_args()
     dt = getattr(torch, a.dtype)
     n, c, hw = a.batch, a.channels, a.size
+    if a.ops:
+        small, full = _ops(1, c, 8, dt), _ops(n, c, hw, dt)
+        head = f"{'sequence (µs per call: min / median)':<42}{f'1x{c}x8x8':>16}"
+        print(head + f"{f'{n}x{c}x{hw}x{hw}':>18}")
+        for name in full:
+            s_min, s_med = _back_to_back(small[name])
+            f_min, f_med = _back_to_back(full[name])
+            print(f"{name:<42}{s_min:>8.0f} / {s_med:<5.0f}{f_min:>10.0f} / {f_med:<5.0f}")
+        return
     dev = m.Device("cuda")
     q = dev.new_command_queue()
     g = torch.Generator().manual_seed(0)
