@@ -443,12 +443,29 @@ class ConvolutionWeightsAndBiasesState(State):
     ) -> ConvolutionWeightsAndBiasesState:
         """Zero weights (and biases) of the descriptor's shape, in fresh contiguous OIHW
         storage (MPS ``initWithDevice:cnnConvolutionDescriptor:``)."""
+        return cls._made(device, descriptor, with_biases, dtype, command_buffer, torch.zeros)
+
+    @classmethod
+    def _made(
+        cls,
+        device: Device,
+        descriptor: ConvolutionDescriptor,
+        with_biases: bool,
+        dtype: torch.dtype,
+        command_buffer: CommandBuffer | None,
+        make: Any = torch.empty,
+    ) -> ConvolutionWeightsAndBiasesState:
+        """A state of the descriptor's shape in fresh contiguous OIHW storage made by ``make``:
+        ``torch.zeros``, or ``torch.empty`` for a state whose first command writes all of it
+        (`Convolution.export_weights_and_biases`: no fill of weights that the copy replaces,
+        a pass over the layer's weights saved at every training step of a data source that
+        updates its own weights)."""
         dev = device.torch_device
         o, kh, kw, ig = descriptor.weights_shape
         # contiguous OIHW storage, wrapped through its OHWI view: what the one-launch GPU
         # optimizer and the reloads read fastest
-        w = torch.zeros((o, ig, kh, kw), device=dev, dtype=dtype).permute(0, 2, 3, 1)
-        b = torch.zeros(o, device=dev, dtype=dtype) if with_biases else None
+        w = make((o, ig, kh, kw), device=dev, dtype=dtype).permute(0, 2, 3, 1)
+        b = make(o, device=dev, dtype=dtype) if with_biases else None
         return cls(w, b, command_buffer=command_buffer)
 
     @classmethod

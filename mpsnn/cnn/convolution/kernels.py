@@ -231,12 +231,12 @@ class _ConvolutionBase(CNNKernel):
         ``exportWeightsAndBiasesWithCommandBuffer:resultStateCanBeTemporary:``)."""
         self._check_command_buffer(command_buffer)
         ws = self._weights
-        state = ConvolutionWeightsAndBiasesState.from_descriptor(
+        state = ConvolutionWeightsAndBiasesState._made(  # storage the command below fills
             self._device,
             self._descriptor,
-            with_biases=ws.bias is not None,
-            dtype=ws.weight.dtype,
-            command_buffer=command_buffer if result_state_can_be_temporary else None,
+            ws.bias is not None,
+            ws.weight.dtype,
+            command_buffer if result_state_can_be_temporary else None,
         )
         sw, sb = state._oihw, state._biases
 
