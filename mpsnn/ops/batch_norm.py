@@ -111,6 +111,17 @@ def _col(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype).view(1, -1, 1, 1)
 
 
+def _minus(x: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    """``x.to(col.dtype) - col`` as one new tensor (a half-precision ``x`` is widened inside the
+    subtraction: exactly, the bits of the conversion followed by it).
+
+    The portable passes make the temporaries they need and update them in place, each
+    operation the one the formulas name, in their order (the same bits as new tensors): on the
+    CPU a fresh tensor of a layer's size costs about as much as a pass over it (the allocator
+    maps and zero-fills new pages for it), so fewer of them is most of the speed."""
+    return torch.sub(x, col)
+
+
 def _sqrt_rn(v: torch.Tensor) -> torch.Tensor:
     """``sqrt(v)`` correctly rounded. CUDA's float32 square root is; PyTorch's vectorized CPU
     one can be one unit in the last place off, so on the CPU the float32 candidate is moved to
@@ -196,10 +207,11 @@ def bn_statistics_portable(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     # Shift by a sample of each channel: exact for half types widened to float32, and it keeps
     # the sums small for data far from 0. Then the two-pass mean and squared deviations.
     shift = x[:1, :, :1, :1].to(ct)
-    d = x.to(ct) - shift
+    d = _minus(x, shift)
     dm = d.mean(dim=_DIMS, keepdim=True)
     d.sub_(dm)
-    m2 = (d * d).sum(dim=_DIMS)
+    # squared in place (the bits of d * d; mul_(d) would differentiate wrongly in forward mode)
+    m2 = d.square_().sum(dim=_DIMS)
     return count, (shift + dm).view(c), m2
 
 
@@ -378,7 +390,7 @@ def bn_forward_portable(x: torch.Tensor, p: BatchNormParams) -> torch.Tensor:
     ct = acc_dtype(x.dtype)
     inv = _inv_std(p.var.to(ct), p.eps)
     a = p.gamma.to(ct) * inv
-    z = (x.to(ct) - _col(p.mean, ct)) * _col(a, ct) + _col(p.beta, ct)
+    z = _minus(x, _col(p.mean, ct)).mul_(_col(a, ct)).add_(_col(p.beta, ct))
     if p.neuron is not None:
         z = activation(p.neuron, z)
     return z.to(x.dtype)
@@ -408,13 +420,13 @@ def bn_gradient_sums_portable(
     """`bn_gradient_sums` in PyTorch operations (any device, any neuron)."""
     ct = acc_dtype(x.dtype)
     inv = _inv_std(p.var.to(ct), p.eps)
-    xc = x.to(ct) - _col(p.mean, ct)
+    xc = _minus(x, _col(p.mean, ct))
     xhat = xc * _col(inv, ct)
-    gy = g.to(ct)
-    if p.neuron is not None:
-        z = xc * _col(p.gamma.to(ct) * inv, ct) + _col(p.beta, ct)
+    gy = g.to(ct)  # (``g`` itself when it is in ``ct``: never written)
+    if p.neuron is not None:  # z in xc's memory (xc is not read again)
+        z = xc.mul_(_col(p.gamma.to(ct) * inv, ct)).add_(_col(p.beta, ct))
         gy = _neuron_gradient(p.neuron, gy, z)
-    return gy.sum(dim=_DIMS), (gy * xhat).sum(dim=_DIMS)
+    return gy.sum(dim=_DIMS), xhat.mul_(gy).sum(dim=_DIMS)
 
 
 def bn_backward(
@@ -445,11 +457,11 @@ def bn_backward_portable(
     a = p.gamma.to(ct) * inv
     mean_gy = sums.sum_gy.to(ct) / m
     mean_gy_xhat = sums.sum_gy_xhat.to(ct) / m
-    xc = x.to(ct) - _col(p.mean, ct)
+    xc = _minus(x, _col(p.mean, ct))
     xhat = xc * _col(inv, ct)
-    gy = g.to(ct)
-    if p.neuron is not None:
-        gy = _neuron_gradient(p.neuron, gy, xc * _col(a, ct) + _col(p.beta, ct))
+    gy = g.to(ct)  # (``g`` itself when it is in ``ct``: never written)
+    if p.neuron is not None:  # z in xc's memory (xc is not read again)
+        gy = _neuron_gradient(p.neuron, gy, xc.mul_(_col(a, ct)).add_(_col(p.beta, ct)))
     t = gy - _col(mean_gy, ct)
-    t = t - xhat * _col(mean_gy_xhat, ct)
-    return (t * _col(a, ct)).to(x.dtype)
+    t.sub_(xhat.mul_(_col(mean_gy_xhat, ct)))
+    return t.mul_(_col(a, ct)).to(x.dtype)
