@@ -116,10 +116,20 @@ def _minus(x: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
     subtraction: exactly, the bits of the conversion followed by it).
 
     The portable passes make the temporaries they need and update them in place, each
-    operation the one the formulas name, in their order (the same bits as new tensors): on the
-    CPU a fresh tensor of a layer's size costs about as much as a pass over it (the allocator
-    maps and zero-fills new pages for it), so fewer of them is most of the speed."""
+    operation the one the formulas name, in their order and in the layout a new tensor would
+    have (so the same bits, the sums' order included): on the CPU a fresh tensor of a layer's
+    size costs about as much as a pass over it (the allocator maps and zero-fills new pages for
+    it), so fewer of them is most of the speed."""
     return torch.sub(x, col)
+
+
+def _reuse(xc: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """``xc``'s memory for ``z`` once ``xhat = xc inv`` is made (xc is not read again), or a
+    copy where autograd saved ``xc`` for that product's gradient (reverse mode through the
+    gradient passes: a gradient penalty) and must find it unchanged."""
+    if torch.is_grad_enabled() and (xc.requires_grad or inv.requires_grad):
+        return xc.clone()
+    return xc
 
 
 def _sqrt_rn(v: torch.Tensor) -> torch.Tensor:
@@ -423,10 +433,12 @@ def bn_gradient_sums_portable(
     xc = _minus(x, _col(p.mean, ct))
     xhat = xc * _col(inv, ct)
     gy = g.to(ct)  # (``g`` itself when it is in ``ct``: never written)
-    if p.neuron is not None:  # z in xc's memory (xc is not read again)
-        z = xc.mul_(_col(p.gamma.to(ct) * inv, ct)).add_(_col(p.beta, ct))
+    if p.neuron is not None:
+        z = _reuse(xc, inv).mul_(_col(p.gamma.to(ct) * inv, ct)).add_(_col(p.beta, ct))
         gy = _neuron_gradient(p.neuron, gy, z)
-    return gy.sum(dim=_DIMS), xhat.mul_(gy).sum(dim=_DIMS)
+    # in xhat's memory only where it has gy's layout: the product's layout orders the sum
+    gy_xhat = xhat.mul_(gy) if xhat.stride() == gy.stride() else gy * xhat
+    return gy.sum(dim=_DIMS), gy_xhat.sum(dim=_DIMS)
 
 
 def bn_backward(
@@ -460,8 +472,9 @@ def bn_backward_portable(
     xc = _minus(x, _col(p.mean, ct))
     xhat = xc * _col(inv, ct)
     gy = g.to(ct)  # (``g`` itself when it is in ``ct``: never written)
-    if p.neuron is not None:  # z in xc's memory (xc is not read again)
-        gy = _neuron_gradient(p.neuron, gy, xc.mul_(_col(a, ct)).add_(_col(p.beta, ct)))
+    if p.neuron is not None:
+        z = _reuse(xc, inv).mul_(_col(a, ct)).add_(_col(p.beta, ct))
+        gy = _neuron_gradient(p.neuron, gy, z)
     t = gy - _col(mean_gy, ct)
     t.sub_(xhat.mul_(_col(mean_gy_xhat, ct)))
     return t.mul_(_col(a, ct)).to(x.dtype)

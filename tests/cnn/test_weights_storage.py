@@ -102,6 +102,7 @@ def test_state_copies_weights_it_cannot_wrap_and_says_which() -> None:
     desc = m.ConvolutionDescriptor(3, 3, 2, 4)
     st = m.ConvolutionWeightsAndBiasesState.from_descriptor(CPU, desc)
     assert st._oihw.is_contiguous() and st.weights.shape == (4, 3, 3, 2)
+    assert not st.weights.any() and not st.biases.any()  # zeros (an export is not filled first)
     w = torch.randn(desc.weights_shape)
     conv = m.Convolution(CPU, m.TensorConvolutionDataSource(desc, w))
     cb = CPU.new_command_queue().command_buffer()

@@ -453,7 +453,7 @@ class ConvolutionWeightsAndBiasesState(State):
         with_biases: bool,
         dtype: torch.dtype,
         command_buffer: CommandBuffer | None,
-        make: Any = torch.empty,
+        make: Any,
     ) -> ConvolutionWeightsAndBiasesState:
         """A state of the descriptor's shape in fresh contiguous OIHW storage made by ``make``:
         ``torch.zeros``, or ``torch.empty`` for a state whose first command writes all of it

@@ -237,6 +237,7 @@ class _ConvolutionBase(CNNKernel):
             ws.bias is not None,
             ws.weight.dtype,
             command_buffer if result_state_can_be_temporary else None,
+            torch.empty,
         )
         sw, sb = state._oihw, state._biases
 
