@@ -89,14 +89,14 @@ def _steps(device: str, storage: str, seed: int = 0) -> tuple[Callable[[], None]
     return mpsnn_step, torch_step, sync
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--storage", choices=("float16", "float32"), default="float32",
                    help="the graph's storage format (the sample uses float16)")  # fmt: skip
     p.add_argument("--pairs", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     mpsnn_step, torch_step, sync = _steps(args.device, args.storage)
     for fn in (mpsnn_step, torch_step):
         for _ in range(3):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_eager_pairs, suite, suite_compare
+from benchmarks import bench_apple_step, bench_eager_pairs, suite, suite_compare
 from mpsnn.data.fashion_mnist import find_fashion_mnist
 
 
@@ -36,6 +36,15 @@ def test_eager_pairs_measure_on_the_cpu() -> None:
     pairs = zip(r["mpsnn_ms"], r["torch_ms"], strict=True)
     assert r["ratios"] == pytest.approx([t / m for m, t in pairs])
     assert r["median_ratio"] == pytest.approx(sum(r["ratios"]) / 2)
+
+
+def test_apple_step_reports_the_pairs_on_the_cpu(capsys) -> None:
+    bench_apple_step.main(["--device", "cpu", "--pairs", "2", "--steps", "1"])
+    out = capsys.readouterr().out
+    found = re.search(r"median (\d+\.\d+) \(range (\d+\.\d+)-(\d+\.\d+)\) over 2 pairs", out)
+    assert found is not None, out
+    median, low, high = map(float, found.groups())
+    assert 0 < low <= median <= high
 
 
 # -- benchmarks.suite: the standard table and its regression guard ---------------------------
