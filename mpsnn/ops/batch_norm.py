@@ -134,21 +134,14 @@ def _reuse(xc: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
 
 def _sqrt_rn(v: torch.Tensor) -> torch.Tensor:
     """``sqrt(v)`` correctly rounded. CUDA's float32 square root is; PyTorch's vectorized CPU
-    one can be one unit in the last place off, so on the CPU the float32 candidate is moved to
-    the neighbour whose rounding interval holds ``v``: the interval's ends (midpoints between
-    neighbouring float32 values, 25 bits) square exactly in float64."""
-    s = torch.sqrt(v)
+    one can be one unit in the last place off, so on the CPU a float32 ``v`` is rooted in
+    float64 and rounded once to float32: correctly rounded, since float64 carries more than
+    twice float32's 24 bits plus two (the square root's double rounding is then innocuous;
+    checked against a nearest-neighbour correction on 2e7 random float32 bit patterns and on
+    exact squares). ``sqrt(inf)`` is inf, as on CUDA."""
     if v.dtype != torch.float32 or v.device.type != "cpu":
-        return s
-    with torch.no_grad():  # the correction is a constant: derivatives go through s
-        inf = torch.full_like(s, float("inf"))
-        up, down = torch.nextafter(s, inf), torch.nextafter(s, -inf)
-        hi = (s.double() + up.double()) / 2
-        lo = (s.double() + down.double()) / 2
-        wide = v.double()
-        rn = torch.where(wide > hi * hi, up, torch.where((wide < lo * lo) & (s > 0), down, s))
-        step = rn - s  # 0 or one unit in the last place: s + step is exactly rn
-    return s + step
+        return torch.sqrt(v)
+    return torch.sqrt(v.double()).to(torch.float32)
 
 
 def _inv_std(var: torch.Tensor, eps: float) -> torch.Tensor:

@@ -144,3 +144,23 @@ def test_the_gradient_passes_differentiate_in_reverse_mode(neuron) -> None:
         grads.append(torch.autograd.grad(loss, (x, var, gamma)))
     for got, want in zip(*grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_cpu_square_root_is_correctly_rounded() -> None:
+    """`_sqrt_rn` of float32 values on the CPU is the float32 nearest to the real square root:
+    its neighbours' squares (in float64, exact for float32 values) are no closer to ``v`` (a
+    square root never falls halfway between two floats); ``sqrt(inf) = inf`` and
+    ``sqrt(0) = 0``, as on CUDA."""
+    gen = torch.Generator().manual_seed(11)
+    bits = torch.randint(0, 0x7F800000, (200_000,), generator=gen, dtype=torch.int64)
+    squares = (torch.rand(50_000, generator=gen, dtype=F64) * 1e3).float().double() ** 2
+    v = torch.cat([bits.to(torch.int32).view(torch.float32), squares.float()])
+    s = bn._sqrt_rn(v)
+    exact = v.double()
+    inf = torch.full_like(s, float("inf"))
+    for other in (torch.nextafter(s, inf), torch.nextafter(s, -inf)):
+        # |s² - v| <= |other² - v| in float64 (float32 products are exact there, up to one
+        # rounding of the difference, far below the gap between neighbours' squares)
+        assert ((s.double() ** 2 - exact).abs() <= (other.double() ** 2 - exact).abs()).all()
+    special = bn._sqrt_rn(torch.tensor([0.0, float("inf")]))
+    assert special.tolist() == [0.0, float("inf")]
