@@ -62,7 +62,13 @@ import torch
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops._dtypes import acc_dtype
 from mpsnn.ops.batch_norm_params import BatchNormParams, BatchNormSums, RunningUpdate
-from mpsnn.ops.neuron import NeuronParams, activation, activation_backward, plain_relu
+from mpsnn.ops.neuron import (
+    NeuronParams,
+    _relu_times,
+    activation,
+    activation_backward,
+    plain_relu,
+)
 
 __all__ = [
     "bn_backward",
@@ -121,6 +127,15 @@ def _minus(x: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
     size costs about as much as a pass over it (the allocator maps and zero-fills new pages for
     it), so fewer of them is most of the speed."""
     return torch.sub(x, col)
+
+
+def _gy(neuron: NeuronParams, g: torch.Tensor, z: torch.Tensor, ct: torch.dtype) -> torch.Tensor:
+    """``gy = g f'(z)`` in ``ct`` (`_neuron_gradient`), a new tensor or ``g`` itself (a NONE
+    neuron). The plain ReLU's 1.0/0.0 mask multiplies ``g`` as it is, widened inside the
+    product (the bits of widening first), without a widened copy of ``g``."""
+    if plain_relu(neuron, z):
+        return _relu_times(z, g)
+    return _neuron_gradient(neuron, g.to(ct), z)
 
 
 def _reuse(xc: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
@@ -425,10 +440,11 @@ def bn_gradient_sums_portable(
     inv = _inv_std(p.var.to(ct), p.eps)
     xc = _minus(x, _col(p.mean, ct))
     xhat = xc * _col(inv, ct)
-    gy = g.to(ct)  # (``g`` itself when it is in ``ct``: never written)
     if p.neuron is not None:
         z = _reuse(xc, inv).mul_(_col(p.gamma.to(ct) * inv, ct)).add_(_col(p.beta, ct))
-        gy = _neuron_gradient(p.neuron, gy, z)
+        gy = _gy(p.neuron, g, z, ct)
+    else:
+        gy = g.to(ct)  # (``g`` itself when it is in ``ct``: never written)
     # in xhat's memory only where it has gy's layout: the product's layout orders the sum
     gy_xhat = xhat.mul_(gy) if xhat.stride() == gy.stride() else gy * xhat
     return gy.sum(dim=_DIMS), gy_xhat.sum(dim=_DIMS)
@@ -464,10 +480,12 @@ def bn_backward_portable(
     mean_gy_xhat = sums.sum_gy_xhat.to(ct) / m
     xc = _minus(x, _col(p.mean, ct))
     xhat = xc * _col(inv, ct)
-    gy = g.to(ct)  # (``g`` itself when it is in ``ct``: never written)
     if p.neuron is not None:
         z = _reuse(xc, inv).mul_(_col(a, ct)).add_(_col(p.beta, ct))
-        gy = _neuron_gradient(p.neuron, gy, z)
-    t = gy - _col(mean_gy, ct)
+        gy = _gy(p.neuron, g, z, ct)
+    else:
+        gy = g.to(ct)  # (``g`` itself when it is in ``ct``: never written)
+    # a new gy of ours (not ``g``) becomes t in place
+    t = gy.sub_(_col(mean_gy, ct)) if gy is not g else gy - _col(mean_gy, ct)
     t.sub_(xhat.mul_(_col(mean_gy_xhat, ct)))
     return t.mul_(_col(a, ct)).to(x.dtype)

@@ -164,3 +164,27 @@ def test_the_cpu_square_root_is_correctly_rounded() -> None:
         assert ((s.double() ** 2 - exact).abs() <= (other.double() ** 2 - exact).abs()).all()
     special = bn._sqrt_rn(torch.tensor([0.0, float("inf")]))
     assert special.tolist() == [0.0, float("inf")]
+
+
+def test_the_portable_passes_make_few_layer_sized_tensors() -> None:
+    """On the CPU a new layer-sized tensor costs about a pass (fresh pages): the float32 passes
+    with a ReLU make at most these many (the formulas with a new tensor per operation make
+    2, 5, 7 and 10), counted by the profiler's memory events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(2, 8, 32, 32)
+    g = torch.randn(2, 8, 32, 32)
+    count, mean, m2 = bn.bn_statistics_portable(x)
+    p = P(mean, bn.bn_variance(count, m2), torch.ones(8), torch.zeros(8), 1e-5, NEURONS["relu"])
+    s = S(torch.zeros(8), torch.zeros(8), count)
+    calls = {
+        "statistics": (lambda: bn.bn_statistics_portable(x), 1),
+        "forward": (lambda: bn.bn_forward_portable(x, p), 3),
+        "gradient sums": (lambda: bn.bn_gradient_sums_portable(g, x, p), 4),
+        "backward": (lambda: bn.bn_backward_portable(g, x, p, s), 4),
+    }
+    for name, (fn, most) in calls.items():
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+        made = sum(1 for e in prof.events() if e.cpu_memory_usage >= x.numel() * 4)
+        assert 1 <= made <= most, (name, made)
