@@ -62,13 +62,7 @@ import torch
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops._dtypes import acc_dtype
 from mpsnn.ops.batch_norm_params import BatchNormParams, BatchNormSums, RunningUpdate
-from mpsnn.ops.neuron import (
-    NeuronParams,
-    _relu_times,
-    activation,
-    activation_backward,
-    plain_relu,
-)
+from mpsnn.ops.neuron import NeuronParams, activation, activation_backward, plain_relu
 
 __all__ = [
     "bn_backward",
@@ -129,15 +123,6 @@ def _minus(x: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
     return torch.sub(x, col)
 
 
-def _gy(neuron: NeuronParams, g: torch.Tensor, z: torch.Tensor, ct: torch.dtype) -> torch.Tensor:
-    """``gy = g f'(z)`` in ``ct`` (`_neuron_gradient`), a new tensor or ``g`` itself (a NONE
-    neuron). The plain ReLU's 1.0/0.0 mask multiplies ``g`` as it is, widened inside the
-    product (the bits of widening first), without a widened copy of ``g``."""
-    if plain_relu(neuron, z):
-        return _relu_times(z, g)
-    return _neuron_gradient(neuron, g.to(ct), z)
-
-
 def _reuse(xc: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     """``xc``'s memory for ``z`` once ``xhat = xc inv`` is made (xc is not read again), or a
     copy where autograd saved ``xc`` for that product's gradient (reverse mode through the
@@ -152,8 +137,8 @@ def _sqrt_rn(v: torch.Tensor) -> torch.Tensor:
     one can be one unit in the last place off, so on the CPU a float32 ``v`` is rooted in
     float64 and rounded once to float32: correctly rounded, since float64 carries more than
     twice float32's 24 bits plus two (the square root's double rounding is then innocuous;
-    checked against a nearest-neighbour correction on 2e7 random float32 bit patterns and on
-    exact squares). ``sqrt(inf)`` is inf, as on CUDA."""
+    checked over every float32 bit pattern). ``sqrt(inf)`` is inf and ``sqrt(-0.0)`` is -0.0,
+    as on CUDA."""
     if v.dtype != torch.float32 or v.device.type != "cpu":
         return torch.sqrt(v)
     return torch.sqrt(v.double()).to(torch.float32)
@@ -161,7 +146,8 @@ def _sqrt_rn(v: torch.Tensor) -> torch.Tensor:
 
 def _inv_std(var: torch.Tensor, eps: float) -> torch.Tensor:
     """``1 / sqrt(var + eps)`` (correctly rounded square root, then division), 0 where
-    ``var + eps <= 0``. The Triton kernels compute the same operations in the same order."""
+    ``var + eps <= 0`` (and, through the division, where it is +inf). The Triton kernels
+    compute the same operations in the same order."""
     v = var + eps
     pos = v > 0
     return torch.where(pos, 1.0 / _sqrt_rn(torch.where(pos, v, 1.0)), 0.0)
@@ -442,7 +428,7 @@ def bn_gradient_sums_portable(
     xhat = xc * _col(inv, ct)
     if p.neuron is not None:
         z = _reuse(xc, inv).mul_(_col(p.gamma.to(ct) * inv, ct)).add_(_col(p.beta, ct))
-        gy = _gy(p.neuron, g, z, ct)
+        gy = _neuron_gradient(p.neuron, g.to(ct), z)
     else:
         gy = g.to(ct)  # (``g`` itself when it is in ``ct``: never written)
     # in xhat's memory only where it has gy's layout: the product's layout orders the sum
@@ -482,10 +468,13 @@ def bn_backward_portable(
     xhat = xc * _col(inv, ct)
     if p.neuron is not None:
         z = _reuse(xc, inv).mul_(_col(a, ct)).add_(_col(p.beta, ct))
-        gy = _gy(p.neuron, g, z, ct)
+        gy = _neuron_gradient(p.neuron, g.to(ct), z)
     else:
         gy = g.to(ct)  # (``g`` itself when it is in ``ct``: never written)
-    # a new gy of ours (not ``g``) becomes t in place
-    t = gy.sub_(_col(mean_gy, ct)) if gy is not g else gy - _col(mean_gy, ct)
+    # gy is a new tensor of ours (a widened g, or the neuron's product) unless it is g itself:
+    # decided from the dtypes and the neuron (under torch.func a widened view can be a new
+    # object sharing g's memory), then it becomes t in place
+    fresh = g.dtype != ct or (p.neuron is not None and p.neuron.kind != _NONE)
+    t = gy.sub_(_col(mean_gy, ct)) if fresh else gy - _col(mean_gy, ct)
     t.sub_(xhat.mul_(_col(mean_gy_xhat, ct)))
     return t.mul_(_col(a, ct)).to(x.dtype)
