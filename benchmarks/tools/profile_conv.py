@@ -94,6 +94,47 @@ def _back_to_back(fn: Callable[[], object], iters: int = 300, runs: int = 5) -> 
     return min(times), statistics.median(times)
 
 
+def _torch_gradient(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> object:
+    """PyTorch's 3x3 (padding 1) convolution gradient: data, weights and bias."""
+    return _bwd(gy, x, w, [w.shape[0]], [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+                [True, True, True])  # fmt: skip
+
+
+def _encode(
+    q: m.CommandQueue,
+    conv: m.Convolution,
+    grad: m.ConvolutionGradient,
+    states: list[object] | None,
+) -> Callable[[m.ImageBatch, m.ImageBatch], Callable[[], object]]:
+    """``(gradients, sources) -> call``: one `ConvolutionGradient` encode and commit per call,
+    into ``states`` (None: a new state from a forward encoded in the same buffer)."""
+
+    def of(dy: m.ImageBatch, xs: m.ImageBatch) -> Callable[[], object]:
+        def run() -> object:
+            cb = q.command_buffer()
+            st = states
+            if st is None:
+                st = conv.result_state_batch(xs)
+                conv.encode_batch(cb, xs, destination_states=st)
+            out = grad.encode_batch(cb, dy, xs, st)
+            cb.commit()
+            return out
+
+        return run
+
+    return of
+
+
+def _forward_states(q: m.CommandQueue, conv: m.Convolution, src: m.ImageBatch) -> list[object]:
+    """The gradient states of one forward of ``src``, run to completion."""
+    states = conv.result_state_batch(src)
+    cb = q.command_buffer()
+    conv.encode_batch(cb, src, destination_states=states)
+    cb.commit()
+    cb.wait_until_completed()
+    return states
+
+
 def _ops(n: int, c: int, hw: int, dt: torch.dtype) -> dict[str, Callable[[], object]]:
     """PyTorch's gradient call, mpsnn's operations for one gradient issued directly, and
     mpsnn's encode, for a 3x3 convolution of (n, c, hw, hw) images."""
@@ -129,24 +170,10 @@ def _ops(n: int, c: int, hw: int, dt: torch.dtype) -> dict[str, Callable[[], obj
 
     def encode(gi: torch.Tensor, xi: torch.Tensor) -> Callable[[], object]:
         src, dsrc = m.ImageBatch.from_tensor(xi), m.ImageBatch.from_tensor(gi)
-        states = conv.result_state_batch(src)
-        cb = q.command_buffer()
-        conv.encode_batch(cb, src, destination_states=states)
-        cb.commit()
-        cb.wait_until_completed()
-
-        def run() -> object:
-            cb = q.command_buffer()
-            out = grad.encode_batch(cb, dsrc, src, states)
-            cb.commit()
-            return out
-
-        return run
+        return _encode(q, conv, grad, _forward_states(q, conv, src))(dsrc, src)
 
     return {
-        "PyTorch's call, NCHW": lambda: _bwd(
-            gy, x, w, [c], one, pad, one, False, [0, 0], 1, [True, True, True]
-        ),
+        "PyTorch's call, NCHW": lambda: _torch_gradient(gy, x, w),
         "mpsnn's operations, NCHW": ops(gy, x),
         "mpsnn's operations, channels-last": ops(gycl, xcl),
         "mpsnn's encode + commit, NCHW": encode(gy, x),
@@ -188,47 +215,19 @@ def main() -> None:
     wcl = w.contiguous(memory_format=torch.channels_last)
     src, dsrc = m.ImageBatch.from_tensor(x), m.ImageBatch.from_tensor(gy)
     srccl, dsrccl = m.ImageBatch.from_tensor(xcl), m.ImageBatch.from_tensor(gycl)
-    states = conv.result_state_batch(src)
-    cb = q.command_buffer()
-    conv.encode_batch(cb, src, destination_states=states)
-    cb.commit()
-    cb.wait_until_completed()
-
-    def mps(dy: m.ImageBatch, xs: m.ImageBatch) -> Callable[[], object]:
-        def run() -> object:
-            cb = q.command_buffer()
-            out = grad.encode_batch(cb, dy, xs, states)
-            cb.commit()
-            return out
-
-        return run
-
-    def mps_step(dy: m.ImageBatch, xs: m.ImageBatch) -> Callable[[], object]:
-        def run() -> object:
-            cb = q.command_buffer()
-            st = conv.result_state_batch(xs)
-            conv.encode_batch(cb, xs, destination_states=st)
-            out = grad.encode_batch(cb, dy, xs, st)
-            cb.commit()
-            return out
-
-        return run
+    mps = _encode(q, conv, grad, _forward_states(q, conv, src))
+    mps_step = _encode(q, conv, grad, None)
 
     def torch_step(xt: torch.Tensor, gt: torch.Tensor, wt: torch.Tensor) -> Callable[[], object]:
         def run() -> object:
             F.conv2d(xt, wt, None, padding=1)
-            return _bwd(gt, xt, wt, [c], [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
-                        [True, True, True])  # fmt: skip
+            return _torch_gradient(gt, xt, wt)
 
         return run
 
     cases = {
-        "torch NCHW": lambda: _bwd(
-            gy, x, w, [c], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True]
-        ),
-        "torch channels-last": lambda: _bwd(
-            gycl, xcl, wcl, [c], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True]
-        ),
+        "torch NCHW": lambda: _torch_gradient(gy, x, w),
+        "torch channels-last": lambda: _torch_gradient(gycl, xcl, wcl),
         "mpsnn NCHW images": mps(dsrc, src),
         "mpsnn channels-last images": mps(dsrccl, srccl),
         "torch step NCHW": torch_step(x, gy, w),

@@ -194,12 +194,8 @@ def _nhwc_views(grad: torch.Tensor, written: list[torch.Tensor]) -> list[torch.T
     (a fully connected layer's NCHW-ordered gradient against OHWI weights and Adam state)."""
     if not all(channels_last_only(t) for t in written):
         return None
-    if not channels_last_only(grad):
-        if grad.dim() != 4:
-            return None
-        grad = grad.contiguous(memory_format=torch.channels_last)
-        if not channels_last_only(grad):  # (a shape whose two layouts coincide: not here)
-            return None
+    # the gradient has their shape (checked by `apply_update`), one whose two layouts differ
+    grad = grad.contiguous(memory_format=torch.channels_last)  # (itself when it is already)
     return [nhwc_view(t) for t in (grad, *written)]
 
 
