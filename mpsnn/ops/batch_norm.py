@@ -99,11 +99,16 @@ def _check_source(what: str, x: torch.Tensor, g: torch.Tensor | None = None) -> 
 
 def _check_params(what: str, x: torch.Tensor, p: BatchNormParams, **more: torch.Tensor) -> None:
     """Every per-channel tensor of ``p`` (and ``more``) is (C,) for ``x``'s C channels."""
-    c = x.shape[1]
+    c = (x.shape[1],)
+    if (  # the common case in one test (every command of a normalization layer asks)
+        p.mean.shape == c and p.var.shape == c and p.gamma.shape == c and p.beta.shape == c
+        and all(t.shape == c for t in more.values())
+    ):  # fmt: skip
+        return
     tensors = {"mean": p.mean, "var": p.var, "gamma": p.gamma, "beta": p.beta, **more}
     for name, t in tensors.items():
-        if t.shape != (c,):
-            raise ValueError(f"[{what}] {name} must be ({c},), got shape {tuple(t.shape)}")
+        if t.shape != c:
+            raise ValueError(f"[{what}] {name} must be ({c[0]},), got shape {tuple(t.shape)}")
 
 
 def _col(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

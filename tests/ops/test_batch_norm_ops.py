@@ -520,6 +520,32 @@ def test_dispatch_picks_triton_only_where_it_applies() -> None:
             fast_paths.set_enabled(True)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton passes run on CUDA only")
+def test_each_layout_takes_its_own_passes() -> None:
+    """Channels-last storage takes the NHWC passes, NCHW storage the NCHW ones (which have no
+    normalization inside the residual addition); an ineligible case takes none."""
+    from mpsnn.ops.triton import batch_norm_nhwc as nhwc
+
+    nchw_x = torch.zeros(2, 8, 4, 4, device="cuda", dtype=torch.bfloat16)
+    nhwc_x = nchw_x.contiguous(memory_format=torch.channels_last)
+    want = {
+        fast_paths._STATS: (triton_bn.bn_statistics_triton, nhwc.nhwc_statistics),
+        fast_paths._FORWARD: (triton_bn.bn_forward_triton, nhwc.nhwc_forward),
+        fast_paths._SUMS: (triton_bn.bn_gradient_sums_triton, nhwc.nhwc_gradient_sums),
+        fast_paths._BACKWARD: (triton_bn.bn_backward_triton, nhwc.nhwc_backward),
+        fast_paths._ADD: (None, nhwc.nhwc_forward_add_relu),
+    }
+    for kind, (for_nchw, for_nhwc) in want.items():
+        assert fast_paths._bn_pass(kind, nchw_x, None) is for_nchw
+        assert fast_paths._bn_pass(kind, nhwc_x, None) is for_nhwc
+        assert fast_paths._bn_pass(kind, nhwc_x, None, nhwc_x) is for_nhwc
+        assert fast_paths._bn_pass(kind, nhwc_x.double(), None) is None
+        assert fast_paths._bn_pass(kind, nhwc_x, _neuron(PRELU, data=_PRELU_SLOPES)) is None
+        assert fast_paths._bn_pass(kind, nhwc_x, None, nhwc_x.float()) is None
+        assert fast_paths._bn_pass(kind, nhwc_x, None, nhwc_x.cpu()) is None
+        assert fast_paths._bn_pass(kind, nhwc_x.cpu(), None) is None
+
+
 def test_bn_merge_all_equals_pairwise_merges_and_ignores_empty_rows() -> None:
     """The closed form over W rows equals W - 1 pairwise Chan merges (float64, to rounding),
     with (W, 1) and (W, C) counts; a row with count 0 is ignored even when it holds NaN."""

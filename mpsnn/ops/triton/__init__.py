@@ -69,7 +69,12 @@ def enabled() -> bool:
 
 
 def _runs(*tensors: torch.Tensor) -> bool:
-    return _enabled and all(t.is_cuda for t in tensors) and available()
+    if not _enabled:
+        return False
+    for t in tensors:  # (a loop: a generator costs more than the tests, at every command)
+        if not t.is_cuda:
+            return False
+    return available()
 
 
 def max_pool_backward(g: torch.Tensor, x: torch.Tensor, geom: Any) -> torch.Tensor | None:
@@ -207,15 +212,53 @@ def batch_norm_eligible(x: torch.Tensor, neuron: Any = None, *more: torch.Tensor
     fewer than 2^30 pixels per channel (the channels-last passes count a channel's pixels in
     32-bit integers), and no neuron, NONE or RELU (type codes 0 and 1, any slope). float64,
     other neurons and larger tensors run on the portable path."""
-    if not _runs(x, *more) or x.dim() != 4 or x.numel() == 0:
+    if not _runs(x, *more):
         return False
-    if x.numel() // x.shape[1] >= _MAX_PIXELS:
+    return _bn_case(x, neuron, *more)
+
+
+def _bn_case(x: torch.Tensor, neuron: Any, g: torch.Tensor | None = None) -> bool:
+    """`batch_norm_eligible` once `_runs` holds."""
+    if x.dim() != 4 or x.dtype not in _PASS_DTYPES:
         return False
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    n = x.numel()
+    if n == 0 or n // x.shape[1] >= _MAX_PIXELS:
         return False
     if neuron is not None and neuron.kind not in (0, 1):
         return False
-    return all(t.dtype == x.dtype and t.shape == x.shape for t in more)
+    return g is None or (g.dtype == x.dtype and g.shape == x.shape)
+
+
+# The passes of each layout, by kind: statistics, normalization, gradient sums, input
+# gradient, normalization inside the residual addition (NCHW: none). Looked up by name in
+# their modules at each call (tests replace them there); the modules are imported at the
+# first normalization (Triton's import is slow; a machine without it never pays it).
+_STATS, _FORWARD, _SUMS, _BACKWARD, _ADD = range(5)
+_BN_NAMES = (
+    ("bn_statistics_triton", "bn_forward_triton", "bn_gradient_sums_triton",
+     "bn_backward_triton", None),
+    ("nhwc_statistics", "nhwc_forward", "nhwc_gradient_sums", "nhwc_backward",
+     "nhwc_forward_add_relu"),
+)  # fmt: skip
+_bn_modules: tuple[Any, Any] | None = None
+
+
+def _bn_pass(kind: int, x: torch.Tensor, neuron: Any, g: torch.Tensor | None = None) -> Any:
+    """The Triton pass ``kind`` for ``x``'s layout (channels-last storage: the NHWC passes,
+    else the NCHW ones) where `batch_norm_eligible` holds, else None. One call per command:
+    a normalization layer makes four or five per training step."""
+    global _bn_modules
+    if not (_runs(x) if g is None else _runs(x, g)) or not _bn_case(x, neuron, g):
+        return None
+    if _bn_modules is None:
+        from mpsnn.ops.triton import batch_norm as nchw
+        from mpsnn.ops.triton import batch_norm_nhwc as nhwc
+
+        _bn_modules = (nchw, nhwc)
+    # channels-last storage (half-precision convolution outputs) takes the NHWC passes
+    layout = 1 if channels_last_only(x) else 0
+    name = _BN_NAMES[layout][kind]
+    return None if name is None else getattr(_bn_modules[layout], name)
 
 
 def batch_norm_statistics(
@@ -223,14 +266,8 @@ def batch_norm_statistics(
 ) -> tuple[torch.Tensor, ...] | None:
     """The Triton ``(count, mean, m2)`` of ``x`` (and the biased ``var`` with ``variance``)
     when `batch_norm_eligible`, else None."""
-    if not batch_norm_eligible(x):
-        return None
-    from mpsnn.ops.triton import batch_norm_nhwc as nhwc
-    from mpsnn.ops.triton.batch_norm import bn_statistics_triton
-
-    if channels_last_only(x):  # channels-last storage (half-precision convolution outputs)
-        return nhwc.nhwc_statistics(x, variance=variance)
-    return bn_statistics_triton(x, variance=variance)
+    run = _bn_pass(_STATS, x, None)
+    return None if run is None else run(x, variance=variance)
 
 
 def batch_norm_running_updates(updates: Sequence[RunningUpdate]) -> bool:
@@ -258,14 +295,8 @@ def batch_norm_running_updates(updates: Sequence[RunningUpdate]) -> bool:
 def batch_norm_forward(x: torch.Tensor, p: BatchNormParams) -> torch.Tensor | None:
     """The Triton normalization (+ neuron) of ``x`` by ``p`` when `batch_norm_eligible`, else
     None."""
-    if not batch_norm_eligible(x, p.neuron):
-        return None
-    from mpsnn.ops.triton import batch_norm_nhwc as nhwc
-    from mpsnn.ops.triton.batch_norm import bn_forward_triton
-
-    if channels_last_only(x):  # channels-last storage (half-precision convolution outputs)
-        return nhwc.nhwc_forward(x, p)
-    return bn_forward_triton(x, p)
+    run = _bn_pass(_FORWARD, x, p.neuron)
+    return None if run is None else run(x, p)
 
 
 def batch_norm_add_relu(
@@ -274,41 +305,28 @@ def batch_norm_add_relu(
     """``relu(bn(x) + r)`` in one Triton pass (`batch_norm_nhwc.nhwc_forward_add_relu`) for
     channels-last CUDA ``x`` and ``r`` of one shape, strides and dtype and no neuron in ``p``,
     else None."""
-    if p.neuron is not None or not batch_norm_eligible(x, None, r):
+    if p.neuron is not None:
         return None
-    from mpsnn.ops.triton import batch_norm_nhwc as nhwc
-
-    if not channels_last_only(x) or r.stride() != x.stride():
+    run = _bn_pass(_ADD, x, None, r)
+    if run is None or r.stride() != x.stride():
         return None
-    return nhwc.nhwc_forward_add_relu(x, p, r, first=first)
+    return run(x, p, r, first=first)
 
 
 def batch_norm_gradient_sums(
     g: torch.Tensor, x: torch.Tensor, p: BatchNormParams
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The Triton ``(Σ gy, Σ gy xhat)`` when `batch_norm_eligible`, else None."""
-    if not batch_norm_eligible(x, p.neuron, g):
-        return None
-    from mpsnn.ops.triton import batch_norm_nhwc as nhwc
-    from mpsnn.ops.triton.batch_norm import bn_gradient_sums_triton
-
-    if channels_last_only(x):  # channels-last storage (half-precision convolution outputs)
-        return nhwc.nhwc_gradient_sums(g, x, p)
-    return bn_gradient_sums_triton(g, x, p)
+    run = _bn_pass(_SUMS, x, p.neuron, g)
+    return None if run is None else run(g, x, p)
 
 
 def batch_norm_backward(
     g: torch.Tensor, x: torch.Tensor, p: BatchNormParams, sums: BatchNormSums
 ) -> torch.Tensor | None:
     """The Triton ``dL/dx`` when `batch_norm_eligible`, else None."""
-    if not batch_norm_eligible(x, p.neuron, g):
-        return None
-    from mpsnn.ops.triton import batch_norm_nhwc as nhwc
-    from mpsnn.ops.triton.batch_norm import bn_backward_triton
-
-    if channels_last_only(x):  # channels-last storage (half-precision convolution outputs)
-        return nhwc.nhwc_backward(g, x, p, sums)
-    return bn_backward_triton(g, x, p, sums)
+    run = _bn_pass(_BACKWARD, x, p.neuron, g)
+    return None if run is None else run(g, x, p, sums)
 
 
 def batch_norm_merge_rows(

@@ -369,30 +369,42 @@ def _elementwise_plan(
     return _ElementwisePlan(rows, span, block, cdiv(length, span))
 
 
-def _per_channel(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    # the common case (the statistics' and the data source's vectors) returns without a call
-    # into PyTorch: a normalization layer's commands make about fifteen of these per step
-    if t.dtype is torch.float32 and t.is_contiguous() and t.device == x.device:
+def _per_channel(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` as the kernels read a per-channel vector: float32, contiguous, on ``device``."""
+    if t.dtype is torch.float32 and t.is_contiguous() and t.device == device:
         return t
-    return t.to(device=x.device, dtype=torch.float32).contiguous()
+    return t.to(device=device, dtype=torch.float32).contiguous()
 
 
-def _channel_params(p: BatchNormParams, x: torch.Tensor) -> list[torch.Tensor]:
+def _channel_params(p: BatchNormParams, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``mean, var, gamma, beta`` as the kernels read them: float32, contiguous, on ``x``'s
-    device."""
-    return [_per_channel(t, x) for t in (p.mean, p.var, p.gamma, p.beta)]
+    device. The common case (the statistics' and the data source's vectors) returns them after
+    one test each, with no call into PyTorch: a normalization layer's commands ask for them
+    about a dozen times per step."""
+    device = x.device
+    mean, var, gamma, beta = p.mean, p.var, p.gamma, p.beta
+    f32 = torch.float32
+    if (
+        mean.dtype is f32 and var.dtype is f32 and gamma.dtype is f32 and beta.dtype is f32
+        and mean.is_contiguous() and var.is_contiguous() and gamma.is_contiguous()
+        and beta.is_contiguous() and mean.device == device and var.device == device
+        and gamma.device == device and beta.device == device
+    ):  # fmt: skip
+        return mean, var, gamma, beta
+    return tuple(_per_channel(t, device) for t in (mean, var, gamma, beta))
 
 
-def _channel_sums(sums: BatchNormSums, x: torch.Tensor) -> list[torch.Tensor]:
+def _channel_sums(sums: BatchNormSums, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``sum_gy, sum_gy_xhat`` as the kernels read them."""
-    return [_per_channel(sums.sum_gy, x), _per_channel(sums.sum_gy_xhat, x)]
+    device = x.device
+    return _per_channel(sums.sum_gy, device), _per_channel(sums.sum_gy_xhat, device)
 
 
 def _count(sums: BatchNormSums, x: torch.Tensor) -> torch.Tensor:
     """The count ``m`` as a float32 vector on ``x``'s device (one element, or one per channel)."""
     m = sums.count
     if type(m) is torch.Tensor and m.dim() == 1:
-        return _per_channel(m, x)  # as the statistics wrote it: no call into PyTorch
+        return _per_channel(m, x.device)  # as the statistics wrote it: no call into PyTorch
     m = torch.as_tensor(m, dtype=torch.float32, device=x.device)
     return m.reshape(-1).contiguous()
 
@@ -484,8 +496,8 @@ def bn_gradient_sums_triton(
         slope, RELU=relu, ROWS=plan.rows, BLOCK=plan.block,
         num_warps=_warps(plan.rows * plan.block), enable_fp_fusion=False,
     )  # fmt: skip
-    sums = part.sum(dim=2)
-    return sums[0], sums[1]
+    sum_gy, sum_gy_xhat = part.sum(dim=2).unbind(0)  # both views in one call
+    return sum_gy, sum_gy_xhat
 
 
 def bn_backward_triton(

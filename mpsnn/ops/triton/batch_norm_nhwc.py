@@ -406,8 +406,8 @@ def nhwc_gradient_sums(
         g, x, part, *_channel_params(p, x), n * h * w, c, t.rows, float(p.eps), slope,
         RELU=relu, BM=t.bm, BC=t.bc, num_warps=_warps(t.bm * t.bc), enable_fp_fusion=False,
     )  # fmt: skip
-    sums = part.sum(dim=2)
-    return sums[0], sums[1]
+    sum_gy, sum_gy_xhat = part.sum(dim=2).unbind(0)  # both views in one call
+    return sum_gy, sum_gy_xhat
 
 
 def nhwc_backward(
