@@ -61,6 +61,7 @@ import torch
 
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops._dtypes import acc_dtype
+from mpsnn.ops._functorch import under_transform
 from mpsnn.ops.batch_norm_params import BatchNormParams, BatchNormSums, RunningUpdate
 from mpsnn.ops.neuron import NeuronParams, activation, activation_backward, plain_relu
 
@@ -135,6 +136,21 @@ def _reuse(xc: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and (xc.requires_grad or inv.requires_grad):
         return xc.clone()
     return xc
+
+
+def _mul(a: torch.Tensor, b: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """``a * b``, in ``a``'s memory when ``in_place`` (``a`` is a temporary of the pass)."""
+    return a.mul_(b) if in_place else a * b
+
+
+def _add(a: torch.Tensor, b: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """``a + b``, in ``a``'s memory when ``in_place``."""
+    return a.add_(b) if in_place else a + b
+
+
+def _sub(a: torch.Tensor, b: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """``a - b``, in ``a``'s memory when ``in_place``."""
+    return a.sub_(b) if in_place else a - b
 
 
 def _sqrt_rn(v: torch.Tensor) -> torch.Tensor:
@@ -218,9 +234,14 @@ def bn_statistics_portable(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     shift = x[:1, :, :1, :1].to(ct)
     d = _minus(x, shift)
     dm = d.mean(dim=_DIMS, keepdim=True)
-    d.sub_(dm)
-    # squared in place (the bits of d * d; mul_(d) would differentiate wrongly in forward mode)
-    m2 = d.square_().sum(dim=_DIMS)
+    if under_transform():  # (module docstring of `mpsnn.ops._functorch`)
+        d = d - dm
+        m2 = d.square().sum(dim=_DIMS)
+    else:
+        d.sub_(dm)
+        # squared in place (the bits of d * d; mul_(d) would differentiate wrongly in forward
+        # mode)
+        m2 = d.square_().sum(dim=_DIMS)
     return count, (shift + dm).view(c), m2
 
 
@@ -399,7 +420,8 @@ def bn_forward_portable(x: torch.Tensor, p: BatchNormParams) -> torch.Tensor:
     ct = acc_dtype(x.dtype)
     inv = _inv_std(p.var.to(ct), p.eps)
     a = p.gamma.to(ct) * inv
-    z = _minus(x, _col(p.mean, ct)).mul_(_col(a, ct)).add_(_col(p.beta, ct))
+    own = not under_transform()  # temporaries updated in place (`mpsnn.ops._functorch`)
+    z = _add(_mul(_minus(x, _col(p.mean, ct)), _col(a, ct), own), _col(p.beta, ct), own)
     if p.neuron is not None:
         z = activation(p.neuron, z)
     return z.to(x.dtype)
@@ -429,15 +451,17 @@ def bn_gradient_sums_portable(
     """`bn_gradient_sums` in PyTorch operations (any device, any neuron)."""
     ct = acc_dtype(x.dtype)
     inv = _inv_std(p.var.to(ct), p.eps)
+    own = not under_transform()  # temporaries updated in place (`mpsnn.ops._functorch`)
     xc = _minus(x, _col(p.mean, ct))
     xhat = xc * _col(inv, ct)
     if p.neuron is not None:
-        z = _reuse(xc, inv).mul_(_col(p.gamma.to(ct) * inv, ct)).add_(_col(p.beta, ct))
+        a = _col(p.gamma.to(ct) * inv, ct)
+        z = _add(_mul(_reuse(xc, inv) if own else xc, a, own), _col(p.beta, ct), own)
         gy = _neuron_gradient(p.neuron, g.to(ct), z)
     else:
         gy = g.to(ct)  # (``g`` itself when it is in ``ct``: never written)
     # in xhat's memory only where it has gy's layout: the product's layout orders the sum
-    gy_xhat = xhat.mul_(gy) if xhat.stride() == gy.stride() else gy * xhat
+    gy_xhat = xhat.mul_(gy) if own and xhat.stride() == gy.stride() else gy * xhat
     return gy.sum(dim=_DIMS), gy_xhat.sum(dim=_DIMS)
 
 
@@ -469,10 +493,11 @@ def bn_backward_portable(
     a = p.gamma.to(ct) * inv
     mean_gy = sums.sum_gy.to(ct) / m
     mean_gy_xhat = sums.sum_gy_xhat.to(ct) / m
+    own = not under_transform()  # temporaries updated in place (`mpsnn.ops._functorch`)
     xc = _minus(x, _col(p.mean, ct))
     xhat = xc * _col(inv, ct)
     if p.neuron is not None:
-        z = _reuse(xc, inv).mul_(_col(a, ct)).add_(_col(p.beta, ct))
+        z = _add(_mul(_reuse(xc, inv) if own else xc, _col(a, ct), own), _col(p.beta, ct), own)
         gy = _neuron_gradient(p.neuron, g.to(ct), z)
     else:
         gy = g.to(ct)  # (``g`` itself when it is in ``ct``: never written)
@@ -480,6 +505,6 @@ def bn_backward_portable(
     # decided from the dtypes and the neuron (under torch.func a widened view can be a new
     # object sharing g's memory), then it becomes t in place
     fresh = g.dtype != ct or (p.neuron is not None and p.neuron.kind != _NONE)
-    t = gy.sub_(_col(mean_gy, ct)) if fresh else gy - _col(mean_gy, ct)
-    t.sub_(xhat.mul_(_col(mean_gy_xhat, ct)))
-    return t.mul_(_col(a, ct)).to(x.dtype)
+    t = _sub(gy, _col(mean_gy, ct), own and fresh)
+    t = _sub(t, _mul(xhat, _col(mean_gy_xhat, ct), own), own)
+    return _mul(t, _col(a, ct), own).to(x.dtype)

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops._dtypes import device_constant
+from mpsnn.ops._functorch import under_transform
 
 __all__ = [
     "NeuronParams",
@@ -209,13 +210,17 @@ def plain_relu(p: NeuronParams, x: torch.Tensor) -> bool:
 
 
 def _nonnegative(x: torch.Tensor) -> torch.Tensor:
-    """``(x >= 0)`` as 1.0/0.0 in ``x``'s dtype, a new tensor, in one pass."""
+    """``(x >= 0)`` as 1.0/0.0 in ``x``'s dtype, a new tensor, in one pass (two under a
+    ``torch.func`` transform: the comparison into a float tensor has no batching rule)."""
+    if under_transform():
+        return (x >= 0).to(x.dtype)
     return torch.ge(x, 0, out=torch.empty_like(x))
 
 
 def _times(m: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``m t`` into ``m`` (a new tensor of ours) when the shapes are equal."""
-    return m.mul_(t) if m.shape == t.shape else m * t
+    """``m t`` into ``m`` (a new tensor of ours) when the shapes are equal, outside a
+    ``torch.func`` transform (`mpsnn.ops._functorch`)."""
+    return m.mul_(t) if m.shape == t.shape and not under_transform() else m * t
 
 
 def _relu_times(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
