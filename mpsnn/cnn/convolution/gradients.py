@@ -253,7 +253,9 @@ class FullyConnectedGradient(ConvolutionGradient):
 
     def _grads(self, record: ForwardRecord, need_bias: bool = True) -> Callable[..., Grads]:
         ws = record.params.weights
-        return lambda g, x, w, nd, nw: fc_backward(g, x, w, nd, nw, ws.matrix(w), need_bias)
+        return lambda g, x, w, nd, nw: fc_backward(
+            g, x, w, nd, nw, ws.matrix(w), need_bias, ws.source_ohwi
+        )
 
 
 @gradient_of(ConvolutionTranspose)

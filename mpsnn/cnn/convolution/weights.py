@@ -9,7 +9,7 @@ import torch
 
 from mpsnn.core.capture import recording
 from mpsnn.core.device import Device
-from mpsnn.core.layout import channels_last_preferred, master_layout
+from mpsnn.core.layout import channels_last_only, channels_last_preferred, master_layout
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops.convolution import fc_matrix
 
@@ -30,11 +30,16 @@ class ConvWeights:
     the next reload, as a kernel sees its data source's new values at reload in MPS.
     """
 
-    __slots__ = ("_bias", "_casts", "_channels_last", "_matrix", "weight")
+    __slots__ = ("_bias", "_casts", "_channels_last", "_matrix", "source_ohwi", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight
         self._bias = bias
+        # whether the weights loaded last lay in OHWI memory order (MPS's own: a data source's
+        # contiguous OHWI tensor, or a state wrapping one): the optimizer then writes that
+        # memory, and a fully connected layer's weight gradient is made in the same order
+        # (`mpsnn.ops.convolution.fc_backward`), so that the update reads it without a copy
+        self.source_ohwi = False
         # low-precision casts in the convolutions' layout (`_new_cast`); a fully connected
         # layer, which reads its weights as an (O, C kH kW) matrix, turns it off
         self._channels_last = True
@@ -60,7 +65,9 @@ class ConvWeights:
         w.copy_(weights.permute(0, 3, 1, 2))
         # The biases take the weights' dtype: float64 verification runs are float64 throughout.
         b = biases.to(dev, w.dtype, copy=True) if biases is not None else None
-        return cls(w, b)
+        made = cls(w, b)
+        made.source_ohwi = channels_last_only(weights.permute(0, 3, 1, 2))
+        return made
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -99,6 +106,7 @@ class ConvWeights:
         """Copy OIHW ``weights`` (and ``biases``, when given: the masters have a bias) into
         the masters, in place, then rewrite the copies (now, on the current stream; as
         recorded work, inside a command)."""
+        self.source_ohwi = channels_last_only(weights)
         self.weight.copy_(weights)
         if biases is not None:
             self._bias.copy_(biases)  # type: ignore[union-attr]
