@@ -248,7 +248,9 @@ class _Reads:
     def _same_watched(self, lazy: bool = False) -> bool:
         for (obj, plain), snap in zip(self.watched, self.snapshots, strict=True):
             try:
-                now = _state_of(obj, plain)
+                # (`_state_of` inlined for the plain objects, nearly all: this runs for each
+                # watched object at every step)
+                now = vars(obj) if plain else _state_of(obj, plain)
                 if now != snap:
                     if not lazy or now.keys() != snap.keys():
                         return False
