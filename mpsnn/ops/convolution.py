@@ -353,13 +353,17 @@ def fc_backward(
     (None unless ``need_bias``); ``matrix``: `fc_matrix` of ``weight``, when the caller keeps
     it.
 
-    ``ohwi`` (the weights the update writes lie in OHWI memory, MPS's order): on the CPU, dW
-    is made in that order, a channels-last OIHW tensor, as ``E^T`` times ``x``'s pixels read
-    in (h, w, c) order (a view of channels-last ``x``), where the default order reads them as
-    (c, h, w). Each element is the same sum over the batch, so the same value; only its place
-    in memory differs. It spares the update a reordering copy of dW (and this function one of
-    ``x``): a 3136→1024 layer's gradient is 12.8 MB. (On CUDA the default order stays: the
-    one-launch optimizer reads OIHW memory.)"""
+    ``ohwi`` (the weights the update writes lie in OHWI memory, MPS's order): for float32 on
+    the CPU, dW is made in that order, a channels-last OIHW tensor, as ``E^T`` times ``x``'s
+    pixels read in (h, w, c) order (a view of channels-last ``x``), where the default order
+    reads them as (c, h, w). Each element is the same sum over the batch; the BLAS may round a
+    few elements of some shapes one unit in the last place apart between the two orders (the
+    same bits for Apple's 3136→1024 layer at every batch tried), so, as with the optimizer's
+    updates, the bits follow the weights' memory order. It spares the update a reordering copy
+    of dW (and this function one of ``x``): that layer's gradient is 12.8 MB. float64 (the
+    verification precision) and CUDA (whose one-launch optimizer reads OIHW memory) keep the
+    default order.
+    """
     n, c, h, w = x.shape
     o, _, kh, kw = weight.shape
     g2 = grad.reshape(n, o)
@@ -371,7 +375,7 @@ def fc_backward(
         if (kh, kw) != (h, w):
             dx = F.pad(dx, (0, w - kw, 0, h - kh))
     if need_weights:
-        if ohwi and x.device.type == "cpu" and kh * kw > 1:
+        if ohwi and kh * kw > 1 and x.dtype is torch.float32 and x.device.type == "cpu":
             xs = x if x.shape[2] == kh and x.shape[3] == kw else x[:, :, :kh, :kw]
             hwc = xs.permute(0, 2, 3, 1).reshape(n, -1)
             dw = torch.mm(g2.t(), hwc).view(o, kh, kw, c).permute(0, 3, 1, 2)

@@ -520,13 +520,16 @@ def test_dispatch_picks_triton_only_where_it_applies() -> None:
             fast_paths.set_enabled(True)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton passes run on CUDA only")
-def test_each_layout_takes_its_own_passes() -> None:
+def test_each_layout_takes_its_own_passes(monkeypatch) -> None:
     """Channels-last storage takes the NHWC passes, NCHW storage the NCHW ones (which have no
-    normalization inside the residual addition); an ineligible case takes none."""
+    normalization inside the residual addition); an ineligible case takes none. (On the CPU
+    the CUDA test itself is replaced, as the interpreter's tests do.)"""
     from mpsnn.ops.triton import batch_norm_nhwc as nhwc
 
-    nchw_x = torch.zeros(2, 8, 4, 4, device="cuda", dtype=torch.bfloat16)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        monkeypatch.setattr(fast_paths, "_runs", lambda *ts: True)
+    nchw_x = torch.zeros(2, 8, 4, 4, device=device, dtype=torch.bfloat16)
     nhwc_x = nchw_x.contiguous(memory_format=torch.channels_last)
     want = {
         fast_paths._STATS: (triton_bn.bn_statistics_triton, nhwc.nhwc_statistics),
@@ -535,15 +538,19 @@ def test_each_layout_takes_its_own_passes() -> None:
         fast_paths._BACKWARD: (triton_bn.bn_backward_triton, nhwc.nhwc_backward),
         fast_paths._ADD: (None, nhwc.nhwc_forward_add_relu),
     }
+    prelu = _neuron(PRELU, data=_PRELU_SLOPES)
     for kind, (for_nchw, for_nhwc) in want.items():
         assert fast_paths._bn_pass(kind, nchw_x, None) is for_nchw
         assert fast_paths._bn_pass(kind, nhwc_x, None) is for_nhwc
-        assert fast_paths._bn_pass(kind, nhwc_x, None, nhwc_x) is for_nhwc
+        assert fast_paths._bn_pass(kind, nhwc_x, _neuron(RELU, 0.1), nhwc_x) is for_nhwc
         assert fast_paths._bn_pass(kind, nhwc_x.double(), None) is None
-        assert fast_paths._bn_pass(kind, nhwc_x, _neuron(PRELU, data=_PRELU_SLOPES)) is None
+        assert fast_paths._bn_pass(kind, nhwc_x, prelu) is None
         assert fast_paths._bn_pass(kind, nhwc_x, None, nhwc_x.float()) is None
-        assert fast_paths._bn_pass(kind, nhwc_x, None, nhwc_x.cpu()) is None
-        assert fast_paths._bn_pass(kind, nhwc_x.cpu(), None) is None
+        assert fast_paths._bn_pass(kind, nhwc_x, None, nhwc_x[:1]) is None
+        assert fast_paths._bn_pass(kind, nhwc_x[:0], None) is None
+    # several incoming tensors: each must match x
+    assert fast_paths.batch_norm_eligible(nhwc_x, None, nhwc_x, nhwc_x)
+    assert not fast_paths.batch_norm_eligible(nhwc_x, None, nhwc_x, nhwc_x.float())
 
 
 def test_bn_merge_all_equals_pairwise_merges_and_ignores_empty_rows() -> None:

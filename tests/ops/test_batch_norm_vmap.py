@@ -12,6 +12,7 @@ import torch
 from torch import func
 
 from mpsnn.ops import batch_norm as bn
+from mpsnn.ops import neuron as neuron_ops
 from mpsnn.ops._functorch import under_transform
 from mpsnn.ops.batch_norm_params import BatchNormParams as P
 from mpsnn.ops.batch_norm_params import BatchNormSums as S
@@ -106,3 +107,73 @@ def test_under_transform_sees_the_transforms() -> None:
     func.jvp(probe, (x[0],), (x[0],))
     assert seen == [True, True, True]
     assert not under_transform()
+
+
+def test_forward_mode_ad_through_the_plain_relu() -> None:
+    """Inside a forward-mode AD level the ReLU's mask takes its two-operation form (the
+    comparison into a float tensor has no forward derivative)."""
+    import torch.autograd.forward_ad as fwAD
+
+    relu = NEURONS["relu"]
+    gen = torch.Generator().manual_seed(2)
+    x, t = torch.randn(4, 5, generator=gen, dtype=F64), torch.randn(4, 5, generator=gen, dtype=F64)
+    with fwAD.dual_level():
+        assert under_transform()
+        y = activation(relu, fwAD.make_dual(x, t))
+        primal, tangent = fwAD.unpack_dual(y)
+    assert_same_bits(primal, activation(relu, x))
+    assert_same_bits(tangent, (x >= 0).to(F64) * t)
+
+
+def test_the_fast_paths_stand_aside_under_a_transform() -> None:
+    """The Triton paths would be handed batched or dual tensors: under a transform `_runs`
+    refuses every tensor, CUDA or not."""
+    from types import SimpleNamespace
+
+    from mpsnn.ops import triton as fast_paths
+
+    cuda_like = SimpleNamespace(is_cuda=True)
+    outside = fast_paths._runs(cuda_like)  # True where Triton imports (the dev setup has it)
+    seen: list[bool] = []
+
+    def probe(v: torch.Tensor) -> torch.Tensor:
+        seen.append(fast_paths._runs(cuda_like))
+        return v
+
+    func.vmap(probe)(torch.zeros(2, 3))
+    assert outside and seen == [False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, F64])
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("neuron", list(NEURONS))
+def test_the_new_tensor_forms_give_the_in_place_bits(dtype, layout, neuron, monkeypatch) -> None:
+    """Outside a transform the passes update their temporaries in place; forced onto the
+    forms a transform takes, they give the same bits (NaN, infinities and signed zeros
+    included)."""
+    a = _args()
+    x = (a["x"] * 3).to(dtype).contiguous(memory_format=layout)
+    g = a["g"].to(dtype).contiguous(memory_format=layout)
+    x[0, 0, 0, :3] = torch.tensor([float("nan"), float("-inf"), -0.0], dtype=dtype)
+    g[1, 1, 1, :2] = torch.tensor([float("inf"), -0.0], dtype=dtype)
+    ct = torch.float64 if dtype == F64 else torch.float32
+    p = P(*(a[k].to(ct) for k in ("mean", "var", "gamma", "beta")), 1e-5, NEURONS[neuron])
+    sums = S(
+        a["sum_gy"].to(ct), a["sum_gy_xhat"].to(ct), torch.tensor([float(N * H * H)], dtype=ct)
+    )
+
+    def run() -> list[torch.Tensor]:
+        return [
+            *bn.bn_statistics_portable(x),
+            bn.bn_forward_portable(x, p),
+            *bn.bn_gradient_sums_portable(g, x, p),
+            bn.bn_backward_portable(g, x, p, sums),
+        ]
+
+    in_place = run()
+    monkeypatch.setattr(bn, "under_transform", lambda: True)
+    monkeypatch.setattr(neuron_ops, "under_transform", lambda: True)  # the ReLU mask's
+    fresh = run()
+    for want, got in zip(in_place, fresh, strict=True):
+        assert got.stride() == want.stride()
+        assert_same_bits(got, want)

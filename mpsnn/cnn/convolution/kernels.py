@@ -187,6 +187,7 @@ class _ConvolutionBase(CNNKernel):
             )
         dev = self._device.torch_device
         self._weights.load_ohwi(w.to(dev), None if b is None else b.to(dev))
+        self._weights.note_source(w.permute(0, 3, 1, 2))
 
     def reload_weights_and_biases(
         self, command_buffer: CommandBuffer, state: ConvolutionWeightsAndBiasesState
@@ -222,6 +223,7 @@ class _ConvolutionBase(CNNKernel):
         if ws.bias is None and state._biases is not None:
             w = ws.weight
             ws.bias = torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
+        ws.note_source(state._oihw)  # (both reload forms: the state is what the update wrote)
         return ws, state._oihw, state._biases
 
     def export_weights_and_biases(

@@ -35,10 +35,12 @@ class ConvWeights:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight
         self._bias = bias
-        # whether the weights loaded last lay in OHWI memory order (MPS's own: a data source's
-        # contiguous OHWI tensor, or a state wrapping one): the optimizer then writes that
-        # memory, and a fully connected layer's weight gradient is made in the same order
-        # (`mpsnn.ops.convolution.fc_backward`), so that the update reads it without a copy
+        # whether the kernel's data source (or the state it reloads from) keeps its weights in
+        # OHWI memory (MPS's own order: a contiguous OHWI tensor, or a state wrapping one): the
+        # optimizer then writes that memory, and a fully connected layer's weight gradient is
+        # made in the same order (`mpsnn.ops.convolution.fc_backward`), read without a copy.
+        # Set where the kernel is made, reloads from its data source or from a state
+        # (`note_source`); values copied in from elsewhere (a file) leave it as it is
         self.source_ohwi = False
         # low-precision casts in the convolutions' layout (`_new_cast`); a fully connected
         # layer, which reads its weights as an (O, C kH kW) matrix, turns it off
@@ -66,8 +68,13 @@ class ConvWeights:
         # The biases take the weights' dtype: float64 verification runs are float64 throughout.
         b = biases.to(dev, w.dtype, copy=True) if biases is not None else None
         made = cls(w, b)
-        made.source_ohwi = channels_last_only(weights.permute(0, 3, 1, 2))
+        made.note_source(weights.permute(0, 3, 1, 2))
         return made
+
+    def note_source(self, oihw: torch.Tensor) -> None:
+        """Note the memory order of the weights the data source (or a state) holds, given as
+        their OIHW view: OHWI memory is a channels-last OIHW view (`source_ohwi`)."""
+        self.source_ohwi = channels_last_only(oihw)
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -106,7 +113,6 @@ class ConvWeights:
         """Copy OIHW ``weights`` (and ``biases``, when given: the masters have a bias) into
         the masters, in place, then rewrite the copies (now, on the current stream; as
         recorded work, inside a command)."""
-        self.source_ohwi = channels_last_only(weights)
         self.weight.copy_(weights)
         if biases is not None:
             self._bias.copy_(biases)  # type: ignore[union-attr]

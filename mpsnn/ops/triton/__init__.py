@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from mpsnn.core.layout import channels_last_only
+from mpsnn.ops._functorch import under_transform
 from mpsnn.ops.batch_norm_params import BatchNormParams, BatchNormSums, RunningUpdate
 
 __all__ = [
@@ -69,12 +70,15 @@ def enabled() -> bool:
 
 
 def _runs(*tensors: torch.Tensor) -> bool:
+    """Whether the fast paths may take these tensors: on, CUDA tensors, Triton importable,
+    and no ``torch.func`` transform or forward-mode AD level active (whose batched or dual
+    tensors the kernels cannot read; the portable paths handle them)."""
     if not _enabled:
         return False
     for t in tensors:  # (a loop: a generator costs more than the tests, at every command)
         if not t.is_cuda:
             return False
-    return available()
+    return available() and not under_transform()
 
 
 def max_pool_backward(g: torch.Tensor, x: torch.Tensor, geom: Any) -> torch.Tensor | None:
@@ -212,9 +216,9 @@ def batch_norm_eligible(x: torch.Tensor, neuron: Any = None, *more: torch.Tensor
     fewer than 2^30 pixels per channel (the channels-last passes count a channel's pixels in
     32-bit integers), and no neuron, NONE or RELU (type codes 0 and 1, any slope). float64,
     other neurons and larger tensors run on the portable path."""
-    if not _runs(x, *more):
+    if not _runs(x, *more) or not _bn_case(x, neuron):
         return False
-    return _bn_case(x, neuron, *more)
+    return all(_bn_case(x, neuron, g) for g in more)
 
 
 def _bn_case(x: torch.Tensor, neuron: Any, g: torch.Tensor | None = None) -> bool:
