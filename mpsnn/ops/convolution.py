@@ -378,7 +378,7 @@ def fc_backward(
         if ohwi and kh * kw > 1 and x.dtype is torch.float32 and x.device.type == "cpu":
             xs = x if x.shape[2] == kh and x.shape[3] == kw else x[:, :, :kh, :kw]
             hwc = xs.permute(0, 2, 3, 1).reshape(n, -1)
-            dw = torch.mm(g2.t(), hwc).view(o, kh, kw, c).permute(0, 3, 1, 2)
+            dw = float32_call(torch.mm, g2, g2.t(), hwc).view(o, kh, kw, c).permute(0, 3, 1, 2)
         else:
             dw = float32_call(torch.mm, g2, g2.t(), _pixels(x, kh, kw)).view(o, c, kh, kw)
     return dx, dw, g2.sum(0, dtype=acc_dtype(grad.dtype)) if need_bias else None

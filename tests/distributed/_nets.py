@@ -26,10 +26,13 @@ def _optimizer(name: str) -> Any:
     return m.Adam(DEV, descriptor=m.OptimizerDescriptor(learning_rate=0.01))
 
 
-def _conv(g: torch.Generator, k: int, cin: int, cout: int, opt: Any, bias: bool = True) -> Any:
+def _conv(
+    g: torch.Generator, k: int, cin: int, cout: int, opt: Any, bias: bool = True,
+    dtype: torch.dtype = torch.float64,
+) -> Any:  # fmt: skip
     desc = m.ConvolutionDescriptor(k, k, cin, cout)
-    w = _rand(g, *desc.weights_shape, scale=(k * k * cin) ** -0.5)
-    b = _rand(g, cout, scale=0.1) if bias else None  # none before a batch norm (its mean)
+    w = _rand(g, *desc.weights_shape, scale=(k * k * cin) ** -0.5).to(dtype)  # OHWI memory
+    b = _rand(g, cout, scale=0.1).to(dtype) if bias else None  # none before a batch norm
     return m.TensorConvolutionDataSource(desc, w, b, optimizer=opt)
 
 
@@ -41,14 +44,17 @@ def _bn(g: torch.Generator, c: int, opt: Any) -> Any:
     )  # fmt: skip
 
 
-def build(bn: bool, optimizer: str, dropout: bool = False) -> tuple[m.Graph, list[Any]]:
-    """The training graph (float64 storage, loss weight 1/BATCH) and its data sources."""
+def build(
+    bn: bool, optimizer: str, dropout: bool = False, dtype: torch.dtype = torch.float64
+) -> tuple[m.Graph, list[Any]]:
+    """The training graph (``dtype`` storage and convolution weights, float64 by default; loss
+    weight 1/BATCH) and its data sources."""
     g = torch.Generator().manual_seed(7)
     opt = _optimizer(optimizer)
     sources: list[Any] = []
     x = m.ImageNode("image")
     for cin, cout in ((2, 4), (4, 6)):
-        ds = _conv(g, 3, cin, cout, opt, bias=not bn)
+        ds = _conv(g, 3, cin, cout, opt, bias=not bn, dtype=dtype)
         sources.append(ds)
         x = m.ConvolutionNode(x, ds).result_image
         if bn:
@@ -59,14 +65,16 @@ def build(bn: bool, optimizer: str, dropout: bool = False) -> tuple[m.Graph, lis
             x = m.PoolingMaxNode(x, 2).result_image
             if dropout:
                 x = m.DropoutNode(x, keep_probability=0.7, seed=3).result_image
-    fc = _conv(g, 4, 6, CLASSES, opt)
+    fc = _conv(g, 4, 6, CLASSES, opt, dtype=dtype)
     sources.append(fc)
     logits = m.FullyConnectedNode(x, fc).result_image
     loss = m.LossNode(logits, m.LossDescriptor(m.LossType.SOFTMAX_CROSS_ENTROPY,
                                                m.ReductionType.SUM, weight=1 / BATCH))  # fmt: skip
     (exit_node,) = loss.training_graph()
     graph = m.Graph(DEV, exit_node.result_image, result_image_is_needed=False)
-    graph.format = m.FeatureChannelFormat.FLOAT64
+    graph.format = (
+        m.FeatureChannelFormat.FLOAT64 if dtype == torch.float64 else m.FeatureChannelFormat.FLOAT32
+    )
     return graph, sources
 
 
@@ -82,6 +90,8 @@ def train(graph: m.Graph, rank: int = 0, world: int = 1, steps: int = STEPS) -> 
     for step in range(steps):
         x, y = batch(step)
         x, y = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+        if graph.format == m.FeatureChannelFormat.FLOAT32:
+            x = x.to(torch.float32)
         cb = queue.command_buffer()
         graph.encode_batch(cb, [m.ImageBatch.from_tensor(x)],
                            [m.LossLabels(DEV, y.view(-1, 1, 1))])  # fmt: skip

@@ -15,6 +15,24 @@ import mpsnn as m
 from tests.distributed import _nets
 
 
+def float32_ohwi(out: Path, run: m.DistributedRun) -> None:
+    """The float32 graph (data sources in OHWI memory: the fully connected layer's weight
+    gradient in that order) after the steps, and whether that layer's kernel noted it."""
+    graph, sources = _nets.build(False, "adam", dtype=torch.float32)
+    graph.data_parallel = m.DataParallel(bucket_mib=0.0)
+    _nets.train(graph, run.rank, run.world_size)
+    torch.save(_nets.values(sources), out / f"float32-rank{run.rank}.pt")
+    kernels = [
+        k for ks in graph._plan.kernels.values() for k in (ks if isinstance(ks, tuple) else (ks,))
+    ]
+    noted = [
+        type(k).__name__
+        for k in kernels
+        if getattr(getattr(k, "_weights", None), "source_ohwi", False)
+    ]
+    (out / f"float32-noted-rank{run.rank}.txt").write_text(" ".join(sorted(set(noted))))
+
+
 def equivalence(out: Path, run: m.DistributedRun) -> None:
     """Each case's values after the steps, then a planted divergence caught by the check."""
     for name, bn, opt, dropout, mib in _nets.CASES:
@@ -177,7 +195,8 @@ def main() -> None:
     timeout = float(os.environ.get("TEST_TIMEOUT", "30"))
     run = m.init_distributed("cuda" if case.startswith("nccl") else "cpu", timeout=timeout)
     assert run is not None
-    cases = {"equivalence": equivalence, "die": die, "hang": hang, "nccl_replay": nccl_replay}
+    cases = {"equivalence": equivalence, "die": die, "hang": hang, "nccl_replay": nccl_replay,
+             "float32_ohwi": float32_ohwi}  # fmt: skip
     cases[case](out, run)
     run.close()
 

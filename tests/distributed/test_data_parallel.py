@@ -163,3 +163,28 @@ def test_local_batch_normalization_sums_the_shards_gradients(equivalence_run: Pa
         assert (a - want).norm() / scale < 1e-12, f"value {i}: {(a - want).norm() / scale}"
         if i in (0, 5):
             assert (a - h0).norm() / scale > 1e-6, "both shards must contribute"
+
+
+def test_two_float32_ranks_with_ohwi_weights_equal_one_process(tmp_path: Path) -> None:
+    """float32 data sources in OHWI memory: the fully connected layer's weight gradient is
+    made in that order on each rank (and the CPU's float32 convolutions' channels-last), and
+    the all-reduce sums them element for element: the ranks agree bit for bit and equal one
+    process on the whole batch to float32 rounding."""
+    ranks, _ = spawn("float32_ohwi", tmp_path, deadline=90)
+    for r, rank in enumerate(ranks):
+        assert rank.code == 0, f"rank {r}: {rank.code}\n{rank.out}\n{rank.err}"
+    graph, sources = _nets.build(False, "adam", dtype=torch.float32)
+    _nets.train(graph)
+    reference = _nets.values(sources)
+    initial = _nets.values(_nets.build(False, "adam", dtype=torch.float32)[1])
+    rank0 = torch.load(tmp_path / "float32-rank0.pt")
+    rank1 = torch.load(tmp_path / "float32-rank1.pt")
+    for r in (0, 1):  # the fully connected layer's kernel noted the OHWI order
+        assert "FullyConnected" in (tmp_path / f"float32-noted-rank{r}.txt").read_text().split()
+    assert len(rank0) == len(reference) == len(rank1)
+    for i, (a, b, ref, start) in enumerate(zip(rank0, rank1, reference, initial, strict=True)):
+        assert a.dtype == torch.float32
+        assert torch.equal(a, b), f"value {i} differs between the ranks"
+        scale = ref.norm().clamp_min(1e-30)
+        assert (a - ref).norm() / scale < 1e-5, f"value {i} is not the whole batch's"
+        assert (ref - start).norm() / scale > 1e-4, "the steps must move the weights"
