@@ -30,6 +30,7 @@ zeros between source pixels, then correlate with the weights *as given*.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 
 from mpsnn.core.capture import recording
 from mpsnn.core.geometry import AxisWindow, EdgeMode
-from mpsnn.core.layout import channels_last_preferred
+from mpsnn.core.layout import channels_last_only, channels_last_preferred
 from mpsnn.core.precision import float32_call, float32_conv_call
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops._dtypes import acc_dtype
@@ -307,17 +308,24 @@ def conv_backward(
 
 
 def fc_matrix(weight: torch.Tensor) -> torch.Tensor:
-    """The ``(O, C kH kW)`` matrix of OIHW ``weight``: a view of a contiguous ``weight`` (a
-    caller may keep it: in-place changes of the weights show through it), a copy of a
-    channels-last one (a low-precision cast on CUDA, which is a new tensor at every change)."""
-    return weight.reshape(weight.shape[0], -1)
+    """The ``(O, K)`` matrix of OIHW ``weight``, its columns in the weights' memory order:
+    ``(c, h, w)`` for contiguous weights, ``(h, w, c)`` for channels-last ones (OHWI memory,
+    MPS's order). A view either way (a caller may keep it: in-place changes of the weights
+    show through it); a layer computes in that order (`fc_forward`, `fc_backward`)."""
+    o = weight.shape[0]
+    if channels_last_only(weight):
+        return weight.permute(0, 2, 3, 1).reshape(o, -1)
+    return weight.reshape(o, -1)
 
 
-def _pixels(x: torch.Tensor, kh: int, kw: int) -> torch.Tensor:
-    """The top-left ``kH x kW`` pixels of ``x`` as ``(N, C kH kW)`` (no slice when that is all
-    of ``x``: one view op less per layer and step)."""
+def _pixels(x: torch.Tensor, kh: int, kw: int, hwc: bool = False) -> torch.Tensor:
+    """The top-left ``kH x kW`` pixels of ``x`` as ``(N, K)``, each image's values in
+    ``(c, h, w)`` order, or ``(h, w, c)`` with ``hwc`` (a view of channels-last ``x``; no slice
+    when that is all of ``x``: one view op less per layer and step)."""
     if x.shape[2] != kh or x.shape[3] != kw:
         x = x[:, :, :kh, :kw]
+    if hwc:
+        x = x.permute(0, 2, 3, 1)
     return x.reshape(x.shape[0], -1)
 
 
@@ -329,14 +337,21 @@ def fc_forward(
 ) -> torch.Tensor:
     """``y[n, o] = b[o] + sum_{c, h, w} W[o, c, h, w] x[n, c, h, w]`` over the top-left
     ``kH x kW`` pixels of ``x``; returns ``(N, O, 1, 1)``. ``matrix``: `fc_matrix` of
-    ``weight``, when the caller keeps it."""
+    ``weight``, when the caller keeps it.
+
+    The sum runs in the weights' memory order (`fc_matrix`): over ``(c, h, w)`` for contiguous
+    weights, ``(h, w, c)`` for channels-last ones (a kernel whose data source keeps OHWI
+    memory, float32 on the CPU: `mpsnn.cnn.convolution.weights`), where channels-last ``x``
+    is read through a view and the OHWI weights need no reordered copy. The two orders round
+    apart in the last place."""
     n = x.shape[0]
     o, _, kh, kw = weight.shape
     w2 = fc_matrix(weight) if matrix is None else matrix
+    xs = _pixels(x, kh, kw, channels_last_only(weight))
     # F.linear is one addmm (mm without a bias) of the (N, O) product; resized in place to
     # (N, O, 1, 1) rather than viewed, it stays a new tensor (no base) that an image adopts
     # as its storage. One call from Python for what took four (out=, t, view, addmm).
-    return float32_call(F.linear, x, _pixels(x, kh, kw), w2, bias).resize_(n, o, 1, 1)
+    return float32_call(F.linear, x, xs, w2, bias).resize_(n, o, 1, 1)
 
 
 def fc_backward(
@@ -347,40 +362,36 @@ def fc_backward(
     need_weights: bool = True,
     matrix: torch.Tensor | None = None,
     need_bias: bool = True,
-    ohwi: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of `fc_forward`: ``dx = E W``, ``dW = E^T x`` (float32), ``db = sum E``
     (None unless ``need_bias``); ``matrix``: `fc_matrix` of ``weight``, when the caller keeps
     it.
 
-    ``ohwi`` (the weights the update writes lie in OHWI memory, MPS's order): for float32 on
-    the CPU, dW is made in that order, a channels-last OIHW tensor, as ``E^T`` times ``x``'s
-    pixels read in (h, w, c) order (a view of channels-last ``x``), where the default order
-    reads them as (c, h, w). Each element is the same sum over the batch; the BLAS may round a
-    few elements of some shapes one unit in the last place apart between the two orders (the
-    same bits for Apple's 3136→1024 layer at every batch tried), so, as with the optimizer's
-    updates, the bits follow the weights' memory order. It spares the update a reordering copy
-    of dW (and this function one of ``x``): that layer's gradient is 12.8 MB. float64 (the
-    verification precision) and CUDA (whose one-launch optimizer reads OIHW memory) keep the
-    default order.
-    """
+    In the weights' memory order, as the forward: for channels-last weights (OHWI memory) dx
+    is channels-last and dW lies in OHWI memory, the order the optimizer writes the data
+    source's weights in, so the update reads it without a reordering copy (12.8 MB per step
+    for Apple's sample's 3136→1024 layer). Each element of dW is the same sum over the batch
+    in either order, each of dx the same sum over the outputs; the BLAS may round a few
+    elements of some shapes one unit in the last place apart."""
     n, c, h, w = x.shape
     o, _, kh, kw = weight.shape
+    hwc = channels_last_only(weight)
     g2 = grad.reshape(n, o)
     dx = dw = None
     if need_data:
         w2 = fc_matrix(weight) if matrix is None else matrix
-        # a new tensor, not a view (fc_forward)
-        dx = float32_call(torch.mm, g2, g2, w2).resize_(n, c, kh, kw)
+        if hwc:  # a new channels-last tensor, its (h, w, c) memory written by the product
+            dx = torch.empty((n, c, kh, kw), dtype=g2.dtype, device=g2.device,
+                             memory_format=torch.channels_last)  # fmt: skip
+            flat = dx.permute(0, 2, 3, 1).view(n, -1)
+            float32_call(functools.partial(torch.mm, out=flat), g2, g2, w2)
+        else:  # a new tensor, not a view (fc_forward)
+            dx = float32_call(torch.mm, g2, g2, w2).resize_(n, c, kh, kw)
         if (kh, kw) != (h, w):
             dx = F.pad(dx, (0, w - kw, 0, h - kh))
     if need_weights:
-        if ohwi and kh * kw > 1 and x.dtype is torch.float32 and x.device.type == "cpu":
-            xs = x if x.shape[2] == kh and x.shape[3] == kw else x[:, :, :kh, :kw]
-            hwc = xs.permute(0, 2, 3, 1).reshape(n, -1)
-            dw = float32_call(torch.mm, g2, g2.t(), hwc).view(o, kh, kw, c).permute(0, 3, 1, 2)
-        else:
-            dw = float32_call(torch.mm, g2, g2.t(), _pixels(x, kh, kw)).view(o, c, kh, kw)
+        dw = float32_call(torch.mm, g2, g2.t(), _pixels(x, kh, kw, hwc))
+        dw = dw.view(o, kh, kw, c).permute(0, 3, 1, 2) if hwc else dw.view(o, c, kh, kw)
     return dx, dw, g2.sum(0, dtype=acc_dtype(grad.dtype)) if need_bias else None
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import mpsnn as m
+from mpsnn.core.layout import channels_last_only
 from tests.helpers import DEVICES, assert_close, run
 
 
@@ -250,27 +251,39 @@ def test_batched_reload_checks_every_pair_first() -> None:
     assert len(cb) == 0
 
 
-def test_fully_connected_matrix_view_follows_the_weights() -> None:
-    """The (O, C kH kW) matrix a fully connected layer keeps is a view of the weights it was
-    made for: in-place updates (reloads, optimizers) show through it, and another tensor (a
-    cast, new weights) gets its own."""
+@pytest.mark.parametrize("ohwi_memory", [False, True])
+def test_fully_connected_matrix_view_follows_the_weights(ohwi_memory: bool) -> None:
+    """The (O, K) matrix a fully connected layer keeps is a view of the weights it was made
+    for, its columns in their memory order ((c, h, w) for OIHW storage; (h, w, c) where the
+    data source keeps OHWI memory and the CPU's float32 masters are made channels-last):
+    in-place updates (reloads, optimizers) show through it, another tensor (a cast, new
+    weights) gets its own, and the forward sums in that order."""
     desc = m.ConvolutionDescriptor(2, 2, 3, 5)
+    oihw = torch.randn(5, 3, 2, 2)
+    ohwi = oihw.permute(0, 2, 3, 1)  # a view of OIHW memory
     fc = m.FullyConnected(
-        m.Device("cpu"), m.TensorConvolutionDataSource(desc, torch.randn(desc.weights_shape))
+        m.Device("cpu"),
+        m.TensorConvolutionDataSource(desc, ohwi.contiguous() if ohwi_memory else ohwi),
     )
     ws = fc._weights
+    assert channels_last_only(ws.weight) is ohwi_memory
+
+    def columns(w: torch.Tensor) -> torch.Tensor:
+        return (w.permute(0, 2, 3, 1) if ohwi_memory else w).reshape(5, -1)
+
     mat = ws.matrix(ws.weight)
     assert mat.shape == (5, 12) and mat.data_ptr() == ws.weight.data_ptr()
     assert ws.matrix(ws.weight) is mat
     ws.weight.mul_(2)
-    assert torch.equal(mat, ws.weight.reshape(5, -1))
-    half, _ = ws.cast(torch.float64)
-    assert ws.matrix(half) is not mat and torch.equal(ws.matrix(half), half.reshape(5, -1))
+    assert torch.equal(mat, columns(ws.weight))
+    wide, _ = ws.cast(torch.float64)
+    assert ws.matrix(wide) is not mat and torch.equal(ws.matrix(wide), columns(wide))
     x = m.ImageBatch.from_tensor(torch.randn(4, 3, 2, 2))
     cb = m.Device("cpu").new_command_queue().command_buffer()
     y = fc.encode_batch(cb, x)
     run(cb)
-    want = x.tensor.reshape(4, -1) @ ws.weight.reshape(5, -1).t()  # no bias: mm
+    xs = (x.tensor.permute(0, 2, 3, 1) if ohwi_memory else x.tensor).reshape(4, -1)
+    want = xs @ columns(ws.weight).t()  # no bias: mm
     assert torch.equal(y.tensor.reshape(4, 5), want)
 
 

@@ -98,7 +98,8 @@ def test_state_copies_weights_it_cannot_wrap_and_says_which() -> None:
     st = m.ConvolutionWeightsAndBiasesState(frozen, b)
     assert not st.weights.is_inference() and torch.equal(st.weights, frozen)
     st.weights.add_(1.0)  # its own memory: writable
-    # states mpsnn makes (zeros, exports) own fresh contiguous OIHW storage
+    # states mpsnn makes own fresh storage: zeros contiguous OIHW, exports in the kernel's
+    # masters' memory order (OHWI memory for the CPU's float32 convolutions, OIHW for float64)
     desc = m.ConvolutionDescriptor(3, 3, 2, 4)
     st = m.ConvolutionWeightsAndBiasesState.from_descriptor(CPU, desc)
     assert st._oihw.is_contiguous() and st.weights.shape == (4, 3, 3, 2)
@@ -108,8 +109,12 @@ def test_state_copies_weights_it_cannot_wrap_and_says_which() -> None:
     cb = CPU.new_command_queue().command_buffer()
     exported = conv.export_weights_and_biases(cb)
     run(cb)
-    assert exported._oihw.is_contiguous() and torch.equal(exported.weights, w)
+    assert exported.weights.is_contiguous() and torch.equal(exported.weights, w)  # OHWI memory
     assert exported.weights.data_ptr() not in (w.data_ptr(), conv.weights.data_ptr())
+    conv64 = m.Convolution(CPU, m.TensorConvolutionDataSource(desc, w.double()))
+    exported = conv64.export_weights_and_biases(cb := CPU.new_command_queue().command_buffer())
+    run(cb)
+    assert exported._oihw.is_contiguous() and torch.equal(exported.weights, w.double())
 
 
 def test_state_refuses_integer_weights() -> None:

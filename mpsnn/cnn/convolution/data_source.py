@@ -454,14 +454,20 @@ class ConvolutionWeightsAndBiasesState(State):
         dtype: torch.dtype,
         command_buffer: CommandBuffer | None,
         make: Any,
+        ohwi_memory: bool = False,
     ) -> ConvolutionWeightsAndBiasesState:
         """A state of the descriptor's shape in fresh contiguous OIHW storage made by ``make``:
         ``torch.zeros``, or ``torch.empty`` for a state whose first command writes all of it
         (`Convolution.export_weights_and_biases`: no fill of weights that the copy replaces,
         a pass over the layer's weights saved at every training step of a data source that
-        updates its own weights)."""
+        updates its own weights). ``ohwi_memory``: contiguous OHWI storage instead (an export
+        of masters kept in that order)."""
         dev = device.torch_device
         o, kh, kw, ig = descriptor.weights_shape
+        if ohwi_memory:
+            w = make((o, kh, kw, ig), device=dev, dtype=dtype)
+            b = make(o, device=dev, dtype=dtype) if with_biases else None
+            return cls(w, b, command_buffer=command_buffer)
         # contiguous OIHW storage, wrapped through its OHWI view: what the one-launch GPU
         # optimizer and the reloads read fastest
         w = make((o, ig, kh, kw), device=dev, dtype=dtype).permute(0, 2, 3, 1)

@@ -253,9 +253,7 @@ class FullyConnectedGradient(ConvolutionGradient):
 
     def _grads(self, record: ForwardRecord, need_bias: bool = True) -> Callable[..., Grads]:
         ws = record.params.weights
-        return lambda g, x, w, nd, nw: fc_backward(
-            g, x, w, nd, nw, ws.matrix(w), need_bias, ws.source_ohwi
-        )
+        return lambda g, x, w, nd, nw: fc_backward(g, x, w, nd, nw, ws.matrix(w), need_bias)
 
 
 @gradient_of(ConvolutionTranspose)

@@ -44,6 +44,7 @@ from mpsnn.core.geometry import (
 )
 from mpsnn.core.grouped import check_grouped_reads, pair_copier
 from mpsnn.core.image import Image
+from mpsnn.core.layout import channels_last_only
 from mpsnn.core.state import ForwardRecord, State
 from mpsnn.ops.convolution import (
     ConvGeometry,
@@ -187,7 +188,6 @@ class _ConvolutionBase(CNNKernel):
             )
         dev = self._device.torch_device
         self._weights.load_ohwi(w.to(dev), None if b is None else b.to(dev))
-        self._weights.note_source(w.permute(0, 3, 1, 2))
 
     def reload_weights_and_biases(
         self, command_buffer: CommandBuffer, state: ConvolutionWeightsAndBiasesState
@@ -223,7 +223,6 @@ class _ConvolutionBase(CNNKernel):
         if ws.bias is None and state._biases is not None:
             w = ws.weight
             ws.bias = torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
-        ws.note_source(state._oihw)  # (both reload forms: the state is what the update wrote)
         return ws, state._oihw, state._biases
 
     def export_weights_and_biases(
@@ -240,6 +239,10 @@ class _ConvolutionBase(CNNKernel):
             ws.weight.dtype,
             command_buffer if result_state_can_be_temporary else None,
             torch.empty,
+            # in the masters' memory order (OHWI memory: the CPU's float32 convolutions, and a
+            # fully connected layer whose data source keeps it), so that the copy and an
+            # update reading it need no reordering
+            ohwi_memory=channels_last_only(ws.weight),
         )
         sw, sb = state._oihw, state._biases
 
@@ -386,7 +389,9 @@ class FullyConnected(_ConvolutionBase):
 
     def __init__(self, device: Device, weights: ConvolutionDataSource) -> None:
         super().__init__(device, weights)
-        # its matrix view (`ConvWeights.matrix`) needs OIHW-contiguous low-precision casts
+        # it computes in its masters' memory order through a matrix view (`ConvWeights.matrix`):
+        # its low-precision casts keep the masters' layout, the masters OIHW-contiguous unless
+        # the data source keeps OHWI memory (`ConvWeights.channels_last_casts`)
         self._weights.channels_last_casts = False
         d = self._descriptor
         if (

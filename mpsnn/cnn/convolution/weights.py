@@ -35,12 +35,10 @@ class ConvWeights:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight
         self._bias = bias
-        # whether the kernel's data source (or the state it reloads from) keeps its weights in
-        # OHWI memory (MPS's own order: a contiguous OHWI tensor, or a state wrapping one): the
-        # optimizer then writes that memory, and a fully connected layer's weight gradient is
-        # made in the same order (`mpsnn.ops.convolution.fc_backward`), read without a copy.
-        # Set where the kernel is made, reloads from its data source or from a state
-        # (`note_source`); values copied in from elsewhere (a file) leave it as it is
+        # whether the data source the kernel was made from keeps its weights in OHWI memory
+        # (MPS's own order: a contiguous OHWI tensor): a fully connected layer then keeps
+        # channels-last (OHWI-memory) masters where they are made so (float32 on the CPU) and
+        # computes in that order (`channels_last_casts`)
         self.source_ohwi = False
         # low-precision casts in the convolutions' layout (`_new_cast`); a fully connected
         # layer, which reads its weights as an (O, C kH kW) matrix, turns it off
@@ -68,13 +66,8 @@ class ConvWeights:
         # The biases take the weights' dtype: float64 verification runs are float64 throughout.
         b = biases.to(dev, w.dtype, copy=True) if biases is not None else None
         made = cls(w, b)
-        made.note_source(weights.permute(0, 3, 1, 2))
+        made.source_ohwi = channels_last_only(weights.permute(0, 3, 1, 2))
         return made
-
-    def note_source(self, oihw: torch.Tensor) -> None:
-        """Note the memory order of the weights the data source (or a state) holds, given as
-        their OIHW view: OHWI memory is a channels-last OIHW view (`source_ohwi`)."""
-        self.source_ohwi = channels_last_only(oihw)
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -97,9 +90,12 @@ class ConvWeights:
         if value != self._channels_last:
             self._channels_last = value
             self._casts.clear()  # made again, in the new layout, at their next use
-            if not value and not self.weight.is_contiguous():
-                # a fully connected layer's matrix is a view of OIHW-contiguous masters (set
-                # when the kernel is made, before anything reads the masters)
+            if not value and not self.weight.is_contiguous() and not self.source_ohwi:
+                # a fully connected layer computes in its masters' memory order (its matrix is
+                # a view of them, `mpsnn.ops.convolution.fc_matrix`): OIHW-contiguous, unless
+                # its data source keeps OHWI memory and the masters are made channels-last
+                # (float32 on the CPU), whose reloads, updates and gradients then need no
+                # reordering copy (set when the kernel is made, before anything reads them)
                 self.weight = self.weight.contiguous()
 
     def load_ohwi(self, weights: torch.Tensor, biases: torch.Tensor | None) -> None:
