@@ -63,14 +63,21 @@ def test_a_convolution_runs_on_channels_last_operands_and_keeps_them(cin: int) -
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_fully_connected_masters_stay_oihw_contiguous() -> None:
+def test_fully_connected_masters_take_the_data_sources_order() -> None:
+    """A convolution's float32 CPU masters are channels-last; a fully connected layer's take
+    its data source's order (its matrix is a view of them): OHWI memory for a contiguous OHWI
+    tensor, OIHW-contiguous for an OHWI view of OIHW storage (as mpsnn's models give)."""
     desc = m.ConvolutionDescriptor(3, 3, 4, 5)
-    ds = m.TensorConvolutionDataSource(desc, torch.randn(desc.weights_shape), torch.randn(5))
-    fc = m.FullyConnected(CPU, ds)
-    conv = m.Convolution(CPU, ds)
-    assert fc._weights.weight.is_contiguous()  # its matrix is a view of them
-    assert _cl(conv._weights.weight)
-    assert torch.equal(fc._weights.weight, conv._weights.weight)
+    ohwi = torch.randn(desc.weights_shape)
+    for weights, want_cl in ((ohwi, True), (ohwi.permute(0, 3, 1, 2).contiguous()
+                                            .permute(0, 2, 3, 1), False)):  # fmt: skip
+        ds = m.TensorConvolutionDataSource(desc, weights, torch.randn(5))
+        fc = m.FullyConnected(CPU, ds)
+        conv = m.Convolution(CPU, ds)
+        assert _cl(fc._weights.weight) is want_cl
+        assert fc._weights.weight.is_contiguous() is not want_cl
+        assert _cl(conv._weights.weight)
+        assert torch.equal(fc._weights.weight, conv._weights.weight)
 
 
 def test_the_weight_gradient_keeps_the_masters_layout_and_values() -> None:
