@@ -42,6 +42,7 @@ from mpsnn.core.layout import channels_last_only, channels_last_preferred
 from mpsnn.core.precision import float32_call, float32_conv_call
 from mpsnn.ops import triton as fast_paths
 from mpsnn.ops._dtypes import acc_dtype
+from mpsnn.ops._functorch import under_transform
 from mpsnn.ops.window import (
     ExtractPlan,
     apply_extract,
@@ -380,7 +381,9 @@ def fc_backward(
     dx = dw = None
     if need_data:
         w2 = fc_matrix(weight) if matrix is None else matrix
-        if hwc:  # a new channels-last tensor, its (h, w, c) memory written by the product
+        if hwc and under_transform():  # (out= has no batching rule): a view is fine there
+            dx = float32_call(torch.mm, g2, g2, w2).view(n, kh, kw, c).permute(0, 3, 1, 2)
+        elif hwc:  # a new channels-last tensor, its (h, w, c) memory written by the product
             dx = torch.empty((n, c, kh, kw), dtype=g2.dtype, device=g2.device,
                              memory_format=torch.channels_last)  # fmt: skip
             flat = dx.permute(0, 2, 3, 1).view(n, -1)

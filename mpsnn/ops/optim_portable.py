@@ -191,7 +191,7 @@ def _nhwc_views(grad: torch.Tensor, written: list[torch.Tensor]) -> list[torch.T
     written ones are all `channels_last_only` (an element-wise update may then read and write
     them in that order), else None. A gradient in another layout is copied channels-last first:
     it is only read, so one copy of it replaces a copy and a copy back of each written tensor
-    (a fully connected layer's NCHW-ordered gradient against OHWI weights and Adam state)."""
+    (a gradient made in OIHW order against a data source's OHWI weights and Adam state)."""
     if not all(channels_last_only(t) for t in written):
         return None
     # the gradient has their shape (checked by `apply_update`), one whose two layouts differ

@@ -155,3 +155,37 @@ def test_apples_program_trains_alike_in_either_order(monkeypatch) -> None:
         # gradient is near 0 may move by part of a step (the rate, 1e-3) differently
         assert (a - b).norm() <= 1e-5 * b.norm()
         assert (a - b).abs().max() <= 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_other_image_formats_read_oihw_casts(dtype: torch.dtype) -> None:
+    """The casts of OHWI-memory masters for float64, float16 and bfloat16 images are
+    OIHW-contiguous (such images are NCHW on the CPU): the layer computes in the (c, h, w)
+    order there, the bits of a layer with OIHW masters."""
+    fc_ohwi, fc_oihw = _fc(True), _fc(False)
+    assert torch.equal(fc_ohwi.weights, fc_oihw.weights)
+    cast, _ = fc_ohwi._weights.cast(dtype)
+    assert cast.is_contiguous()
+    x = torch.randn(3, 4, 3, 3, generator=torch.Generator().manual_seed(4)).to(dtype)
+    outs = []
+    for fc in (fc_ohwi, fc_oihw):
+        cb = m.Device("cpu").new_command_queue().command_buffer()
+        y = fc.encode_batch(cb, m.ImageBatch.from_tensor(x))
+        cb.commit()
+        cb.wait_until_completed()
+        outs.append(y.tensor)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_vmap_over_the_input_gradient_of_ohwi_weights() -> None:
+    """The input gradient for channels-last weights writes a fresh tensor through ``out=``
+    (no batching rule): under a ``torch.func`` transform it takes the product's view."""
+    from torch import func
+
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(5, 4, 3, 3, generator=gen).contiguous(memory_format=torch.channels_last)
+    x = torch.randn(2, 4, 3, 3, generator=gen)
+    g = torch.randn(3, 2, 5, 1, 1, generator=gen)  # mapped over its first dimension
+    got = func.vmap(lambda gi: fc_backward(gi, x, w, True, False)[0])(g)
+    want = torch.stack([fc_backward(gi, x, w, True, False)[0] for gi in g])
+    torch.testing.assert_close(got, want)

@@ -12,12 +12,14 @@ from typing import Any
 import torch
 
 import mpsnn as m
+from mpsnn.core.layout import channels_last_only
 from tests.distributed import _nets
 
 
 def float32_ohwi(out: Path, run: m.DistributedRun) -> None:
-    """The float32 graph (data sources in OHWI memory: the fully connected layer's weight
-    gradient in that order) after the steps, and whether that layer's kernel noted it."""
+    """The float32 graph (data sources in OHWI memory: the fully connected layer's masters and
+    weight gradient in that order) after the steps, and which kernels' masters lie in OHWI
+    memory."""
     graph, sources = _nets.build(False, "adam", dtype=torch.float32)
     graph.data_parallel = m.DataParallel(bucket_mib=0.0)
     _nets.train(graph, run.rank, run.world_size)
@@ -25,12 +27,9 @@ def float32_ohwi(out: Path, run: m.DistributedRun) -> None:
     kernels = [
         k for ks in graph._plan.kernels.values() for k in (ks if isinstance(ks, tuple) else (ks,))
     ]
-    noted = [
-        type(k).__name__
-        for k in kernels
-        if getattr(getattr(k, "_weights", None), "source_ohwi", False)
-    ]
-    (out / f"float32-noted-rank{run.rank}.txt").write_text(" ".join(sorted(set(noted))))
+    ohwi = {type(k).__name__ for k in kernels if hasattr(k, "_weights")
+            and channels_last_only(k._weights.weight)}  # fmt: skip
+    (out / f"float32-ohwi-masters-rank{run.rank}.txt").write_text(" ".join(sorted(ohwi)))
 
 
 def equivalence(out: Path, run: m.DistributedRun) -> None:

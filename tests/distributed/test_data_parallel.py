@@ -166,8 +166,8 @@ def test_local_batch_normalization_sums_the_shards_gradients(equivalence_run: Pa
 
 
 def test_two_float32_ranks_with_ohwi_weights_equal_one_process(tmp_path: Path) -> None:
-    """float32 data sources in OHWI memory: the fully connected layer's weight gradient is
-    made in that order on each rank (and the CPU's float32 convolutions' channels-last), and
+    """float32 data sources in OHWI memory: the fully connected layer's masters and weight
+    gradient take that order on each rank (as the CPU's float32 convolutions'), and
     the all-reduce sums them element for element: the ranks agree bit for bit and equal one
     process on the whole batch to float32 rounding."""
     ranks, _ = spawn("float32_ohwi", tmp_path, deadline=90)
@@ -179,8 +179,9 @@ def test_two_float32_ranks_with_ohwi_weights_equal_one_process(tmp_path: Path) -
     initial = _nets.values(_nets.build(False, "adam", dtype=torch.float32)[1])
     rank0 = torch.load(tmp_path / "float32-rank0.pt")
     rank1 = torch.load(tmp_path / "float32-rank1.pt")
-    for r in (0, 1):  # the fully connected layer's kernel noted the OHWI order
-        assert "FullyConnected" in (tmp_path / f"float32-noted-rank{r}.txt").read_text().split()
+    for r in (0, 1):  # the fully connected layer's masters (and the convolutions') in OHWI memory
+        masters = (tmp_path / f"float32-ohwi-masters-rank{r}.txt").read_text().split()
+        assert masters == ["Convolution", "FullyConnected"]
     assert len(rank0) == len(reference) == len(rank1)
     for i, (a, b, ref, start) in enumerate(zip(rank0, rank1, reference, initial, strict=True)):
         assert a.dtype == torch.float32

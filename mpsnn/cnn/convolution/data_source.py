@@ -383,8 +383,9 @@ class ConvolutionWeightsAndBiasesState(State):
       storage on the weights' device, in their dtype.
 
     A tensor that requires grad is wrapped through ``detach()`` (same memory; the state's
-    writes are not recorded by autograd). `from_descriptor`, `temporary` and
-    `Convolution.export_weights_and_biases` make states with fresh contiguous storage.
+    writes are not recorded by autograd). `from_descriptor` and `temporary` make states with
+    fresh contiguous OIHW storage, `Convolution.export_weights_and_biases` with fresh storage in
+    the kernel's masters' memory order (OHWI memory for the CPU's float32 convolutions).
 
     Args:
         weights: OHWI tensor ``(O, kH, kW, I / groups)``, floating point.
@@ -456,7 +457,8 @@ class ConvolutionWeightsAndBiasesState(State):
         make: Any,
         ohwi_memory: bool = False,
     ) -> ConvolutionWeightsAndBiasesState:
-        """A state of the descriptor's shape in fresh contiguous OIHW storage made by ``make``:
+        """A state of the descriptor's shape in fresh storage made by ``make`` (contiguous
+        OIHW; contiguous OHWI with ``ohwi_memory``):
         ``torch.zeros``, or ``torch.empty`` for a state whose first command writes all of it
         (`Convolution.export_weights_and_biases`: no fill of weights that the copy replaces,
         a pass over the layer's weights saved at every training step of a data source that

@@ -41,7 +41,7 @@ class ConvWeights:
         # computes in that order (`channels_last_casts`)
         self.source_ohwi = False
         # low-precision casts in the convolutions' layout (`_new_cast`); a fully connected
-        # layer, which reads its weights as an (O, C kH kW) matrix, turns it off
+        # layer, which reads its weights as an (O, K) matrix view, turns it off
         self._channels_last = True
         # dtype -> (weights, bias) in that dtype: written by the writers of the masters
         self._casts: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -168,7 +168,10 @@ class ConvWeights:
             # masters are channels-last: a float64 or half cast of them is not)
             cl = channels_last_preferred(dtype, w.device)
             return w.to(dtype, memory_format=torch.channels_last if cl else torch.contiguous_format)
-        return w.to(dtype)
+        # a fully connected layer's casts: OIHW-contiguous (the images of other dtypes are NCHW
+        # on the CPU, and float64 verification keeps the (c, h, w) order), whatever the order
+        # of masters kept in their data source's OHWI memory
+        return w.to(dtype, memory_format=torch.contiguous_format)
 
     def matrix(self, w: torch.Tensor) -> torch.Tensor:
         """`fc_matrix` of ``w`` (the masters, or a cast of them from `cast`), kept while ``w``
