@@ -39,8 +39,8 @@ def _expected(ws, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None
         # CPU's channels-last float32 masters
         cl = channels_last_preferred(dtype, w.device)
         want = w.to(dtype, memory_format=torch.channels_last if cl else torch.contiguous_format)
-    else:
-        want = w.to(dtype)
+    else:  # a fully connected layer's: OIHW-contiguous, whatever its masters' order
+        want = w.to(dtype, memory_format=torch.contiguous_format)
     return want, None if ws.bias is None else ws.bias.to(dtype)
 
 
