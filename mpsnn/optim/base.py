@@ -324,8 +324,15 @@ class Optimizer(Kernel):
         encode = self._count_encode()  # Adam: time_step advances now, at encode (as MPS)
         plans = self._plans
 
+        narrow = values[0].dtype if values and values[0].dtype is not torch.float64 else None
+
         def run() -> None:
             g = list(grads())
+            if narrow is not None:
+                # gradient sums wider than the values: a FLOAT64 graph over float32 data
+                # sources sums in float64; the update reads them in the values' precision (an
+                # explicit gradient tensor of another dtype is refused at encode instead)
+                g = [x.to(narrow) if x.dtype is torch.float64 else x for x in g]
             if encode is not None and not _capturing(hyper):
                 # the device copy takes this encode's count (the update adds one); captured
                 # work only adds one, so each replay advances it
