@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--storage", choices=("float16", "float32"), default="float32",
                    help="the graph's storage format (the sample uses float16)")  # fmt: skip
     p.add_argument("--pairs", type=int, default=5)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=40,
+                   help="steps a side per pair (fewer: each switch between the two sides' "
+                        "allocations weighs more)")  # fmt: skip
     args = p.parse_args(argv)
     mpsnn_step, torch_step, sync = _steps(args.device, args.storage)
     for fn in (mpsnn_step, torch_step):
