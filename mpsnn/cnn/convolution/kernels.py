@@ -389,9 +389,9 @@ class FullyConnected(_ConvolutionBase):
 
     def __init__(self, device: Device, weights: ConvolutionDataSource) -> None:
         super().__init__(device, weights)
-        # it computes in its masters' memory order through a matrix view (`ConvWeights.matrix`):
-        # its low-precision casts keep the masters' layout, the masters OIHW-contiguous unless
-        # the data source keeps OHWI memory (`ConvWeights.channels_last_casts`)
+        # it computes in its weights' memory order through a matrix view (`ConvWeights.matrix`):
+        # masters OIHW-contiguous unless the data source keeps OHWI memory, casts for other
+        # image formats OIHW-contiguous (`ConvWeights.channels_last_casts`, `_new_cast`)
         self._weights.channels_last_casts = False
         d = self._descriptor
         if (
