@@ -129,11 +129,12 @@ def _minus(x: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
     return torch.sub(x, col)
 
 
-def _reuse(xc: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+def _reuse(xc: torch.Tensor, inv: torch.Tensor, in_place: bool) -> torch.Tensor:
     """``xc``'s memory for ``z`` once ``xhat = xc inv`` is made (xc is not read again), or a
     copy where autograd saved ``xc`` for that product's gradient (reverse mode through the
-    gradient passes: a gradient penalty) and must find it unchanged."""
-    if torch.is_grad_enabled() and (xc.requires_grad or inv.requires_grad):
+    gradient passes: a gradient penalty) and must find it unchanged; ``xc`` itself where
+    ``z`` is not made in place (``in_place`` False: nothing writes it)."""
+    if in_place and torch.is_grad_enabled() and (xc.requires_grad or inv.requires_grad):
         return xc.clone()
     return xc
 
@@ -234,14 +235,11 @@ def bn_statistics_portable(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     shift = x[:1, :, :1, :1].to(ct)
     d = _minus(x, shift)
     dm = d.mean(dim=_DIMS, keepdim=True)
-    if under_transform():  # (module docstring of `mpsnn.ops._functorch`)
-        d = d - dm
-        m2 = d.square().sum(dim=_DIMS)
-    else:
-        d.sub_(dm)
-        # squared in place (the bits of d * d; mul_(d) would differentiate wrongly in forward
-        # mode)
-        m2 = d.square_().sum(dim=_DIMS)
+    own = not under_transform()  # temporaries updated in place (`mpsnn.ops._functorch`)
+    d = _sub(d, dm, own)
+    # squared in place outside a transform (the bits of d * d; mul_(d) would differentiate
+    # wrongly in forward mode)
+    m2 = (d.square_() if own else d.square()).sum(dim=_DIMS)
     return count, (shift + dm).view(c), m2
 
 
@@ -456,7 +454,7 @@ def bn_gradient_sums_portable(
     xhat = xc * _col(inv, ct)
     if p.neuron is not None:
         a = _col(p.gamma.to(ct) * inv, ct)
-        z = _add(_mul(_reuse(xc, inv) if own else xc, a, own), _col(p.beta, ct), own)
+        z = _add(_mul(_reuse(xc, inv, own), a, own), _col(p.beta, ct), own)
         gy = _neuron_gradient(p.neuron, g.to(ct), z)
     else:
         gy = g.to(ct)  # (``g`` itself when it is in ``ct``: never written)
@@ -497,7 +495,7 @@ def bn_backward_portable(
     xc = _minus(x, _col(p.mean, ct))
     xhat = xc * _col(inv, ct)
     if p.neuron is not None:
-        z = _add(_mul(_reuse(xc, inv) if own else xc, _col(a, ct), own), _col(p.beta, ct), own)
+        z = _add(_mul(_reuse(xc, inv, own), _col(a, ct), own), _col(p.beta, ct), own)
         gy = _neuron_gradient(p.neuron, g.to(ct), z)
     else:
         gy = g.to(ct)  # (``g`` itself when it is in ``ct``: never written)

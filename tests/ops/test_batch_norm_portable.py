@@ -158,11 +158,13 @@ def test_the_input_gradient_under_torch_func_never_writes_a_captured_gradient() 
     p = P(mean, var + 0.5, torch.ones(3, dtype=F64), torch.zeros(3, dtype=F64), 1e-3, None)
     s = S(mean * 0.3, var, torch.tensor([32.0], dtype=F64))
 
+    w = torch.randn(2, 3, 4, 4, generator=gen, dtype=F64)  # a random cotangent, not all ones
+
     def f(xx: torch.Tensor) -> torch.Tensor:
-        return bn.bn_backward_portable(g, xx, p, s).sum()
+        return (bn.bn_backward_portable(g, xx, p, s) * w).sum()
 
     got = torch.func.jacfwd(f)(x)
-    want = torch.func.jacfwd(lambda xx: _reference_backward(g, xx, p, s).sum())(x)
+    want = torch.func.jacfwd(lambda xx: (_reference_backward(g, xx, p, s) * w).sum())(x)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert torch.equal(g, kept)
 

@@ -468,11 +468,9 @@ class ConvolutionWeightsAndBiasesState(State):
         o, kh, kw, ig = descriptor.weights_shape
         if ohwi_memory:
             w = make((o, kh, kw, ig), device=dev, dtype=dtype)
-            b = make(o, device=dev, dtype=dtype) if with_biases else None
-            return cls(w, b, command_buffer=command_buffer)
-        # contiguous OIHW storage, wrapped through its OHWI view: what the one-launch GPU
-        # optimizer and the reloads read fastest
-        w = make((o, ig, kh, kw), device=dev, dtype=dtype).permute(0, 2, 3, 1)
+        else:  # contiguous OIHW storage, wrapped through its OHWI view: what the one-launch
+            # GPU optimizer and the reloads read fastest
+            w = make((o, ig, kh, kw), device=dev, dtype=dtype).permute(0, 2, 3, 1)
         b = make(o, device=dev, dtype=dtype) if with_biases else None
         return cls(w, b, command_buffer=command_buffer)
 
